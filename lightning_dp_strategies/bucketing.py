@@ -1,0 +1,357 @@
+"""Gradient buckets: reverse-order assignment, flat buffers, readiness hooks, and reduction overlapped with backward.
+
+How one synchronised backward pass goes (DDP's reducer, rebuilt on post-accumulate-grad hooks):
+
+1. ``arm()`` before backward. Parameters were assigned to buckets in reverse registration order (gradients of the last
+   layers are ready first), each bucket a flat buffer of one dtype and device, capped in size, the first one small.
+2. Each parameter's hook copies its ``.grad`` into its slot. When every slot of bucket ``i`` is filled and buckets
+   ``0..i-1`` are launched, bucket ``i`` is handed to the reducer on the communication thread while backward goes on.
+   Buckets launch strictly in index order, so every rank issues the same sequence of collectives.
+3. ``finish()`` after backward. Slots whose hook never fired (a parameter unused on this rank) are filled with the
+   local ``.grad`` if one exists, else zeros, and the remaining buckets launch. Then it waits for all of them and
+   writes the averaged gradients back into ``.grad``.
+
+Unused parameters need no flag: each bucket carries one presence flag per parameter (1 where this rank has a
+gradient), reduced with the gradients. A parameter no rank has a gradient for keeps ``.grad is None``, exactly as in
+single-device training; one that some rank used gets the average on every rank.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, fields
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.nn import Parameter
+
+from lightning_dp_strategies.comm import CommCounter, ring_all_reduce
+
+__all__ = [
+    "Bucket",
+    "CommStats",
+    "GradReducer",
+    "GradientBuckets",
+    "assign_buckets",
+    "ring_reducer",
+]
+
+MiB = 1024 * 1024
+
+GradReducer = Callable[[Tensor, "dist.ProcessGroup | None", CommCounter], None]
+"""The reduction contract: average a flat buffer in place over a process group, counting what was sent."""
+
+
+def ring_reducer(buffer: Tensor, group: dist.ProcessGroup | None, counter: CommCounter) -> None:
+    """The default :data:`GradReducer`: this package's ring all-reduce, averaging."""
+    ring_all_reduce(buffer, "avg", group=group, counter=counter)
+
+
+def assign_buckets(
+    params: Sequence[Tensor], bucket_cap_mb: float = 25.0, first_bucket_cap_mb: float = 1.0
+) -> list[list[int]]:
+    """Group parameter indices into buckets, in reverse registration order, one dtype and device per bucket.
+
+    A bucket is closed before it would exceed its cap (``first_bucket_cap_mb`` for the first bucket of each dtype and
+    device, ``bucket_cap_mb`` after); a single tensor larger than the cap gets a bucket of its own. Buckets are ordered
+    by the position of their first parameter in reverse order, the order their gradients become ready.
+
+    Example:
+        >>> sizes = [torch.empty(n) for n in (100, 300_000, 10, 300_000)]  # 4 bytes each element
+        >>> assign_buckets(sizes, bucket_cap_mb=2, first_bucket_cap_mb=1)
+        [[3], [2, 1, 0]]
+    """
+    if bucket_cap_mb <= 0 or first_bucket_cap_mb <= 0:
+        raise ValueError(
+            f"bucket_cap_mb and first_bucket_cap_mb must be > 0, got {bucket_cap_mb} and {first_bucket_cap_mb}."
+        )
+    open_buckets: dict[tuple[torch.dtype, torch.device], tuple[list[int], int, bool]] = {}
+    closed: list[list[int]] = []
+    for index in reversed(range(len(params))):
+        tensor = params[index]
+        key = (tensor.dtype, tensor.device)
+        nbytes = tensor.numel() * tensor.element_size()
+        members, size, is_first = open_buckets.get(key, ([], 0, True))
+        cap = (first_bucket_cap_mb if is_first else bucket_cap_mb) * MiB
+        if members and size + nbytes > cap:
+            closed.append(members)
+            members, size, is_first = [], 0, False
+        members.append(index)
+        open_buckets[key] = (members, size + nbytes, is_first)
+    closed.extend(members for members, _, _ in open_buckets.values() if members)
+    order = {index: position for position, index in enumerate(reversed(range(len(params))))}
+    return sorted(closed, key=lambda members: order[members[0]])
+
+
+@dataclass
+class CommStats:
+    """Counts of gradient communication; :class:`GradientBuckets` keeps running totals, strategies per-step deltas."""
+
+    bytes_sent: int = 0
+    """Bytes this rank sent for gradient reduction."""
+    messages: int = 0
+    """Point-to-point messages this rank sent."""
+    ring_operations: int = 0
+    """Bucket reductions (one all-reduce each)."""
+    comm_seconds: float = 0.0
+    """Seconds the communication thread spent reducing buckets (overlapped with backward or not)."""
+    exposed_seconds: float = 0.0
+    """Seconds the training loop waited for communication after backward had finished."""
+    synced_backwards: int = 0
+    """Backward passes whose gradients were reduced."""
+    skipped_backwards: int = 0
+    """Backward passes that did not communicate (gradient accumulation, ``no_sync``)."""
+
+    def __sub__(self, other: CommStats) -> CommStats:
+        return CommStats(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
+
+    def copy(self) -> CommStats:
+        """An independent snapshot."""
+        return CommStats(**{f.name: getattr(self, f.name) for f in fields(self)})
+
+    def as_dict(self, prefix: str = "") -> dict[str, float]:
+        """The fields as a flat ``{prefix + name: value}`` dictionary, e.g. for a logger."""
+        return {prefix + f.name: float(getattr(self, f.name)) for f in fields(self)}
+
+
+@dataclass
+class Bucket:
+    """One flat buffer: the gradients of ``params`` back to back, then one presence flag per parameter."""
+
+    index: int
+    params: list[Parameter]
+    names: list[str]
+    offsets: list[int]
+    buffer: Tensor
+    # runtime state of the current synchronised backward
+    ready: list[bool] = field(default_factory=list)
+    pending: int = 0
+    future: Future[None] | None = None
+    counter: CommCounter = field(default_factory=CommCounter)
+
+    @property
+    def numel(self) -> int:
+        """Gradient elements in the bucket (the flags excluded)."""
+        return self.buffer.numel() - len(self.params)
+
+    @property
+    def flags(self) -> Tensor:
+        """The presence flags: after reduction, > 0 where at least one rank had a gradient."""
+        return self.buffer[self.numel :]
+
+    def grad_view(self, slot: int) -> Tensor:
+        """The buffer slice of parameter ``slot``, shaped like the parameter."""
+        param = self.params[slot]
+        start = self.offsets[slot]
+        return self.buffer[start : start + param.numel()].view(param.shape)
+
+    def reset(self) -> None:
+        """Forget the readiness of the last backward."""
+        self.ready = [False] * len(self.params)
+        self.pending = len(self.params)
+        self.future = None
+        self.counter = CommCounter()
+
+
+class GradientBuckets:
+    """Averages the gradients of ``named_params`` over ``group`` during every armed backward pass.
+
+    Args:
+        named_params: ``(name, parameter)`` pairs in registration order (``module.named_parameters()``). Parameters
+            that do not require grad are left out, and the buckets are rebuilt when that set changes (unfreezing).
+        group: the process group to average over (``None``: the world).
+        reducer: the reduction, run on a dedicated communication thread (default: the ring all-reduce).
+        bucket_cap_mb: cap of every bucket but the first, in MiB.
+        first_bucket_cap_mb: cap of the first bucket, small so communication starts early in backward.
+    """
+
+    def __init__(
+        self,
+        named_params: Iterable[tuple[str, Parameter]],
+        group: dist.ProcessGroup | None = None,
+        reducer: GradReducer = ring_reducer,
+        bucket_cap_mb: float = 25.0,
+        first_bucket_cap_mb: float = 1.0,
+    ) -> None:
+        # configuration
+        self.named_params = list(named_params)
+        self.group = group
+        self.reducer = reducer
+        self.bucket_cap_mb = bucket_cap_mb
+        self.first_bucket_cap_mb = first_bucket_cap_mb
+        # runtime state
+        self.buckets: list[Bucket] = []
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._built_for: tuple[bool, ...] = ()
+        self._armed = False
+        self._next_launch = 0
+        self._executor: ThreadPoolExecutor | None = None
+        self.sync_blocked = False
+        """Set while the owner deliberately skips communication (accumulation, ``no_sync``)."""
+        self._warned_unarmed = False
+        # statistics
+        self.totals = CommStats()
+        self._build()
+
+    # ------------------------------------------------------------------ layout
+    def _trainable_signature(self) -> tuple[bool, ...]:
+        return tuple(p.requires_grad for _, p in self.named_params)
+
+    def _build(self) -> None:
+        self._remove_hooks()
+        trainable = [(n, p) for n, p in self.named_params if p.requires_grad]
+        if not trainable:
+            raise ValueError(
+                "The model has no parameter that requires grad, so there is no gradient to average. "
+                "Unfreeze at least one parameter (`param.requires_grad_(True)`) before training."
+            )
+        assignment = assign_buckets([p for _, p in trainable], self.bucket_cap_mb, self.first_bucket_cap_mb)
+        self.buckets = []
+        for index, members in enumerate(assignment):
+            params = [trainable[i][1] for i in members]
+            offsets = [0, *(p.numel() for p in params)]
+            offsets = [sum(offsets[: k + 1]) for k in range(len(params))]
+            numel = sum(p.numel() for p in params)
+            buffer = torch.zeros(numel + len(params), dtype=params[0].dtype, device=params[0].device)
+            bucket = Bucket(index, params, [trainable[i][0] for i in members], offsets, buffer)
+            bucket.reset()
+            self.buckets.append(bucket)
+            for slot, param in enumerate(params):
+                hook = functools.partial(self._on_grad_ready, index, slot)
+                self._hooks.append(param.register_post_accumulate_grad_hook(hook))
+        self._built_for = self._trainable_signature()
+
+    def layout(self) -> list[list[tuple[str, tuple[int, ...], str]]]:
+        """Per bucket, the ``(name, shape, dtype)`` of its parameters: identical on every rank of a healthy job."""
+        return [
+            [(n, tuple(p.shape), str(p.dtype)) for n, p in zip(b.names, b.params, strict=True)] for b in self.buckets
+        ]
+
+    @property
+    def gradient_bytes(self) -> int:
+        """Bytes of trainable gradients (the presence flags excluded)."""
+        return sum(b.numel * b.buffer.element_size() for b in self.buckets)
+
+    # ------------------------------------------------------------------ one backward
+    def arm(self) -> None:
+        """Reduce the gradients of the next backward pass (call right before it)."""
+        if self._trainable_signature() != self._built_for:
+            self._build()
+        if self._executor is None:
+            device = self.buckets[0].buffer.device
+            init = functools.partial(torch.cuda.set_device, device) if device.type == "cuda" else None
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="ldps-grad-comm", initializer=init)
+        for bucket in self.buckets:
+            bucket.reset()
+        self._next_launch = 0
+        self._armed = True
+
+    def skip(self) -> None:
+        """Count a backward pass that accumulates locally without communicating."""
+        self.totals.skipped_backwards += 1
+
+    @property
+    def armed(self) -> bool:
+        """Whether a synchronised backward is in progress."""
+        return self._armed
+
+    def _on_grad_ready(self, bucket_index: int, slot: int, param: Tensor) -> None:
+        if not self._armed:
+            if not self.sync_blocked and not self._warned_unarmed:
+                self._warned_unarmed = True
+                warnings.warn(
+                    f"Parameter {self.buckets[bucket_index].names[slot]!r} got a gradient from a backward pass that "
+                    "was not synchronised, so it is not averaged across ranks. Call backward through the strategy "
+                    "(`self.manual_backward(loss)` in manual optimization), or wrap deliberate local backward passes "
+                    "in `strategy.no_backward_sync()`.",
+                    stacklevel=2,
+                )
+            return
+        bucket = self.buckets[bucket_index]
+        if bucket.ready[slot]:
+            raise RuntimeError(
+                f"Parameter {bucket.names[slot]!r} received its gradient twice in one synchronised backward pass. "
+                "Call backward once per step (sum the losses first), or run the extra backward inside "
+                "`strategy.no_backward_sync()`."
+            )
+        self._fill(bucket, slot, param.grad)
+        bucket.ready[slot] = True
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            self._launch_in_order()
+
+    @staticmethod
+    def _fill(bucket: Bucket, slot: int, grad: Tensor | None) -> None:
+        view = bucket.grad_view(slot)
+        if grad is None:
+            view.zero_()
+            bucket.flags[slot] = 0
+            return
+        if grad.is_sparse:
+            raise RuntimeError(
+                f"Parameter {bucket.names[slot]!r} has a sparse gradient, which bucketed all-reduce cannot average. "
+                "Use dense gradients (for example `nn.Embedding(..., sparse=False)`)."
+            )
+        view.copy_(grad)
+        bucket.flags[slot] = 1
+
+    def _launch_in_order(self) -> None:
+        while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].pending == 0:
+            bucket = self.buckets[self._next_launch]
+            assert self._executor is not None
+            bucket.future = self._executor.submit(self.reducer, bucket.buffer, self.group, bucket.counter)
+            self._next_launch += 1
+
+    def finish(self) -> None:
+        """Launch what is left, wait for every bucket, and write the averaged gradients into ``.grad``."""
+        if not self._armed:
+            return
+        self._armed = False
+        for bucket in self.buckets[self._next_launch :]:
+            for slot, param in enumerate(bucket.params):
+                if not bucket.ready[slot]:
+                    self._fill(bucket, slot, param.grad)
+                    bucket.ready[slot] = True
+            bucket.pending = 0
+        self._launch_in_order()
+        waited = time.perf_counter()
+        for bucket in self.buckets:
+            assert bucket.future is not None
+            bucket.future.result()
+        self.totals.exposed_seconds += time.perf_counter() - waited
+        for bucket in self.buckets:
+            flags = bucket.flags.tolist()
+            for slot, param in enumerate(bucket.params):
+                if flags[slot] > 0:
+                    if param.grad is None:
+                        param.grad = bucket.grad_view(slot).clone()
+                    else:
+                        param.grad.copy_(bucket.grad_view(slot))
+            self.totals.bytes_sent += bucket.counter.bytes_sent
+            self.totals.messages += bucket.counter.messages
+            self.totals.ring_operations += bucket.counter.operations
+            self.totals.comm_seconds += bucket.counter.seconds
+        self.totals.synced_backwards += 1
+
+    def abort(self) -> None:
+        """Drop an armed backward that did not complete (an exception mid-step) without communicating further."""
+        self._armed = False
+
+    # ------------------------------------------------------------------ teardown
+    def _remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    def close(self) -> None:
+        """Remove the hooks and stop the communication thread."""
+        self._remove_hooks()
+        self._armed = False
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None

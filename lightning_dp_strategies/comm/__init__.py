@@ -1,0 +1,21 @@
+"""Collectives on ``torch.distributed`` point-to-point operations; knows nothing of Lightning."""
+
+from lightning_dp_strategies.comm.ring import (
+    CommCounter,
+    ReduceOpLike,
+    is_average,
+    reference_all_reduce,
+    ring_all_gather,
+    ring_all_reduce,
+    ring_reduce_scatter,
+)
+
+__all__ = [
+    "CommCounter",
+    "ReduceOpLike",
+    "is_average",
+    "reference_all_reduce",
+    "ring_all_gather",
+    "ring_all_reduce",
+    "ring_reduce_scatter",
+]

@@ -1,0 +1,196 @@
+"""Ring reduce-scatter, all-gather and all-reduce built on ``torch.distributed`` point-to-point operations.
+
+The tensor is cut into N chunks (sizes differ by at most one element, so no padding is needed). With ranks on a ring,
+rank r sends to r+1 and receives from r-1:
+
+    reduce-scatter, step s = 0..N-2: send chunk (r - s) % N, receive chunk (r - s - 1) % N and add it in.
+        After N-1 steps rank r holds the fully reduced chunk (r + 1) % N.
+    all-gather,     step s = 0..N-2: send chunk (r + 1 - s) % N, receive chunk (r - s) % N in place.
+
+    N = 3, chunks a b c; "a0" is rank 0's contribution to chunk a, "a*" the reduced chunk.
+
+              rank 0          rank 1          rank 2
+    start     a0 b0 c0        a1 b1 c1        a2 b2 c2
+    RS s=0    0->1: a0        1->2: b1        2->0: c2
+    RS s=1    0->1: c0+c2     1->2: a0+a1     2->0: b1+b2      now 0 owns b*, 1 owns c*, 2 owns a*
+    AG s=0    0->1: b*        1->2: c*        2->0: a*
+    AG s=1    0->1: a*        1->2: b*        2->0: c*         everyone holds a* b* c*
+
+Each rank sends 2(N-1) chunks, i.e. 2(N-1)/N of the tensor's bytes give or take a chunk's rounding (under N
+elements), whatever N is: the bandwidth-optimal cost. :func:`reference_all_reduce` (the backend's own all-reduce) is
+the test oracle.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = [
+    "CommCounter",
+    "ReduceOpLike",
+    "reference_all_reduce",
+    "ring_all_gather",
+    "ring_all_reduce",
+    "ring_reduce_scatter",
+]
+
+ReduceOpLike = dist.ReduceOp.RedOpType | str
+_AVERAGE_NAMES = {"avg", "mean", "average"}
+_SUM_NAMES = {"sum"}
+
+
+@dataclass
+class CommCounter:
+    """What this rank sent: bytes, point-to-point messages, collective operations and seconds spent in them."""
+
+    bytes_sent: int = 0
+    messages: int = 0
+    operations: int = 0
+    seconds: float = 0.0
+
+    def reset(self) -> None:
+        """Zero every field."""
+        self.bytes_sent = self.messages = self.operations = 0
+        self.seconds = 0.0
+
+    def add(self, other: CommCounter) -> None:
+        """Add ``other``'s counts to this counter."""
+        self.bytes_sent += other.bytes_sent
+        self.messages += other.messages
+        self.operations += other.operations
+        self.seconds += other.seconds
+
+
+def is_average(op: ReduceOpLike) -> bool:
+    """``True`` for an average, ``False`` for a sum; a clear error for anything else.
+
+    Example:
+        >>> is_average("mean"), is_average(dist.ReduceOp.SUM)
+        (True, False)
+    """
+    if isinstance(op, str):
+        name = op.lower()
+        if name in _AVERAGE_NAMES:
+            return True
+        if name in _SUM_NAMES:
+            return False
+    elif op == dist.ReduceOp.AVG:
+        return True
+    elif op == dist.ReduceOp.SUM:
+        return False
+    raise ValueError(f"Unsupported reduction {op!r}: use 'sum' or 'avg' (or dist.ReduceOp.SUM / dist.ReduceOp.AVG).")
+
+
+def _ring_neighbours(group: dist.ProcessGroup | None) -> tuple[int, int, int, int]:
+    """(this rank's index in the group, group size, global rank of the next, global rank of the previous)."""
+    size = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    nxt, prv = (rank + 1) % size, (rank - 1) % size
+    if group is not None and group is not dist.GroupMember.WORLD:
+        nxt, prv = dist.get_global_rank(group, nxt), dist.get_global_rank(group, prv)
+    return rank, size, nxt, prv
+
+
+def _exchange(
+    send: Tensor, recv: Tensor, nxt: int, prv: int, group: dist.ProcessGroup | None, counter: CommCounter | None
+) -> None:
+    """Send ``send`` to the next rank while receiving ``recv`` from the previous one; empty chunks are skipped."""
+    ops = []
+    if send.numel():
+        ops.append(dist.P2POp(dist.isend, send, nxt, group))
+    if recv.numel():
+        ops.append(dist.P2POp(dist.irecv, recv, prv, group))
+    if not ops:
+        return
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    if counter is not None and send.numel():
+        counter.bytes_sent += send.numel() * send.element_size()
+        counter.messages += 1
+
+
+def ring_reduce_scatter(
+    chunks: list[Tensor], group: dist.ProcessGroup | None = None, counter: CommCounter | None = None
+) -> int:
+    """Sum ``chunks`` (one contiguous tensor per rank, same sizes on every rank) around the ring, in place.
+
+    Returns the index of the chunk this rank now holds fully summed: ``(rank + 1) % world_size``.
+    """
+    rank, size, nxt, prv = _ring_neighbours(group)
+    if len(chunks) != size:
+        raise ValueError(f"ring_reduce_scatter needs one chunk per rank: got {len(chunks)} for {size} ranks.")
+    scratch = torch.empty(max(c.numel() for c in chunks), dtype=chunks[0].dtype, device=chunks[0].device)
+    for step in range(size - 1):
+        send, recv = chunks[(rank - step) % size], chunks[(rank - step - 1) % size]
+        incoming = scratch[: recv.numel()]
+        _exchange(send, incoming, nxt, prv, group, counter)
+        recv.add_(incoming)
+    return (rank + 1) % size
+
+
+def ring_all_gather(
+    chunks: list[Tensor], group: dist.ProcessGroup | None = None, counter: CommCounter | None = None
+) -> None:
+    """Circulate each rank's owned chunk (index ``(rank + 1) % world_size``) so every rank holds all of them."""
+    rank, size, nxt, prv = _ring_neighbours(group)
+    if len(chunks) != size:
+        raise ValueError(f"ring_all_gather needs one chunk per rank: got {len(chunks)} for {size} ranks.")
+    for step in range(size - 1):
+        _exchange(chunks[(rank + 1 - step) % size], chunks[(rank - step) % size], nxt, prv, group, counter)
+
+
+def ring_all_reduce(
+    tensor: Tensor,
+    op: ReduceOpLike = "avg",
+    group: dist.ProcessGroup | None = None,
+    counter: CommCounter | None = None,
+) -> Tensor:
+    """Reduce ``tensor`` across the ranks of ``group`` in place: ring reduce-scatter, then ring all-gather.
+
+    Args:
+        tensor: any shape, length and device; floating dtypes for ``"avg"``. Every rank passes the same shape/dtype.
+        op: ``"sum"`` or ``"avg"`` (also ``dist.ReduceOp.SUM`` / ``dist.ReduceOp.AVG``). The average divides the
+            summed chunk once, after the reduce-scatter.
+        group: the process group (a sub-group works: peers are addressed by global rank); ``None`` is the world.
+        counter: optional :class:`CommCounter` that receives the bytes and messages this rank sent.
+
+    Returns:
+        ``tensor``, now holding the reduction.
+
+    Example:
+        >>> # on every rank of an initialised process group
+        >>> grad = torch.full((10,), float(dist.get_rank()))  # doctest: +SKIP
+        >>> ring_all_reduce(grad, op="avg")                     # doctest: +SKIP
+    """
+    average = is_average(op)
+    if average and not (tensor.is_floating_point() or tensor.is_complex()):
+        raise TypeError(f"ring_all_reduce(op='avg') needs a floating tensor, got {tensor.dtype}; use op='sum'.")
+    size = dist.get_world_size(group)
+    start = time.perf_counter()
+    if size > 1 and tensor.numel() > 0:
+        flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
+        chunks = list(flat.tensor_split(size))
+        owned = ring_reduce_scatter(chunks, group, counter)
+        if average:
+            chunks[owned].div_(size)
+        ring_all_gather(chunks, group, counter)
+        if flat.data_ptr() != tensor.data_ptr():
+            tensor.copy_(flat.view_as(tensor))
+    if counter is not None:
+        counter.operations += 1
+        counter.seconds += time.perf_counter() - start
+    return tensor
+
+
+def reference_all_reduce(tensor: Tensor, op: ReduceOpLike = "avg", group: dist.ProcessGroup | None = None) -> Tensor:
+    """The naive oracle: the backend's own ``all_reduce`` (sum), divided by the group size for an average."""
+    average = is_average(op)
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    if average:
+        tensor.div_(dist.get_world_size(group))
+    return tensor

@@ -1,0 +1,13 @@
+"""Lightning ``Strategy`` subclasses; the only package modules (with the comparison command) that import Lightning."""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_dp_strategies.strategies.ring_allreduce import RingAllReduceStrategy
+
+__all__ = ["RingAllReduceStrategy", "register_all"]
+
+
+def register_all() -> None:
+    """Register every strategy name of this package with Lightning's ``StrategyRegistry`` (safe to call twice)."""
+    for strategy in (RingAllReduceStrategy,):
+        strategy.register_strategies(StrategyRegistry)

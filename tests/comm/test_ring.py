@@ -1,0 +1,81 @@
+"""Ring collectives against the backend's own all-reduce (the oracle), at world sizes 1-4 and odd lengths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_dp_strategies.comm import CommCounter, is_average, reference_all_reduce, ring_all_reduce
+from tests.helpers.distributed import run_distributed
+
+# Lengths: shorter than the world, not divisible by 2, 3 or 4, and a multi-chunk one; empty is a no-op.
+LENGTHS = (0, 1, 3, 7, 1001)
+# fp32/fp64 agree with the oracle to rounding; fp16/bf16 sums round per hop, so compare in their own precision.
+TOLERANCE = {torch.float32: 1e-6, torch.float64: 1e-12, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+
+
+def _check_against_oracle(rank: int, world_size: int) -> None:
+    for dtype, tol in TOLERANCE.items():
+        for length in LENGTHS:
+            for op in ("sum", "avg"):
+                gen = torch.Generator().manual_seed(1000 * rank + length)
+                data = torch.randn(length, generator=gen).to(dtype)
+                expected = reference_all_reduce(data.clone().double(), op)
+                counter = CommCounter()
+                out = ring_all_reduce(data, op, counter=counter)
+                assert out is data, "ring_all_reduce must work in place"
+                torch.testing.assert_close(data.double(), expected, rtol=tol, atol=tol, msg=f"{dtype} {length} {op}")
+                # bytes: 2(N-1) chunks of ceil/floor(L/N) elements, i.e. 2(N-1)/N of the bytes within N elements
+                ideal = 2 * (world_size - 1) / world_size * length * data.element_size()
+                assert abs(counter.bytes_sent - ideal) < world_size * data.element_size(), (counter, ideal)
+                assert counter.operations == 1
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.timeout(180)
+def test_ring_all_reduce_matches_oracle(world_size: int) -> None:
+    run_distributed(_check_against_oracle, world_size)
+
+
+def _check_exact_bytes(rank: int, world_size: int) -> None:
+    # length divisible by N: every chunk is L/N, so the count is exactly 2(N-1)/N of the bytes.
+    data = torch.ones(world_size * 250, dtype=torch.float32)
+    counter = CommCounter()
+    ring_all_reduce(data, "sum", counter=counter)
+    assert counter.bytes_sent == 2 * (world_size - 1) * 250 * 4
+    assert counter.messages == 2 * (world_size - 1)
+    assert torch.equal(data, torch.full_like(data, world_size))
+
+
+@pytest.mark.timeout(120)
+def test_ring_sends_exactly_2_n_minus_1_over_n_of_the_bytes() -> None:
+    run_distributed(_check_exact_bytes, 3)
+
+
+def _check_subgroups(rank: int, world_size: int) -> None:
+    # two disjoint groups {0, 2} and {1, 3}: each averages only over its own members
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    mine = groups[rank % 2]
+    data = torch.arange(5, dtype=torch.float64) + 10 * rank
+    ring_all_reduce(data, "avg", group=mine)
+    members = (0, 2) if rank % 2 == 0 else (1, 3)
+    expected = torch.arange(5, dtype=torch.float64) + 10 * sum(members) / 2
+    torch.testing.assert_close(data, expected, rtol=0, atol=1e-12)
+    # a non-contiguous tensor is reduced in place too
+    matrix = torch.full((4, 3), float(rank)).t()
+    ring_all_reduce(matrix, "sum", group=mine)
+    assert torch.equal(matrix, torch.full((3, 4), float(sum(members))))
+
+
+@pytest.mark.timeout(120)
+def test_ring_over_subgroups_and_non_contiguous() -> None:
+    run_distributed(_check_subgroups, 4)
+
+
+def test_reduce_op_validation() -> None:
+    assert is_average("avg") and is_average(dist.ReduceOp.AVG) and not is_average("sum")
+    with pytest.raises(ValueError, match="use 'sum' or 'avg'"):
+        is_average("max")
+    with pytest.raises(ValueError, match="use 'sum' or 'avg'"):
+        is_average(dist.ReduceOp.MAX)
