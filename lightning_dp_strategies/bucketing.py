@@ -9,7 +9,8 @@ How one synchronised backward pass goes (DDP's reducer, rebuilt on post-accumula
    Buckets launch strictly in index order, so every rank issues the same sequence of collectives.
 3. ``finish()`` after backward. Slots whose hook never fired (a parameter unused on this rank) are filled with the
    local ``.grad`` if one exists, else zeros, and the remaining buckets launch. Then it waits for all of them and
-   writes the averaged gradients back into ``.grad``.
+   points each ``.grad`` at its averaged slice of the bucket (torch DDP's ``gradient_as_bucket_view``: no copy back;
+   a gradient that still is that view next step, e.g. after ``zero_grad(set_to_none=False)``, is not copied in).
 
 Unused parameters need no flag: each bucket carries one presence flag per parameter (1 where this rank has a
 gradient), reduced with the gradients. A parameter no rank has a gradient for keeps ``.grad is None``, exactly as in
@@ -98,6 +99,8 @@ class CommStats:
     """Point-to-point messages this rank sent."""
     ring_operations: int = 0
     """Bucket reductions (one all-reduce each)."""
+    overlapped_buckets: int = 0
+    """Buckets whose reduction started while backward was still running."""
     comm_seconds: float = 0.0
     """Seconds the communication thread spent reducing buckets (overlapped with backward or not)."""
     exposed_seconds: float = 0.0
@@ -297,7 +300,8 @@ class GradientBuckets:
                 f"Parameter {bucket.names[slot]!r} has a sparse gradient, which bucketed all-reduce cannot average. "
                 "Use dense gradients (for example `nn.Embedding(..., sparse=False)`)."
             )
-        view.copy_(grad)
+        if grad.data_ptr() != view.data_ptr():  # already in place when .grad is the bucket view from last step
+            view.copy_(grad)
         bucket.flags[slot] = 1
 
     def _launch_in_order(self) -> None:
@@ -312,6 +316,7 @@ class GradientBuckets:
         if not self._armed:
             return
         self._armed = False
+        self.totals.overlapped_buckets += self._next_launch
         for bucket in self.buckets[self._next_launch :]:
             for slot, param in enumerate(bucket.params):
                 if not bucket.ready[slot]:
@@ -328,10 +333,9 @@ class GradientBuckets:
             flags = bucket.flags.tolist()
             for slot, param in enumerate(bucket.params):
                 if flags[slot] > 0:
-                    if param.grad is None:
-                        param.grad = bucket.grad_view(slot).clone()
-                    else:
-                        param.grad.copy_(bucket.grad_view(slot))
+                    # .grad becomes a view of the bucket (no copy back): valid until the next synchronised backward
+                    # refills the bucket, exactly when a new gradient replaces it anyway
+                    param.grad = bucket.grad_view(slot)
             self.totals.bytes_sent += bucket.counter.bytes_sent
             self.totals.messages += bucket.counter.messages
             self.totals.ring_operations += bucket.counter.operations

@@ -114,6 +114,55 @@ def _exchange(
         counter.messages += 1
 
 
+PIPELINE_PIECE_BYTES = 512 * 1024
+"""Reduce-scatter steps move their chunk in pieces of about this size, so adding piece k overlaps receiving k+1."""
+MAX_PIECES = 8
+
+
+def _pieces(chunk: Tensor) -> int:
+    return max(1, min(MAX_PIECES, chunk.numel() * chunk.element_size() // PIPELINE_PIECE_BYTES))
+
+
+def _exchange_and_add(
+    send: Tensor,
+    target: Tensor,
+    scratch: Tensor,
+    nxt: int,
+    prv: int,
+    group: dist.ProcessGroup | None,
+    counter: CommCounter | None,
+) -> None:
+    """Send ``send`` to the next rank; receive the previous rank's matching chunk and add it into ``target``.
+
+    Both chunks move in the same number of pieces (the count depends only on sizes every rank knows), all posted in
+    one ``batch_isend_irecv`` (NCCL needs the group call to avoid a send/send deadlock). Where the backend returns one
+    handle per operation (gloo), each received piece is added while later pieces are still in flight.
+    """
+    pieces = max(_pieces(send), _pieces(target))
+    sends = [p for p in send.tensor_split(pieces) if p.numel()]
+    incoming = scratch[: target.numel()]
+    recv_pairs = [(r, t) for r, t in zip(incoming.tensor_split(pieces), target.tensor_split(pieces), strict=True)]
+    recv_pairs = [(r, t) for r, t in recv_pairs if r.numel()]
+    ops = [dist.P2POp(dist.isend, p, nxt, group, tag=i) for i, p in enumerate(sends)]
+    ops += [dist.P2POp(dist.irecv, r, prv, group, tag=i) for i, (r, _) in enumerate(recv_pairs)]
+    if not ops:
+        return
+    works = dist.batch_isend_irecv(ops)
+    if len(works) == len(ops):
+        for work, (received, into) in zip(works[len(sends) :], recv_pairs, strict=True):
+            work.wait()
+            into.add_(received)
+        for work in works[: len(sends)]:
+            work.wait()
+    else:  # a coalesced handle (NCCL): everything completes together
+        for work in works:
+            work.wait()
+        target.add_(incoming)
+    if counter is not None and sends:
+        counter.bytes_sent += send.numel() * send.element_size()
+        counter.messages += len(sends)
+
+
 def ring_reduce_scatter(
     chunks: list[Tensor], group: dist.ProcessGroup | None = None, counter: CommCounter | None = None
 ) -> int:
@@ -126,10 +175,8 @@ def ring_reduce_scatter(
         raise ValueError(f"ring_reduce_scatter needs one chunk per rank: got {len(chunks)} for {size} ranks.")
     scratch = torch.empty(max(c.numel() for c in chunks), dtype=chunks[0].dtype, device=chunks[0].device)
     for step in range(size - 1):
-        send, recv = chunks[(rank - step) % size], chunks[(rank - step - 1) % size]
-        incoming = scratch[: recv.numel()]
-        _exchange(send, incoming, nxt, prv, group, counter)
-        recv.add_(incoming)
+        send, target = chunks[(rank - step) % size], chunks[(rank - step - 1) % size]
+        _exchange_and_add(send, target, scratch, nxt, prv, group, counter)
     return (rank + 1) % size
 
 

@@ -11,6 +11,8 @@ import lightning.pytorch as pl
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.fabric.utilities.imports import _IS_INTERACTIVE
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
@@ -136,6 +138,7 @@ class RingAllReduceStrategy(DDPStrategy):
         self._grad_group: dist.ProcessGroup | None = None
         self._sync_blocked = False
         self._step_start = CommStats()
+        self._closed_totals = CommStats()
         # statistics
         self.step_stats = CommStats()
         """Communication of the last optimizer step (all backward passes since the previous step)."""
@@ -147,6 +150,16 @@ class RingAllReduceStrategy(DDPStrategy):
             backend = self._get_process_group_backend()
             self._timeout = CPU_DEFAULT_TIMEOUT if backend == "gloo" else ACCELERATOR_DEFAULT_TIMEOUT
         super().setup_distributed()
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if _IS_INTERACTIVE and self._launcher is not None and not self._launcher.is_interactive_compatible:
+            raise MisconfigurationException(
+                f"{type(self).__name__}(start_method={self._start_method!r}) cannot launch processes inside Jupyter "
+                "or an interactive shell. Use `Trainer(strategy='ring_allreduce_notebook')` or "
+                f"`{type(self).__name__}(start_method='fork')` there, or run your code as a script."
+            )
 
     @override
     def configure_ddp(self) -> None:
@@ -248,7 +261,7 @@ class RingAllReduceStrategy(DDPStrategy):
     @property
     def comm_stats(self) -> CommStats:
         """Running totals of gradient communication on this rank since setup."""
-        return self.buckets.totals if self.buckets is not None else CommStats()
+        return self.buckets.totals if self.buckets is not None else self._closed_totals
 
     # ------------------------------------------------------------------ teardown
     @override
@@ -261,6 +274,7 @@ class RingAllReduceStrategy(DDPStrategy):
     def teardown(self) -> None:
         if self.buckets is not None:
             self.buckets.close()
+            self._closed_totals = self.buckets.totals
             self.buckets = None
         if self._grad_group is not None and dist.is_initialized():
             dist.destroy_process_group(self._grad_group)

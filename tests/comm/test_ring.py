@@ -79,3 +79,34 @@ def test_reduce_op_validation() -> None:
         is_average("max")
     with pytest.raises(ValueError, match="use 'sum' or 'avg'"):
         is_average(dist.ReduceOp.MAX)
+
+
+def _check_integer_sum_and_float_only_average(rank: int, world_size: int) -> None:
+    data = torch.arange(7, dtype=torch.int64) * (rank + 1)
+    ring_all_reduce(data, "sum")
+    assert torch.equal(data, torch.arange(7) * 3)
+    with pytest.raises(TypeError, match="use op='sum'"):
+        ring_all_reduce(torch.ones(3, dtype=torch.int32), "avg")
+
+
+@pytest.mark.timeout(120)
+def test_integer_sum_and_average_needs_floats() -> None:
+    run_distributed(_check_integer_sum_and_float_only_average, 2)
+
+
+def _check_pipelined_pieces(rank: int, world_size: int) -> None:
+    from lightning_dp_strategies.comm.ring import PIPELINE_PIECE_BYTES, _pieces
+
+    length = 1_000_003  # chunks of ~1.3 MB: each reduce-scatter step moves several pieces with their own tags
+    data = torch.randn(length, generator=torch.Generator().manual_seed(rank))
+    assert _pieces(data[: length // world_size]) > 1, PIPELINE_PIECE_BYTES
+    expected = reference_all_reduce(data.clone().double(), "avg")
+    counter = CommCounter()
+    ring_all_reduce(data, "avg", counter=counter)
+    torch.testing.assert_close(data.double(), expected, rtol=1e-6, atol=1e-6)
+    assert counter.messages > 2 * (world_size - 1)
+
+
+@pytest.mark.timeout(120)
+def test_pipelined_reduce_scatter_matches_oracle() -> None:
+    run_distributed(_check_pipelined_pieces, 3)

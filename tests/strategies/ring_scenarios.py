@@ -1,0 +1,216 @@
+"""Trainer runs for the ring_allreduce parity tests, and the single-process reference loop they are checked against.
+
+Run as ``python -m tests.strategies.ring_scenarios NAME OUTDIR [STRATEGY]``; Lightning's popen launcher re-runs the
+same command for the other ranks. Every rank writes ``OUTDIR/rank{r}.pt`` with its final parameters and what it
+recorded along the way; :func:`reference_parameters` replays the same global batches in one process.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if os.environ.get("LDPS_SIMULATE_NOTEBOOK"):
+    sys.ps1 = ">>> "  # what Lightning checks (at import) to tell it runs inside Jupyter / an interactive shell
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.loggers import CSVLogger
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import lightning_dp_strategies
+
+
+@dataclass(frozen=True)
+class Scenario:
+    world: int = 2
+    optimizer: str = "sgd"  # SGD with momentum and weight decay, or Adam
+    epochs: int = 2
+    per_rank_batch: int = 4
+    samples: int = 44  # 22 per rank at world 2: batches of 4,4,4,4,4,2 (an uneven final batch)
+    accumulate: int = 1
+    clip: float | None = None
+    manual: bool = False
+    unused: bool = False  # one parameter no rank uses, one that only rank 0 uses
+    precision: str = "32-true"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+SCENARIOS = {
+    "sgd": Scenario(extra={"log_comm_stats": True}),
+    "adam3": Scenario(world=3, optimizer="adam", epochs=3, samples=45),  # 15 per rank: 4,4,4,3
+    "unused": Scenario(unused=True),
+    "accumulate": Scenario(accumulate=2),
+    "clip": Scenario(clip=0.05),
+    "manual": Scenario(manual=True),
+    "bf16": Scenario(precision="bf16-mixed"),
+}
+
+
+def make_data(scenario: Scenario) -> TensorDataset:
+    gen = torch.Generator().manual_seed(1234)
+    x = torch.randn(scenario.samples, 8, generator=gen)
+    y = torch.randint(0, 3, (scenario.samples,), generator=gen)
+    return TensorDataset(x, y)
+
+
+class ParityNet(L.LightningModule):
+    def __init__(self, scenario: Scenario) -> None:
+        super().__init__()
+        self.scenario = scenario
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 3))
+        if scenario.unused:
+            self.never_used = nn.Linear(3, 3)
+            self.rank0_only = nn.Linear(8, 3)
+        self.automatic_optimization = not scenario.manual
+        self.records: list[dict[str, Any]] = []
+
+    def loss(self, x: Tensor, y: Tensor, shard: int) -> Tensor:
+        out = self.body(x)
+        if self.scenario.unused and shard == 0:
+            out = out + self.rank0_only(x)
+        return F.cross_entropy(out, y)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor | None:
+        x, y = batch
+        if self.automatic_optimization:
+            loss = self.loss(x, y, self.global_rank)
+            self.log("train_loss", loss)
+            return loss
+        # manual optimization: accumulate the first half locally (no_sync), synchronise on the second
+        opt = self.optimizers()
+        strategy = self.trainer.strategy
+        half = len(x) // 2
+        before = strategy.comm_stats.ring_operations
+        with strategy.no_backward_sync():
+            self.manual_backward(self.loss(x[:half], y[:half], self.global_rank) / 2)
+        after_local = strategy.comm_stats.ring_operations
+        self.manual_backward(self.loss(x[half:], y[half:], self.global_rank) / 2)
+        self.records.append({"local_ops": after_local - before, "sync_ops": strategy.comm_stats.ring_operations})
+        opt.step()
+        opt.zero_grad()
+        return None
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return make_optimizer(self.scenario, self.parameters())
+
+
+def make_optimizer(scenario: Scenario, params: Any) -> torch.optim.Optimizer:
+    if scenario.optimizer == "adam":
+        return torch.optim.Adam(params, lr=1e-2)
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-2)
+
+
+class Recorder(L.Callback):
+    """Records, per batch, the communication counters and which gradients exist before each optimizer step.
+
+    Saves ``rank{r}.pt`` at the end of training on every rank (inside ``fit``: with the fork launcher the code after
+    ``fit`` runs in the parent process only).
+    """
+
+    def __init__(self, outdir: Path) -> None:
+        self.outdir = outdir
+
+    def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        stats = getattr(trainer.strategy, "comm_stats", None)
+        torch.save(
+            {
+                "params": {n: p.detach().clone() for n, p in module.named_parameters()},
+                "records": module.records,
+                "totals": stats.as_dict() if stats is not None else None,
+            },
+            self.outdir / f"rank{trainer.global_rank}.pt",
+        )
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
+        stats = getattr(trainer.strategy, "comm_stats", None)
+        if stats is not None:
+            module.records.append({"ops": stats.ring_operations, "skipped": stats.skipped_backwards})
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, module: L.LightningModule, optimizer: Any) -> None:
+        module.records.append({"grad_is_none": {n: p.grad is None for n, p in module.named_parameters()}})
+
+
+def run(name: str, outdir: Path, strategy: str) -> None:
+    scenario = SCENARIOS[name]
+    model = ParityNet(scenario)
+    trainer = L.Trainer(
+        strategy=strategy
+        if strategy != "ring_allreduce"
+        else lightning_dp_strategies.RingAllReduceStrategy(**scenario.extra),
+        accelerator="cpu",
+        devices=scenario.world,
+        max_epochs=scenario.epochs,
+        accumulate_grad_batches=scenario.accumulate,
+        gradient_clip_val=scenario.clip,
+        precision=scenario.precision,  # type: ignore[arg-type]
+        logger=CSVLogger(outdir, name="logs", version=0),
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Recorder(outdir)],
+    )
+    loader = DataLoader(make_data(scenario), batch_size=scenario.per_rank_batch, shuffle=False)
+    trainer.fit(model, loader)
+
+
+def rank_shards(scenario: Scenario, epoch: int) -> list[list[list[int]]]:
+    """Per step of ``epoch``, per rank, the sample indices that rank trains on.
+
+    Lightning always gives a distributed training loader ``DistributedSampler(shuffle=True, seed=0)`` and calls
+    ``set_epoch`` every epoch; replaying that sampler is what makes the reference see the same global batches.
+    """
+    per_rank = []
+    for rank in range(scenario.world):
+        sampler = DistributedSampler(range(scenario.samples), scenario.world, rank, shuffle=True, seed=0)
+        sampler.set_epoch(epoch)
+        per_rank.append(list(sampler))
+    steps = -(-len(per_rank[0]) // scenario.per_rank_batch)
+    b = scenario.per_rank_batch
+    return [[per_rank[r][k * b : (k + 1) * b] for r in range(scenario.world)] for k in range(steps)]
+
+
+def reference_parameters(name: str, per_shard: bool = False) -> dict[str, Tensor]:
+    """Single-process training over the same global batches.
+
+    With ``per_shard=False`` the loss is the mean over the whole global batch (one forward pass). With
+    ``per_shard=True`` it is the mean of the per-rank losses, each computed on that rank's shard: the definition
+    when the forward pass depends on the shard (a parameter only rank 0 uses) or when bf16 rounding depends on the
+    batch shape.
+    """
+    scenario = SCENARIOS[name]
+    model = ParityNet(scenario)
+    x, y = make_data(scenario).tensors
+    opt = make_optimizer(scenario, model.parameters())
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=scenario.precision == "bf16-mixed")
+    for epoch in range(scenario.epochs):
+        batches = rank_shards(scenario, epoch)
+        for k, shards in enumerate(batches):
+            if per_shard:
+                # one autocast region and one backward per shard, as on the ranks (autocast caches the bf16 copy
+                # of each weight within a region, which would sum the shards' weight gradients in bf16)
+                for r, s in enumerate(shards):
+                    with autocast:
+                        loss = model.loss(x[s], y[s], r)
+                    (loss / len(shards) / scenario.accumulate).backward()
+            else:
+                idx = [i for s in shards for i in s]
+                (model.loss(x[idx], y[idx], shard=-1) / scenario.accumulate).backward()
+            last = k == len(batches) - 1
+            if (k + 1) % scenario.accumulate == 0 or last:
+                if scenario.clip is not None:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), scenario.clip)
+                opt.step()
+                opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+if __name__ == "__main__":
+    run(sys.argv[1], Path(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else "ring_allreduce")

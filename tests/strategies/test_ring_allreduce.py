@@ -1,0 +1,219 @@
+"""RingAllReduceStrategy: parity with single-process training is the specification.
+
+Each test launches a real 2- or 3-process Trainer run on CPU/gloo (Lightning's popen launcher, a timeout on every
+run) and compares the final parameters with :func:`reference_parameters`, a plain single-process loop over the same
+global batches. Tolerance: max absolute parameter difference <= 1e-5 (fp32; observed ~1e-7).
+"""
+
+from __future__ import annotations
+
+import csv
+import itertools
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.helpers.distributed import run_script
+from tests.strategies.ring_scenarios import SCENARIOS, ParityNet, reference_parameters
+
+TOLERANCE = 1e-5
+
+
+def train(name: str, tmp_path: Path, strategy: str = "ring_allreduce", **env: str) -> list[dict[str, Any]]:
+    out = tmp_path / f"{name}-{strategy}"
+    out.mkdir()
+    run_script(["-m", "tests.strategies.ring_scenarios", name, str(out), strategy], timeout=240, env=env)
+    return [torch.load(out / f"rank{r}.pt") for r in range(SCENARIOS[name].world)]
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[n] - b[n]).abs().max().item() for n in a)
+
+
+def assert_parity(ranks: list[dict[str, Any]], name: str, per_shard: bool = False) -> None:
+    reference = reference_parameters(name, per_shard=per_shard)
+    for rank, result in enumerate(ranks):
+        diff = max_diff(result["params"], reference)
+        assert diff <= TOLERANCE, f"rank {rank} drifted from single-process training by {diff}"
+    init = dict(ParityNet(SCENARIOS[name]).named_parameters())
+    assert max_diff({n: p.detach() for n, p in init.items()}, reference) > 1e-2, "training did not move parameters"
+
+
+@pytest.mark.timeout(600)
+def test_parity_world_2_sgd_momentum_weight_decay_and_equal_to_lightning_ddp(tmp_path: Path) -> None:
+    ring = train("sgd", tmp_path)
+    assert_parity(ring, "sgd")
+    ddp = train("sgd", tmp_path, strategy="ddp")
+    assert max_diff(ring[0]["params"], ddp[0]["params"]) <= 1e-6
+    # the per-step statistics reached the logger (log_comm_stats=True): every step sent 2(N-1)/N of the buffer
+    rows = list(csv.DictReader(open(tmp_path / "sgd-ring_allreduce" / "logs" / "version_0" / "metrics.csv")))
+    sent = [float(r["comm/bytes_sent"]) for r in rows if r.get("comm/bytes_sent")]
+    model = ParityNet(SCENARIOS["sgd"])
+    buffer_bytes = 4 * (sum(p.numel() for p in model.parameters()) + len(list(model.parameters())))
+    assert len(sent) == 12 and all(s == buffer_bytes for s in sent), sent  # N = 2: 2(N-1)/N = 1
+    assert ring[0]["totals"]["ring_operations"] == 12
+
+
+@pytest.mark.timeout(300)
+def test_parity_world_3_adam(tmp_path: Path) -> None:
+    assert_parity(train("adam3", tmp_path), "adam3")
+
+
+@pytest.mark.timeout(300)
+def test_unused_parameters_need_no_flag(tmp_path: Path) -> None:
+    ranks = train("unused", tmp_path)
+    # only rank 0 uses `rank0_only`; the reference averages the per-rank losses, each on its own shard
+    assert_parity(ranks, "unused", per_shard=True)
+    for result in ranks:
+        grads = [r["grad_is_none"] for r in result["records"] if "grad_is_none" in r]
+        assert len(grads) == 12
+        # no rank used it: .grad stays None (so weight decay never touched it, which the parity above also proves)
+        assert all(g["never_used.weight"] and g["never_used.bias"] for g in grads)
+        # rank 0 used it: every rank, rank 1 included, got the averaged gradient
+        assert not any(g["rank0_only.weight"] for g in grads)
+
+
+@pytest.mark.timeout(300)
+def test_gradient_accumulation_does_not_communicate(tmp_path: Path) -> None:
+    ranks = train("accumulate", tmp_path)
+    assert_parity(ranks, "accumulate")
+    counters = [r for r in ranks[0]["records"] if "ops" in r]
+    ops = [c["ops"] for c in counters]
+    assert len(ops) == 12
+    # batches 0, 2, 4, ... accumulate (no ring operation); 1, 3, 5, ... synchronise (one bucket here)
+    per_batch = [ops[0]] + [b - a for a, b in itertools.pairwise(ops)]
+    assert per_batch == [0, 1] * 6, per_batch
+    assert counters[-1]["skipped"] == 6
+
+
+@pytest.mark.timeout(300)
+def test_gradient_clipping_sees_averaged_gradients(tmp_path: Path) -> None:
+    assert_parity(train("clip", tmp_path), "clip")
+
+
+@pytest.mark.timeout(300)
+def test_manual_optimization_with_no_backward_sync(tmp_path: Path) -> None:
+    ranks = train("manual", tmp_path)
+    assert_parity(ranks, "manual")
+    steps = [r for r in ranks[0]["records"] if "local_ops" in r]
+    assert len(steps) == 12
+    assert all(s["local_ops"] == 0 for s in steps), "a backward inside no_backward_sync() communicated"
+    assert [s["sync_ops"] for s in steps] == list(range(1, 13))
+
+
+@pytest.mark.timeout(300)
+def test_bf16_mixed_precision(tmp_path: Path) -> None:
+    # bf16 rounding depends on the batch shape, so the reference runs each rank's shard under autocast
+    assert_parity(train("bf16", tmp_path), "bf16", per_shard=True)
+
+
+@pytest.mark.timeout(300)
+def test_notebook_form_trains_where_popen_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(AssertionError, match="ring_allreduce_notebook"):
+        train("sgd", tmp_path, strategy="ring_allreduce_spawn", LDPS_SIMULATE_NOTEBOOK="1")
+    ranks = train("sgd", tmp_path, strategy="ring_allreduce_notebook", LDPS_SIMULATE_NOTEBOOK="1")
+    assert_parity(ranks, "sgd")
+
+
+# ---------------------------------------------------------------------------------------------- bad input, set-up
+
+
+@pytest.mark.parametrize(
+    ("options", "fix"),
+    [
+        ({"bucket_cap_mb": 0}, "`bucket_cap_mb` must be a positive number of MiB"),
+        ({"bucket_cap_mb": -5}, "`bucket_cap_mb` must be a positive number of MiB"),
+        ({"bucket_cap_mb": "25"}, "`bucket_cap_mb` must be a positive number of MiB"),
+        ({"first_bucket_cap_mb": True}, "`first_bucket_cap_mb` must be a positive number of MiB"),
+        ({"start_method": "thread"}, r"use one of \['popen', 'spawn', 'fork', 'forkserver'\]"),
+        ({"process_group_backend": "nccI"}, "Unknown `process_group_backend`"),
+        ({"timeout": -1}, "`timeout` must be a datetime.timedelta or a positive number of seconds"),
+        ({"reducer": "ring"}, "`reducer` must be callable"),
+    ],
+)
+def test_bad_options_fail_at_construction_naming_the_fix(options: dict[str, Any], fix: str) -> None:
+    from lightning_dp_strategies import RingAllReduceStrategy
+
+    with pytest.raises((ValueError, TypeError), match=fix):
+        RingAllReduceStrategy(**options)
+
+
+def test_unknown_option_is_rejected() -> None:
+    from lightning_dp_strategies import RingAllReduceStrategy
+
+    with pytest.raises(TypeError, match="find_unused_parameters"):
+        RingAllReduceStrategy(find_unused_parameters=True)  # type: ignore[call-arg]
+
+
+FROZEN_SCRIPT = """
+import lightning as L, torch
+from lightning.pytorch.demos.boring_classes import BoringModel
+import lightning_dp_strategies
+
+class Frozen(BoringModel):
+    def training_step(self, batch, batch_idx):
+        raise AssertionError("training started")
+
+model = Frozen().requires_grad_(False)
+L.Trainer(strategy="ring_allreduce", accelerator="cpu", devices=2, max_steps=1, logger=False,
+          enable_progress_bar=False, enable_checkpointing=False).fit(model)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_model_without_trainable_parameters_fails_at_setup_on_every_rank(tmp_path: Path) -> None:
+    script = tmp_path / "frozen.py"  # a file, not `-c`: the popen launcher re-runs sys.argv for rank 1
+    script.write_text(FROZEN_SCRIPT)
+    with pytest.raises(AssertionError) as failure:
+        run_script([str(script)], timeout=90)
+    output = str(failure.value)
+    assert "has no parameter that requires grad" in output and "Unfreeze at least one parameter" in output
+    assert "training started" not in output
+
+
+def test_importing_twice_and_reloading_registers_without_raising() -> None:
+    import importlib
+    import warnings
+
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    import lightning_dp_strategies
+
+    importlib.reload(lightning_dp_strategies)
+    lightning_dp_strategies.register_all()
+    for name, start_method in [
+        ("ring_allreduce", "popen"),
+        ("ring_allreduce_spawn", "spawn"),
+        ("ring_allreduce_notebook", "fork"),
+    ]:
+        assert StrategyRegistry[name]["init_params"] == {"start_method": start_method}
+        assert StrategyRegistry[name]["strategy"].__name__ == "RingAllReduceStrategy"
+    # a name another package registered first is left alone, with a warning
+    sentinel = type("Theirs", (lightning_dp_strategies.RingAllReduceStrategy,), {"__module__": "their_package"})
+    StrategyRegistry.register("ring_allreduce", sentinel, override=True)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            lightning_dp_strategies.register_all()
+        assert StrategyRegistry["ring_allreduce"]["strategy"] is sentinel
+        assert any("already registered by their_package" in str(w.message) for w in caught)
+    finally:
+        StrategyRegistry.register(
+            "ring_allreduce", lightning_dp_strategies.RingAllReduceStrategy, override=True, start_method="popen"
+        )
+        lightning_dp_strategies.register_all()
+
+
+def test_trainer_resolves_the_names() -> None:
+    import lightning as L
+    from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
+
+    import lightning_dp_strategies
+
+    trainer = L.Trainer(strategy="ring_allreduce_notebook", accelerator="cpu", devices=2, logger=False)
+    assert isinstance(trainer.strategy, lightning_dp_strategies.RingAllReduceStrategy)
+    assert isinstance(trainer.strategy.launcher, _MultiProcessingLauncher)
+    assert trainer.strategy.launcher.is_interactive_compatible

@@ -1,0 +1,194 @@
+"""Gradient buckets: assignment (order, caps, first bucket, dtypes) and reduction on plain torch.distributed.
+
+The oracle for every reduction is the per-rank gradients averaged by hand (each rank computes all ranks' gradients).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_dp_strategies.bucketing import GradientBuckets, MiB, assign_buckets
+from lightning_dp_strategies.comm import CommCounter
+from tests.helpers.distributed import run_distributed
+
+
+def tensors(*numels: int, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    return [torch.empty(n, dtype=dtype) for n in numels]
+
+
+def test_buckets_follow_reverse_registration_order() -> None:
+    assert assign_buckets(tensors(1, 2, 3, 4)) == [[3, 2, 1, 0]]
+
+
+def test_first_bucket_is_capped_smaller_then_bucket_cap() -> None:
+    quarter = MiB // 4 // 4  # elements of 0.25 MiB in fp32
+    # reverse order: 5 4 3 2 1 0; first cap 0.5 MiB holds two, later caps 1 MiB hold four
+    assert assign_buckets(tensors(*[quarter] * 6), bucket_cap_mb=1, first_bucket_cap_mb=0.5) == [[5, 4], [3, 2, 1, 0]]
+    sizes = [sum(quarter * 4 for _ in b) for b in assign_buckets(tensors(*[quarter] * 13), 1, 0.5)]
+    assert sizes[0] <= MiB // 2 and all(s <= MiB for s in sizes), sizes
+
+
+def test_a_tensor_larger_than_the_cap_gets_its_own_bucket() -> None:
+    big = 2 * MiB // 4
+    assert assign_buckets(tensors(10, big, 10), bucket_cap_mb=1, first_bucket_cap_mb=1) == [[2], [1], [0]]
+
+
+def test_one_dtype_per_bucket() -> None:
+    mixed = [*tensors(4, 4), *tensors(4, dtype=torch.float64), *tensors(4)]
+    buckets = assign_buckets(mixed)
+    assert sorted(buckets) == [[2], [3, 1, 0]]
+    for bucket in buckets:
+        assert len({mixed[i].dtype for i in bucket}) == 1
+    assert buckets[0] == [3, 1, 0], "the bucket holding the last-registered parameter comes first"
+
+
+@pytest.mark.parametrize("cap", [0, -1.0])
+def test_bad_caps_are_rejected(cap: float) -> None:
+    with pytest.raises(ValueError, match="must be > 0"):
+        assign_buckets(tensors(1), bucket_cap_mb=cap)
+
+
+def test_no_trainable_parameter_is_an_error_that_names_the_fix() -> None:
+    frozen = nn.Linear(2, 2).requires_grad_(False)
+    with pytest.raises(ValueError, match="Unfreeze at least one parameter"):
+        GradientBuckets(frozen.named_parameters())
+
+
+class Branchy(nn.Module):
+    """Three blocks; ``use`` picks which run, so ranks can leave different parameters unused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        # registered first, so it lands in the last bucket: an unused parameter in an early bucket would hold back
+        # every later bucket until backward ends (buckets launch strictly in order)
+        self.never = nn.Linear(6, 6)
+        self.a = nn.Linear(6, 6)
+        self.b = nn.Linear(6, 6)
+        self.frozen = nn.Linear(6, 6).requires_grad_(False)
+
+    def forward(self, x: torch.Tensor, use: tuple[str, ...]) -> torch.Tensor:
+        for name in use:
+            x = getattr(self, name)(x).tanh()
+        return self.frozen(x).sum()
+
+
+def rank_grads(rank: int, use: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    model = Branchy()
+    model(torch.randn(3, 6, generator=torch.Generator().manual_seed(rank)), use).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _check_reduction(rank: int, world_size: int) -> None:
+    uses = [("a", "b"), ("a",), ("b", "a")][:world_size]
+    model = Branchy()
+    # tiny caps: several buckets, so some launch while backward is still running
+    buckets = GradientBuckets(model.named_parameters(), bucket_cap_mb=200 / MiB, first_bucket_cap_mb=100 / MiB)
+    assert len(buckets.buckets) >= 3
+    assert all("frozen" not in n for b in buckets.buckets for n in b.names), "frozen parameters are excluded"
+    for _step in range(2):
+        for p in model.parameters():
+            p.grad = None
+        buckets.arm()
+        model(torch.randn(3, 6, generator=torch.Generator().manual_seed(rank)), uses[rank]).backward()
+        buckets.finish()
+        oracle = [rank_grads(r, uses[r]) for r in range(world_size)]
+        for name, param in model.named_parameters():
+            present = [g[name] for g in oracle if name in g]
+            if not present:
+                assert param.grad is None, f"{name}: no rank used it, so .grad must stay None"
+                continue
+            expected = sum(present) / world_size
+            torch.testing.assert_close(param.grad, expected, rtol=1e-6, atol=1e-7, msg=name)
+    stats = buckets.totals
+    assert stats.synced_backwards == 2 and stats.ring_operations == 2 * len(buckets.buckets)
+    if rank == 0:  # rank 0 uses every block but `never`: every bucket before the first holding `never` starts early
+        first_blocked = next(i for i, b in enumerate(buckets.buckets) if any(n.startswith("never") for n in b.names))
+        assert first_blocked > 0
+        assert stats.overlapped_buckets == 2 * first_blocked, "buckets did not start during backward"
+    # bytes: 2(N-1)/N of each bucket's buffer (gradients + one flag per parameter), within N elements per bucket
+    buffer_bytes = sum(b.buffer.numel() * 4 for b in buckets.buckets)
+    ideal = 2 * 2 * (world_size - 1) / world_size * buffer_bytes
+    assert abs(stats.bytes_sent - ideal) < 2 * len(buckets.buckets) * world_size * 4, (stats.bytes_sent, ideal)
+    buckets.close()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.timeout(120)
+def test_buckets_average_like_the_oracle_with_rank_dependent_unused_parameters(world_size: int) -> None:
+    run_distributed(_check_reduction, world_size)
+
+
+def _check_accumulation_unfreeze_and_warning(rank: int, world_size: int) -> None:
+    model = Branchy()
+    model.b.requires_grad_(False)
+    buckets = GradientBuckets(model.named_parameters())
+    assert all(not n.startswith("b.") for b in buckets.buckets for n in b.names)
+    x = torch.randn(2, 6, generator=torch.Generator().manual_seed(rank))
+    # an accumulation step: no communication, gradients stay local
+    buckets.sync_blocked = True
+    buckets.skip()
+    model(x, ("a",)).backward()
+    assert buckets.totals.ring_operations == 0 and buckets.totals.skipped_backwards == 1
+    local = model.a.weight.grad.clone()
+    buckets.sync_blocked = False
+    # unfreezing is noticed at the next arm(): `b` is bucketed and averaged
+    model.b.requires_grad_(True)
+    buckets.arm()
+    model(x, ("a", "b")).backward()
+    buckets.finish()
+    assert model.b.weight.grad is not None and any("b.weight" in b.names for b in buckets.buckets)
+    assert not torch.equal(model.a.weight.grad, 2 * local), "accumulated gradient was not averaged"
+    # a backward pass that bypasses the strategy warns once instead of silently skipping the average
+    with pytest.warns(UserWarning, match="not averaged across ranks"):
+        model(x, ("a",)).backward()
+    buckets.close()
+
+
+@pytest.mark.timeout(120)
+def test_accumulation_unfreezing_and_unsynchronised_backward_warning() -> None:
+    run_distributed(_check_accumulation_unfreeze_and_warning, 2)
+
+
+def test_custom_reducer_receives_every_bucket_in_order() -> None:
+    seen: list[int] = []
+
+    def record(buffer: torch.Tensor, group: object, counter: CommCounter) -> None:
+        seen.append(buffer.numel())
+
+    model = Branchy()
+    buckets = GradientBuckets(model.named_parameters(), reducer=record, bucket_cap_mb=200 / MiB)
+    buckets.arm()
+    model(torch.randn(2, 6), ("a", "b")).backward()
+    buckets.finish()
+    assert seen == [b.buffer.numel() for b in buckets.buckets]
+    buckets.close()
+
+
+def _check_grads_as_bucket_views(rank: int, world_size: int) -> None:
+    model = Branchy()
+    buckets = GradientBuckets(model.named_parameters())
+    x = torch.randn(3, 6, generator=torch.Generator().manual_seed(rank))
+    oracle = sum(rank_grads(r, ("a",))["a.weight"] for r in range(world_size)) / world_size
+
+    def synced_backward() -> None:
+        buckets.arm()
+        model(x, ("a",)).backward()
+        buckets.finish()
+
+    synced_backward()
+    torch.testing.assert_close(model.a.weight.grad, oracle)
+    synced_backward()  # not zeroed: gradients accumulate, as in single-device training
+    torch.testing.assert_close(model.a.weight.grad, 2 * oracle)
+    torch.optim.SGD(model.parameters(), lr=0.1).zero_grad(set_to_none=False)
+    assert model.b.weight.grad is None, "never used anywhere: stays None even after zero_grad(set_to_none=False)"
+    synced_backward()
+    torch.testing.assert_close(model.a.weight.grad, oracle)
+    buckets.close()
+
+
+@pytest.mark.timeout(120)
+def test_gradients_accumulate_across_synchronised_steps_and_zero_in_place() -> None:
+    run_distributed(_check_grads_as_bucket_views, 2)
