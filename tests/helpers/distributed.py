@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -70,35 +71,57 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
         raise AssertionError(f"ranks exited abnormally: {failed}")
 
 
-def run_script(argv: Sequence[str], timeout: float = 240.0, env: dict[str, str] | None = None) -> str:
-    """Run ``python argv...`` from the repository root in its own session; kill the whole group on timeout.
+def run_commands(
+    commands: Sequence[Sequence[str]], timeout: float = 240.0, env: dict[str, str] | None = None
+) -> list[str]:
+    """Run several commands together from the repository root, each in its own session, under one deadline.
 
-    Used for Trainer runs whose launcher starts further processes (Lightning's popen launcher re-runs the script).
-    Returns the combined output; raises with it if the exit status is non-zero.
+    On timeout every process group is killed and a ``TimeoutError`` carries their output; a non-zero exit status
+    raises ``AssertionError`` with the output. Returns each command's combined stdout/stderr.
     """
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), full_env.get("PYTHONPATH", "")]))
     full_env.setdefault("MASTER_PORT", str(free_port()))
-    proc = subprocess.Popen(
-        [sys.executable, *argv],
-        cwd=REPO_ROOT,
-        env=full_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    procs = [
+        subprocess.Popen(
+            list(cmd),
+            cwd=REPO_ROOT,
+            env=full_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for cmd in commands
+    ]
+    deadline = time.monotonic() + timeout
+    outputs: list[str] = []
+    timed_out = False
     try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        out, _ = proc.communicate()
-        raise TimeoutError(f"{argv} did not finish within {timeout} s; output:\n{out[-5000:]}") from None
+        for proc in procs:
+            try:
+                out, _ = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                os.killpg(proc.pid, 9)
+                out, _ = proc.communicate()
+            outputs.append(out)
     finally:
-        try:
-            os.killpg(proc.pid, 9)  # reap any rank the launcher left behind
-        except ProcessLookupError:
-            pass
-    if proc.returncode != 0:
-        raise AssertionError(f"{argv} exited with {proc.returncode}; output:\n{out[-8000:]}")
-    return out
+        for proc in procs:
+            try:
+                os.killpg(proc.pid, 9)  # reap any rank a launcher left behind
+            except ProcessLookupError:
+                pass
+            if proc.poll() is None:
+                proc.wait()
+    joined = "\n".join(f"--- {' '.join(c)}\n{o[-6000:]}" for c, o in zip(commands, outputs, strict=False))
+    if timed_out:
+        raise TimeoutError(f"did not finish within {timeout} s; output:\n{joined}")
+    if any(proc.returncode != 0 for proc in procs):
+        raise AssertionError(f"exit statuses {[p.returncode for p in procs]}; output:\n{joined}")
+    return outputs
+
+
+def run_script(argv: Sequence[str], timeout: float = 240.0, env: dict[str, str] | None = None) -> str:
+    """Run ``python argv...`` (see :func:`run_commands`); for Trainer runs whose launcher starts further ranks."""
+    return run_commands([[sys.executable, *argv]], timeout=timeout, env=env)[0]

@@ -26,6 +26,9 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import lightning_dp_strategies
 
 
+NUM_NODES = int(os.environ.get("LDPS_NUM_NODES", "1"))  # > 1 under torchrun --nnodes (TorchElasticEnvironment)
+
+
 @dataclass(frozen=True)
 class Scenario:
     world: int = 2
@@ -145,7 +148,8 @@ def run(name: str, outdir: Path, strategy: str) -> None:
         if strategy != "ring_allreduce"
         else lightning_dp_strategies.RingAllReduceStrategy(**scenario.extra),
         accelerator="cpu",
-        devices=scenario.world,
+        devices=scenario.world // NUM_NODES,
+        num_nodes=NUM_NODES,
         max_epochs=scenario.epochs,
         accumulate_grad_batches=scenario.accumulate,
         gradient_clip_val=scenario.clip,

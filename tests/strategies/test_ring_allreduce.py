@@ -217,3 +217,25 @@ def test_trainer_resolves_the_names() -> None:
     assert isinstance(trainer.strategy, lightning_dp_strategies.RingAllReduceStrategy)
     assert isinstance(trainer.strategy.launcher, _MultiProcessingLauncher)
     assert trainer.strategy.launcher.is_interactive_compatible
+
+
+@pytest.mark.timeout(300)
+def test_two_nodes_through_torchrun_keep_parity(tmp_path: Path) -> None:
+    """2 nodes x 1 process on loopback: Lightning's TorchElasticEnvironment sets the ranks, not our launcher."""
+    import sys
+
+    from tests.helpers.distributed import free_port, run_commands
+
+    out = tmp_path / "nodes"
+    out.mkdir()
+    port = str(free_port())
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1"]
+    rendezvous = ["--master-addr", "127.0.0.1", "--master-port", port]
+    script = ["-m", "tests.strategies.ring_scenarios", "sgd", str(out)]
+    run_commands(
+        [[*torchrun, "--node-rank", str(node), *rendezvous, *script] for node in range(2)],
+        timeout=240,
+        env={"LDPS_NUM_NODES": "2"},
+    )
+    ranks = [torch.load(out / f"rank{r}.pt") for r in range(2)]
+    assert_parity(ranks, "sgd")
