@@ -25,7 +25,6 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_dp_strategies
 
-
 NUM_NODES = int(os.environ.get("LDPS_NUM_NODES", "1"))  # > 1 under torchrun --nnodes (TorchElasticEnvironment)
 
 
