@@ -1,0 +1,102 @@
+"""The comparison's outputs: a terminal table, a JSON file and a PNG figure."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from lightning_dp_strategies.compare.demo import DemoConfig
+from lightning_dp_strategies.compare.runner import RunResult
+
+COLUMNS = (
+    ("strategy", "strategy", "{}"),
+    ("processes", "procs", "{}"),
+    ("devices", "devices", "{}"),
+    ("samples_per_second", "samples/s", "{:.0f}"),
+    ("step_ms", "step ms", "{:.1f}"),
+    ("comm_mb_per_step", "comm MB/step", "{:.3f}"),
+    ("exposed_comm_ms", "exposed ms", "{:.2f}"),
+    ("pipeline_bubble", "bubble", "{:.0%}"),
+    ("final_loss", "final loss", "{:.4f}"),
+    ("max_param_diff", "max |dθ|", "{:.1e}"),
+    ("accuracy", "accuracy", "{:.1%}"),
+    ("status", "status", "{}"),
+)
+
+
+def format_table(results: Sequence[RunResult]) -> str:
+    """A plain-text table, one row per strategy; ``-`` where a figure does not apply or was not measured."""
+    rows = [[title for _, title, _ in COLUMNS]]
+    for result in results:
+        row = []
+        for key, _, fmt in COLUMNS:
+            value = getattr(result, key)
+            row.append("-" if value is None else fmt.format(value))
+        rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+    lines = [
+        "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))) for r in rows
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    notes = [f"  {r.strategy}: {r.error}" for r in results if r.error]
+    return "\n".join(lines + (["", "errors:", *notes] if notes else []))
+
+
+def machine() -> dict[str, object]:
+    """Where the numbers were measured."""
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "cuda": torch.cuda.is_available(),
+    }
+
+
+def write_json(results: Sequence[RunResult], config: DemoConfig, devices: int, path: Path) -> None:
+    """Everything measured, curves included, with the configuration and the machine."""
+    payload = {
+        "config": asdict(config),
+        "devices": devices,
+        "machine": machine(),
+        "results": [asdict(r) for r in results],
+    }
+    path.write_text(json.dumps(payload, indent=2))
+
+
+def write_figure(results: Sequence[RunResult], path: Path) -> bool:
+    """Throughput, communication and loss curves side by side; ``False`` (and no file) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    ok = [r for r in results if r.status == "ok"]
+    fig, (ax_tp, ax_comm, ax_loss) = plt.subplots(1, 3, figsize=(15, 4.2))
+    names = [r.strategy for r in ok]
+    ax_tp.bar(names, [r.samples_per_second or 0 for r in ok], color="tab:blue")
+    ax_tp.set_title("throughput (samples/s, higher is better)")
+    bars = ax_comm.bar(names, [r.comm_mb_per_step or 0 for r in ok], color="tab:orange")
+    for bar, r in zip(bars, ok, strict=True):
+        if r.comm_mb_per_step is None:  # one process (nothing sent), or a strategy that does not count its bytes
+            ax_comm.annotate("not measured", (bar.get_x() + bar.get_width() / 2, 0), ha="center", va="bottom")
+    ax_comm.set_title("gradient bytes sent (MB per step per rank)")
+    for r in ok:
+        ax_loss.plot(range(1, len(r.loss_curve) + 1), r.loss_curve, label=r.strategy)
+    ax_loss.set_title("training loss (rank 0's shard of each global batch)")
+    ax_loss.set_xlabel("step")
+    ax_loss.legend()
+    for ax in (ax_tp, ax_comm):
+        ax.tick_params(axis="x", rotation=20)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

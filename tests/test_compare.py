@@ -1,0 +1,77 @@
+"""The comparison command: argument errors, the demo's global batches, a short real run and crash isolation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_dp_strategies.cli import main
+from lightning_dp_strategies.compare import DemoConfig, GlobalBatchSampler, default_strategies
+
+
+def test_unknown_strategy_lists_the_available_ones(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["compare", "--strategies", "single,ring_alreduce"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown strategy 'ring_alreduce'" in err
+    assert all(name in err for name in ("single", "dp", "ring_allreduce", "ddp"))
+
+
+def test_global_batch_must_split_over_devices(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["compare", "--devices", "3", "--global-batch", "64"])
+    assert "must be a multiple of --devices 3" in capsys.readouterr().err
+
+
+def test_defaults_include_the_baseline_and_lightning_ddp() -> None:
+    names = default_strategies()
+    assert names[0] == "single" and {"dp", "ring_allreduce", "ddp"} <= set(names)
+
+
+@pytest.mark.parametrize("replicas", [2, 4])
+def test_replicas_together_see_exactly_the_single_device_global_batches(replicas: int) -> None:
+    config = DemoConfig(steps=70, global_batch=16, samples=256)  # 70 steps cross several epochs
+    whole = list(GlobalBatchSampler(256, config))
+    parts = [list(GlobalBatchSampler(256, config, replicas, r)) for r in range(replicas)]
+    for step, batch in enumerate(whole):
+        assert [i for part in parts for i in part[step]] == batch
+    assert len({tuple(b) for b in whole[:16]}) == 16 and sorted(i for b in whole[:16] for i in b) == list(range(256))
+
+
+@pytest.mark.timeout(300)
+def test_short_run_writes_table_json_and_png_and_isolates_a_crash(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(
+        [
+            "compare",
+            "--strategies",
+            "single,crashes_at_setup,ring_allreduce",
+            "--steps",
+            "6",
+            "--output",
+            str(tmp_path),
+            "--import",
+            "tests.helpers.crashing_strategy",
+        ]
+    )
+    assert code == 1, "a failed strategy makes the command fail, after the others ran"
+    out = capsys.readouterr().out
+    assert "ring_allreduce" in out and "max |dθ|" in out
+    data = json.loads((tmp_path / "comparison.json").read_text())
+    rows = {r["strategy"]: r for r in data["results"]}
+    assert list(rows) == ["single", "crashes_at_setup", "ring_allreduce"]
+    assert rows["crashes_at_setup"]["status"] == "failed"
+    assert "always fails at setup" in (tmp_path / "logs" / "crashes_at_setup.log").read_text()
+    ring = rows["ring_allreduce"]
+    assert ring["status"] == "ok" and ring["processes"] == 2
+    assert ring["max_param_diff"] <= 1e-5, "ring_allreduce drifted from the single-device baseline"
+    assert rows["single"]["max_param_diff"] == 0.0
+    assert len(ring["loss_curve"]) == 6 and all(torch.isfinite(torch.tensor(ring["loss_curve"])))
+    assert ring["comm_mb_per_step"] > 0 and ring["samples_per_second"] > 0
+    assert 0.0 <= ring["accuracy"] <= 1.0
+    assert (tmp_path / "comparison.png").stat().st_size > 10_000
