@@ -46,6 +46,8 @@ class Scenario:
 SCENARIOS = {
     "sgd": Scenario(extra={"log_comm_stats": True}),
     "adam3": Scenario(world=3, optimizer="adam", epochs=3, samples=45),  # 15 per rank: 4,4,4,3
+    "sgd3": Scenario(world=3, epochs=3, samples=45),
+    "adam2": Scenario(optimizer="adam"),
     "unused": Scenario(unused=True),
     "accumulate": Scenario(accumulate=2),
     "clip": Scenario(clip=0.05),

@@ -57,9 +57,10 @@ def test_parity_world_2_sgd_momentum_weight_decay_and_equal_to_lightning_ddp(tmp
     assert ring[0]["totals"]["ring_operations"] == 12
 
 
+@pytest.mark.parametrize("name", ["adam2", "sgd3", "adam3"])
 @pytest.mark.timeout(300)
-def test_parity_world_3_adam(tmp_path: Path) -> None:
-    assert_parity(train("adam3", tmp_path), "adam3")
+def test_parity_other_world_sizes_and_optimizers(tmp_path: Path, name: str) -> None:
+    assert_parity(train(name, tmp_path), name)
 
 
 @pytest.mark.timeout(300)
