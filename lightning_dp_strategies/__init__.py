@@ -2,13 +2,14 @@
 
 >>> import lightning_dp_strategies
 >>> from lightning.pytorch.strategies import StrategyRegistry
->>> "ring_allreduce" in StrategyRegistry
+>>> "ring_allreduce" in StrategyRegistry and "dp" in StrategyRegistry
 True
 """
 
 from lightning_dp_strategies.bucketing import CommStats, GradientBuckets, GradReducer, assign_buckets, ring_reducer
 from lightning_dp_strategies.comm import CommCounter, reference_all_reduce, ring_all_reduce
-from lightning_dp_strategies.strategies import RingAllReduceStrategy, register_all
+from lightning_dp_strategies.data_parallel import gather, parallel_apply, replicate, scatter
+from lightning_dp_strategies.strategies import RingAllReduceStrategy, ScatterGatherStrategy, register_all
 
 __version__ = "0.1.0"
 
@@ -18,11 +19,16 @@ __all__ = [
     "GradReducer",
     "GradientBuckets",
     "RingAllReduceStrategy",
+    "ScatterGatherStrategy",
     "assign_buckets",
+    "gather",
+    "parallel_apply",
     "reference_all_reduce",
     "register_all",
+    "replicate",
     "ring_all_reduce",
     "ring_reducer",
+    "scatter",
 ]
 
 register_all()

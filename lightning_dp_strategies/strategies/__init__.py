@@ -3,11 +3,12 @@
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_dp_strategies.strategies.ring_allreduce import RingAllReduceStrategy
+from lightning_dp_strategies.strategies.scatter_gather import ScatterGatherStrategy
 
-__all__ = ["RingAllReduceStrategy", "register_all"]
+__all__ = ["RingAllReduceStrategy", "ScatterGatherStrategy", "register_all"]
 
 
 def register_all() -> None:
     """Register every strategy name of this package with Lightning's ``StrategyRegistry`` (safe to call twice)."""
-    for strategy in (RingAllReduceStrategy,):
+    for strategy in (RingAllReduceStrategy, ScatterGatherStrategy):
         strategy.register_strategies(StrategyRegistry)

@@ -1,0 +1,324 @@
+"""DataParallel-style training in one process: every forward call scattered, replicated, run in threads, gathered."""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy, Strategy
+from lightning.pytorch.utilities.types import STEP_OUTPUT
+from torch import Tensor
+from torch.nn import Module
+from typing_extensions import override
+
+from lightning_dp_strategies import data_parallel
+from lightning_dp_strategies.strategies._registry import register_name
+
+__all__ = ["ScatterGatherStats", "ScatterGatherStrategy"]
+
+STEP_HOOKS = ("training_step", "validation_step", "test_step", "predict_step")
+
+
+@dataclass
+class ScatterGatherStats:
+    """What the strategy did since setup (one process, so plain counters)."""
+
+    forward_calls: int = 0
+    """Calls of the LightningModule's forward that went through scatter -> replicate -> parallel_apply -> gather."""
+    replica_calls: int = 0
+    """Replica forwards run, summed over those calls (``replica_calls / forward_calls`` replicas per call)."""
+    last_num_replicas: int = 0
+    """Replicas used by the latest call (fewer than the devices when the batch is smaller)."""
+
+
+@dataclass
+class _StepState:
+    hook: str | None = None  # the step hook now running
+    forward_calls: int = 0  # parallel forward calls inside it
+    warned: set[str] = field(default_factory=set)  # hooks already warned about (never called forward)
+
+
+class ScatterGatherStrategy(ParallelStrategy):
+    """One process, several devices: the ``torch.nn.DataParallel`` data flow, with Lightning around it.
+
+    Each training/validation/test/predict step runs once on the root device (the first of ``parallel_devices``).
+    Inside it, every call of the LightningModule's forward (``self(x)`` or ``self.forward(x)``) runs as
+    :meth:`scatter` -> :meth:`replicate` -> :meth:`parallel_apply` -> :meth:`gather` (see :meth:`parallel_forward`),
+    so the loss is computed on the gathered outputs of the whole batch and the gradients are the single-device
+    gradients, also when the batch does not split evenly. The module is never wrapped: the optimizer holds the real
+    parameters and checkpoints hold the plain ``state_dict``.
+
+    With ``accelerator="cuda"`` there is one replica per GPU (``torch.nn.parallel`` primitives); with
+    ``accelerator="cpu"``, ``devices=N`` gives N logical replicas on the CPU that share the parameters.
+
+    Args:
+        accelerator: set by the Trainer.
+        parallel_devices: the devices (set by the Trainer from ``devices``); the first is the root device.
+        checkpoint_io: set by the Trainer.
+        precision_plugin: set by the Trainer; autocast (``precision="bf16-mixed"``) applies inside every replica.
+        dim: the batch dimension that inputs are split and outputs concatenated along.
+
+    Example:
+        >>> import lightning as L
+        >>> import lightning_dp_strategies  # registers "dp" and "scatter_gather"
+        >>> trainer = L.Trainer(strategy="dp", accelerator="cpu", devices=3)  # doctest: +SKIP
+        >>> trainer = L.Trainer(strategy=ScatterGatherStrategy(), accelerator="cuda", devices=[0, 1])  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: Sequence[torch.device | str | int] | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        dim: int = 0,
+    ) -> None:
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
+            raise ValueError(f"`dim` must be a non-negative int (the batch dimension, default 0), got {dim!r}.")
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=None if parallel_devices is None else data_parallel.as_devices(parallel_devices),
+            cluster_environment=None,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        # configuration
+        self.dim = dim
+        # runtime state
+        self._step = _StepState()
+        # statistics
+        self.stats = ScatterGatherStats()
+
+    # ------------------------------------------------------------------ devices and ranks: one process
+    @property
+    @override
+    def parallel_devices(self) -> list[torch.device] | None:
+        return self._parallel_devices
+
+    @parallel_devices.setter
+    def parallel_devices(self, devices: Sequence[torch.device | str | int] | None) -> None:
+        self._parallel_devices = None if devices is None else data_parallel.as_devices(devices)
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        if not self.parallel_devices:
+            raise RuntimeError(
+                f"{type(self).__name__} has no devices yet: pass it to `Trainer(strategy=..., devices=...)`, or "
+                "construct it with `parallel_devices=[...]`."
+            )
+        return self.parallel_devices[0]
+
+    @property
+    @override
+    def global_rank(self) -> int:
+        return 0
+
+    @property
+    @override
+    def local_rank(self) -> int:
+        return 0
+
+    @property
+    @override
+    def node_rank(self) -> int:
+        return 0
+
+    @property
+    @override
+    def world_size(self) -> int:
+        return 1
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": 1, "rank": 0}  # one process reads the whole batch; never a DistributedSampler
+
+    @override
+    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+        return tensor  # one process: the values already cover the whole batch
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        return tensor
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        return decision
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        pass
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return obj
+
+    # ------------------------------------------------------------------ setup
+    @override
+    def setup_environment(self) -> None:
+        devices = self.parallel_devices or [self.root_device]
+        if devices[0].type == "cuda":
+            available = torch.cuda.device_count()
+            unknown = [str(d) for d in devices if d.index is None or d.index >= available]
+            if unknown:
+                raise ValueError(
+                    f"Unknown CUDA device(s) {unknown}: this machine has {available} GPU(s). Give explicit indices "
+                    f"below {available}, e.g. `devices=[0, 1]`, or use accelerator='cpu' for logical CPU replicas."
+                )
+            if len(set(devices)) != len(devices):
+                raise ValueError(
+                    f"Each GPU can hold one replica, got {[str(d) for d in devices]}: list every CUDA device once."
+                )
+        super().setup_environment()
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        if self._layer_sync is not None:
+            raise ValueError(
+                f"`sync_batchnorm=True` is not supported by {type(self).__name__}: its replicas are threads of one "
+                "process, with no process group to synchronise over. Drop `sync_batchnorm=True` (BatchNorm keeps the "
+                "first replica's running statistics, as in torch.nn.DataParallel) or use strategy='ddp'."
+            )
+        super().setup(trainer)
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None, "self.model must be set before self.model.to()"
+        self.model.to(self.root_device)
+
+    @override
+    def teardown(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.teardown()
+        Strategy.teardown(self)
+
+    # ------------------------------------------------------------------ the four steps
+    def parallel_forward(self, module: Module, /, *args: Any, **kwargs: Any) -> Any:
+        """One forward call of ``module`` across the devices; reads like ``torch.nn.DataParallel.forward``.
+
+        Called with ``module``'s own ``forward`` in place (not the redirection), so replicas copy the real one.
+        """
+        devices = self.parallel_devices or [self.root_device]
+        inputs = self.scatter(args, kwargs, devices)
+        self.stats.forward_calls += 1
+        self.stats.replica_calls += len(inputs)
+        self.stats.last_num_replicas = len(inputs)
+        if len(inputs) == 1:
+            return module.forward(*inputs[0][0], **inputs[0][1])
+        replicas = self.replicate(module, devices[: len(inputs)])
+        outputs = self.parallel_apply(replicas, inputs, devices[: len(inputs)])
+        return self.gather(outputs, self.root_device)
+
+    def scatter(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], devices: Sequence[torch.device]
+    ) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+        """Split forward's arguments into ``(args, kwargs)`` per replica (see :func:`~.data_parallel.scatter`)."""
+        try:
+            return data_parallel.scatter((args, kwargs), devices, dim=self.dim, name="forward(...)")
+        except ValueError as err:
+            raise ValueError(
+                f"{type(self).__name__} cannot split the arguments of forward ([0] = positional, [1] = keyword) "
+                f"across {len(devices)} replicas: {err}"
+            ) from err
+
+    def replicate(self, module: Module, devices: Sequence[torch.device]) -> list[Module]:
+        """One replica of ``module`` per device (see :func:`~.data_parallel.replicate`)."""
+        return data_parallel.replicate(module, devices)
+
+    def parallel_apply(
+        self,
+        replicas: Sequence[Module],
+        inputs: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
+        devices: Sequence[torch.device],
+    ) -> list[Any]:
+        """Run every replica's ``forward`` on its inputs in its own thread (see :func:`~.data_parallel.parallel_apply`).
+
+        ``forward`` is called, not the replica: hooks registered on the LightningModule itself run once, on the whole
+        batch, around the gathered call; hooks on its submodules run in every replica.
+        """
+        return data_parallel.parallel_apply([replica.forward for replica in replicas], inputs, devices)
+
+    def gather(self, outputs: Sequence[Any], device: torch.device) -> Any:
+        """Merge the replicas' outputs on the root device (see :func:`~.data_parallel.gather`)."""
+        return data_parallel.gather(outputs, device, dim=self.dim)
+
+    # ------------------------------------------------------------------ steps
+    @contextmanager
+    def _redirect_forward(self, hook: str) -> Generator[None, None, None]:
+        """While ``hook`` runs, calls of the LightningModule's forward go through :meth:`parallel_forward`."""
+        module = self.lightning_module
+        if module is None or self._step.hook is not None:  # no module yet, or already inside a step
+            yield
+            return
+        own = module.__dict__.get("forward")  # an instance-level forward (rare) to restore afterwards
+
+        def restore() -> None:
+            if own is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.__dict__["forward"] = own
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            self._step.forward_calls += 1
+            restore()  # replicas must copy the real forward, and nested calls are plain
+            try:
+                return self.parallel_forward(module, *args, **kwargs)
+            finally:
+                module.__dict__["forward"] = forward
+
+        self._step = _StepState(hook=hook, warned=self._step.warned)
+        module.__dict__["forward"] = forward
+        try:
+            yield
+        finally:
+            restore()
+            calls, self._step.hook = self._step.forward_calls, None
+        if calls == 0 and hook not in self._step.warned:
+            self._step.warned.add(hook)
+            rank_zero_warn(
+                f"`{type(module).__name__}.{hook}` never called the module's forward, so nothing ran in parallel on "
+                f"the {len(self.parallel_devices or [])} devices of {type(self).__name__}: only calls of "
+                f"`self(...)`/`self.forward(...)` inside the step are scattered. Move the model's computation into "
+                f"`forward` and call `self(batch)` in `{hook}`, or train with strategy='auto'."
+            )
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        with self._redirect_forward("training_step"):
+            return super().training_step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        with self._redirect_forward("validation_step"):
+            return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        with self._redirect_forward("test_step"):
+            return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._redirect_forward("predict_step"):
+            return super().predict_step(*args, **kwargs)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        for name in ("scatter_gather", "dp"):
+            register_name(
+                strategy_registry,
+                name,
+                cls,
+                description="DataParallel-style scatter/replicate/parallel_apply/gather in one process",
+            )
