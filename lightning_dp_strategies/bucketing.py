@@ -49,7 +49,15 @@ GradReducer = Callable[[Tensor, "dist.ProcessGroup | None", CommCounter], None]
 
 
 def ring_reducer(buffer: Tensor, group: dist.ProcessGroup | None, counter: CommCounter) -> None:
-    """The default :data:`GradReducer`: this package's ring all-reduce, averaging."""
+    """The default :data:`GradReducer`: this package's ring all-reduce, averaging.
+
+    Examples:
+        >>> # on every rank of an initialised 2-process group
+        >>> buffer, counter = torch.full((4,), float(dist.get_rank())), CommCounter()  # doctest: +SKIP
+        >>> ring_reducer(buffer, None, counter)  # doctest: +SKIP
+        >>> buffer, counter.operations  # doctest: +SKIP
+        (tensor([0.5000, 0.5000, 0.5000, 0.5000]), 1)
+    """
     ring_all_reduce(buffer, "avg", group=group, counter=counter)
 
 
@@ -62,7 +70,7 @@ def assign_buckets(
     device, ``bucket_cap_mb`` after); a single tensor larger than the cap gets a bucket of its own. Buckets are ordered
     by the position of their first parameter in reverse order, the order their gradients become ready.
 
-    Example:
+    Examples:
         >>> sizes = [torch.empty(n) for n in (100, 300_000, 10, 300_000)]  # 4 bytes each element
         >>> assign_buckets(sizes, bucket_cap_mb=2, first_bucket_cap_mb=1)
         [[3], [2, 1, 0]]
@@ -91,7 +99,14 @@ def assign_buckets(
 
 @dataclass
 class CommStats:
-    """Counts of gradient communication; :class:`GradientBuckets` keeps running totals, strategies per-step deltas."""
+    """Counts of gradient communication; :class:`GradientBuckets` keeps running totals, strategies per-step deltas.
+
+    Examples:
+        >>> before = CommStats(bytes_sent=1000, synced_backwards=2)
+        >>> step = CommStats(bytes_sent=1600, synced_backwards=3) - before
+        >>> step.bytes_sent, step.synced_backwards, step.as_dict("comm/")["comm/bytes_sent"]
+        (600, 1, 600.0)
+    """
 
     bytes_sent: int = 0
     """Bytes this rank sent for gradient reduction."""
@@ -124,7 +139,14 @@ class CommStats:
 
 @dataclass
 class Bucket:
-    """One flat buffer: the gradients of ``params`` back to back, then one presence flag per parameter."""
+    """One flat buffer: the gradients of ``params`` back to back, then one presence flag per parameter.
+
+    Examples:
+        >>> bias, weight = Parameter(torch.zeros(3)), Parameter(torch.zeros(2, 3))
+        >>> bucket = Bucket(0, [bias, weight], ["fc.bias", "fc.weight"], [0, 3], torch.zeros(3 + 6 + 2))
+        >>> bucket.numel, tuple(bucket.grad_view(1).shape), bucket.flags.tolist()
+        (9, (2, 3), [0.0, 0.0])
+    """
 
     index: int
     params: list[Parameter]
@@ -171,6 +193,15 @@ class GradientBuckets:
         reducer: the reduction, run on a dedicated communication thread (default: the ring all-reduce).
         bucket_cap_mb: cap of every bucket but the first, in MiB.
         first_bucket_cap_mb: cap of the first bucket, small so communication starts early in backward.
+
+    Examples:
+        >>> model = torch.nn.Linear(3, 2)
+        >>> buckets = GradientBuckets(model.named_parameters(), reducer=lambda buffer, group, counter: None)  # 1 rank
+        >>> buckets.layout()
+        [[('bias', (2,), 'torch.float32'), ('weight', (2, 3), 'torch.float32')]]
+        >>> buckets.arm(); model(torch.ones(4, 3)).sum().backward(); buckets.finish(); buckets.close()
+        >>> model.weight.grad.tolist(), buckets.totals.synced_backwards
+        ([[4.0, 4.0, 4.0], [4.0, 4.0, 4.0]], 1)
     """
 
     def __init__(

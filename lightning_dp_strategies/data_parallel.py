@@ -41,7 +41,7 @@ SUPPORTED_DEVICE_TYPES = ("cpu", "cuda")
 def as_devices(devices: Sequence[DeviceLike]) -> list[torch.device]:
     """Normalise ``devices`` (``torch.device``, ``"cuda:1"``, or a CUDA index) and check they are one supported type.
 
-    Example:
+    Examples:
         >>> as_devices(["cpu", torch.device("cpu")])
         [device(type='cpu'), device(type='cpu')]
     """
@@ -124,7 +124,7 @@ def _tensors(obj: Any, path: str) -> Iterator[tuple[str, Tensor]]:
 def split_sizes(batch_size: int, num_devices: int) -> list[int]:
     """Sizes of the chunks: as even as possible, the first ``batch_size % n`` one larger, never an empty chunk.
 
-    Example:
+    Examples:
         >>> split_sizes(10, 3)
         [4, 3, 3]
         >>> split_sizes(2, 4)  # a batch smaller than the number of devices uses fewer replicas
@@ -172,7 +172,7 @@ def scatter(inputs: T, devices: Sequence[DeviceLike], dim: int = 0, name: str = 
         dim: the batch dimension.
         name: how error messages call ``inputs``.
 
-    Example:
+    Examples:
         >>> pieces = scatter({"x": torch.arange(5), "tag": "a"}, ["cpu"] * 2)
         >>> [p["x"].tolist() for p in pieces], [p["tag"] for p in pieces]
         ([[0, 1, 2], [3, 4]], ['a', 'a'])
@@ -205,7 +205,7 @@ def replicate(module: M, devices: Sequence[DeviceLike]) -> list[M]:
     buffers (its BatchNorm running-statistics updates are kept) and every other replica gets its own copy (its updates
     are dropped) - no two threads ever write to one buffer.
 
-    Example:
+    Examples:
         >>> net = torch.nn.Linear(2, 2)
         >>> a, b = replicate(net, ["cpu", "cpu"])
         >>> a is not net and a.weight is net.weight and b.weight is net.weight
@@ -244,6 +244,15 @@ class ThreadContext:
 
     ``intra_op_threads`` (CPU replicas only) is the share of the caller's intra-op threads each replica's thread
     uses, so that N replicas on one CPU do not oversubscribe its cores N times over.
+
+    Examples:
+        >>> with torch.no_grad():
+        ...     context = ThreadContext.capture()
+        >>> context.grad_enabled, context.inference_mode, context.autocast
+        (False, False, ())
+        >>> with context.apply(torch.device("cpu")):  # e.g. in a replica's thread
+        ...     torch.is_grad_enabled()
+        False
     """
 
     grad_enabled: bool
@@ -297,7 +306,7 @@ def parallel_apply(
         inputs: ``(args, kwargs)`` per replica, as :func:`scatter` returns for ``(args, kwargs)``.
         devices: the device of each replica.
 
-    Example:
+    Examples:
         >>> inputs = [((torch.ones(1),), {}), ((torch.zeros(1),), {})]
         >>> [out.tolist() for out in parallel_apply([torch.neg, torch.exp], inputs, ["cpu"] * 2)]
         [[-1.0], [1.0]]
@@ -351,7 +360,7 @@ def gather(outputs: Sequence[Any], device: DeviceLike, dim: int = 0) -> Any:
     stacked into a vector with one value per replica, with a warning: their mean is not the batch mean when the split
     is uneven.
 
-    Example:
+    Examples:
         >>> gather([(torch.zeros(2), "a"), (torch.ones(1), "a")], "cpu")
         (tensor([0., 0., 1.]), 'a')
     """

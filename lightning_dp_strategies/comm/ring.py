@@ -46,7 +46,14 @@ _SUM_NAMES = {"sum"}
 
 @dataclass
 class CommCounter:
-    """What this rank sent: bytes, point-to-point messages, collective operations and seconds spent in them."""
+    """What this rank sent: bytes, point-to-point messages, collective operations and seconds spent in them.
+
+    Examples:
+        >>> total = CommCounter(bytes_sent=400, messages=2, operations=1)
+        >>> total.add(CommCounter(bytes_sent=100, messages=1))
+        >>> total.bytes_sent, total.messages, total.operations
+        (500, 3, 1)
+    """
 
     bytes_sent: int = 0
     messages: int = 0
@@ -69,7 +76,7 @@ class CommCounter:
 def is_average(op: ReduceOpLike) -> bool:
     """``True`` for an average, ``False`` for a sum; a clear error for anything else.
 
-    Example:
+    Examples:
         >>> is_average("mean"), is_average(dist.ReduceOp.SUM)
         (True, False)
     """
@@ -169,6 +176,14 @@ def ring_reduce_scatter(
     """Sum ``chunks`` (one contiguous tensor per rank, same sizes on every rank) around the ring, in place.
 
     Returns the index of the chunk this rank now holds fully summed: ``(rank + 1) % world_size``.
+
+    Examples:
+        >>> # on rank 0 of an initialised 2-process group (rank 1 passes the same tensor)
+        >>> chunks = list(torch.arange(4.0).tensor_split(2))  # doctest: +SKIP
+        >>> ring_reduce_scatter(chunks)  # doctest: +SKIP
+        1
+        >>> chunks[1]  # doctest: +SKIP
+        tensor([4., 6.])
     """
     rank, size, nxt, prv = _ring_neighbours(group)
     if len(chunks) != size:
@@ -183,7 +198,17 @@ def ring_reduce_scatter(
 def ring_all_gather(
     chunks: list[Tensor], group: dist.ProcessGroup | None = None, counter: CommCounter | None = None
 ) -> None:
-    """Circulate each rank's owned chunk (index ``(rank + 1) % world_size``) so every rank holds all of them."""
+    """Circulate each rank's owned chunk (index ``(rank + 1) % world_size``) so every rank holds all of them.
+
+    Examples:
+        >>> # on every rank of an initialised 2-process group: reduce-scatter then all-gather is an all-reduce (sum)
+        >>> flat = torch.arange(4.0)  # doctest: +SKIP
+        >>> chunks = list(flat.tensor_split(2))  # views of flat  # doctest: +SKIP
+        >>> owned = ring_reduce_scatter(chunks)  # doctest: +SKIP
+        >>> ring_all_gather(chunks)  # doctest: +SKIP
+        >>> flat  # doctest: +SKIP
+        tensor([0., 2., 4., 6.])
+    """
     rank, size, nxt, prv = _ring_neighbours(group)
     if len(chunks) != size:
         raise ValueError(f"ring_all_gather needs one chunk per rank: got {len(chunks)} for {size} ranks.")
@@ -209,7 +234,7 @@ def ring_all_reduce(
     Returns:
         ``tensor``, now holding the reduction.
 
-    Example:
+    Examples:
         >>> # on every rank of an initialised process group
         >>> grad = torch.full((10,), float(dist.get_rank()))  # doctest: +SKIP
         >>> ring_all_reduce(grad, op="avg")                     # doctest: +SKIP
@@ -235,7 +260,14 @@ def ring_all_reduce(
 
 
 def reference_all_reduce(tensor: Tensor, op: ReduceOpLike = "avg", group: dist.ProcessGroup | None = None) -> Tensor:
-    """The naive oracle: the backend's own ``all_reduce`` (sum), divided by the group size for an average."""
+    """The naive oracle: the backend's own ``all_reduce`` (sum), divided by the group size for an average.
+
+    Examples:
+        >>> # on every rank of an initialised 2-process group
+        >>> grad = torch.full((3,), float(dist.get_rank()))  # doctest: +SKIP
+        >>> reference_all_reduce(grad, op="avg")  # doctest: +SKIP
+        tensor([0.5000, 0.5000, 0.5000])
+    """
     average = is_average(op)
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     if average:

@@ -17,7 +17,13 @@ MODEL_SIZES = {"small": (128, 4), "medium": (512, 6), "large": (1536, 9)}
 
 @dataclass(frozen=True)
 class DemoConfig:
-    """Everything that defines one comparison run, identical for every strategy in it."""
+    """Everything that defines one comparison run, identical for every strategy in it.
+
+    Examples:
+        >>> config = DemoConfig(steps=5, model_size="medium")
+        >>> config.steps, config.global_batch, config.model_size
+        (5, 64, 'medium')
+    """
 
     steps: int = 30
     global_batch: int = 64
@@ -30,7 +36,14 @@ class DemoConfig:
 
 
 def make_dataset(config: DemoConfig, train: bool = True) -> TensorDataset:
-    """Gaussian clusters, one per class: learnable, so accuracy means something. Nothing is downloaded."""
+    """Gaussian clusters, one per class: learnable, so accuracy means something. Nothing is downloaded.
+
+    Examples:
+        >>> config = DemoConfig(samples=256)
+        >>> x, y = make_dataset(config).tensors
+        >>> tuple(x.shape), tuple(y.shape), len(make_dataset(config, train=False))
+        ((256, 32), (256,), 64)
+    """
     gen = torch.Generator().manual_seed(config.seed + (0 if train else 1))
     centers = torch.randn(config.classes, config.features, generator=torch.Generator().manual_seed(config.seed))
     n = config.samples if train else config.samples // 4
@@ -45,6 +58,13 @@ class GlobalBatchSampler(Sampler[list[int]]):
     The global batches (a seeded permutation per epoch, cut into ``global_batch`` samples) are the same whatever the
     number of data-parallel replicas, so every strategy trains on exactly the same data and can be compared with
     the single-device baseline parameter by parameter.
+
+    Examples:
+        >>> config = DemoConfig(steps=2, global_batch=8, samples=32)
+        >>> whole = list(GlobalBatchSampler(32, config))
+        >>> halves = [list(GlobalBatchSampler(32, config, replicas=2, rank=r)) for r in (0, 1)]
+        >>> len(whole), len(whole[0]), len(halves[1][0]), all(whole[s] == halves[0][s] + halves[1][s] for s in range(2))
+        (2, 8, 4, True)
     """
 
     def __init__(self, size: int, config: DemoConfig, replicas: int = 1, rank: int = 0) -> None:
@@ -69,7 +89,13 @@ class GlobalBatchSampler(Sampler[list[int]]):
 
 
 class DemoClassifier(L.LightningModule):
-    """An MLP whose body is the ``nn.Sequential`` ``self.blocks``: a sequence of blocks, as pipeline splitting wants."""
+    """An MLP whose body is the ``nn.Sequential`` ``self.blocks``: a sequence of blocks, as pipeline splitting wants.
+
+    Examples:
+        >>> model = DemoClassifier(DemoConfig(model_size="small"))
+        >>> len(model.blocks), tuple(model(torch.zeros(5, 32)).shape)
+        (4, (5, 8))
+    """
 
     def __init__(self, config: DemoConfig) -> None:
         super().__init__()

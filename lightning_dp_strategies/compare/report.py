@@ -31,7 +31,15 @@ COLUMNS = (
 
 
 def format_table(results: Sequence[RunResult]) -> str:
-    """A plain-text table, one row per strategy; ``-`` where a figure does not apply or was not measured."""
+    """A plain-text table, one row per strategy; ``-`` where a figure does not apply or was not measured.
+
+    Examples:
+        >>> row = RunResult("single", processes=1, devices=1, step_ms=12.5, samples_per_second=5120.0)
+        >>> failed = RunResult("ddp", processes=2, devices=2, status="failed", error="exit 1")
+        >>> lines = format_table([row, failed]).splitlines()
+        >>> lines[2].split(), lines[-1]
+        (['single', '1', '1', '5120', '12.5', '-', '-', '-', '-', '-', '-', 'ok'], '  ddp: exit 1')
+    """
     rows = [[title for _, title, _ in COLUMNS]]
     for result in results:
         row = []
@@ -60,7 +68,15 @@ def machine() -> dict[str, object]:
 
 
 def write_json(results: Sequence[RunResult], config: DemoConfig, devices: int, path: Path) -> None:
-    """Everything measured, curves included, with the configuration and the machine."""
+    """Everything measured, curves included, with the configuration and the machine.
+
+    Examples:
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     write_json([RunResult("single", 1, 1)], DemoConfig(), devices=1, path=Path(tmp) / "results.json")
+        ...     sorted(json.loads((Path(tmp) / "results.json").read_text()))
+        ['config', 'devices', 'machine', 'results']
+    """
     payload = {
         "config": asdict(config),
         "devices": devices,
@@ -71,7 +87,13 @@ def write_json(results: Sequence[RunResult], config: DemoConfig, devices: int, p
 
 
 def write_figure(results: Sequence[RunResult], path: Path) -> bool:
-    """Throughput, communication and loss curves side by side; ``False`` (and no file) without matplotlib."""
+    """Throughput, communication and loss curves side by side; ``False`` (and no file) without matplotlib.
+
+    Examples:
+        >>> results = [RunResult("single", 1, 1, samples_per_second=5120.0, loss_curve=[2.1, 1.4, 0.9])]
+        >>> write_figure(results, Path("comparison.png"))  # doctest: +SKIP
+        True
+    """
     try:
         import matplotlib
 

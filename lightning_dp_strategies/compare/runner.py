@@ -27,12 +27,23 @@ WARMUP_STEPS = 3
 
 
 def available_strategies() -> list[str]:
-    """The names ``compare`` accepts: the baseline, then every registered strategy (ours and Lightning's)."""
+    """The names ``compare`` accepts: the baseline, then every registered strategy (ours and Lightning's).
+
+    Examples:
+        >>> names = available_strategies()
+        >>> names[0], "ring_allreduce" in names, "ddp" in names
+        ('single', True, True)
+    """
     return [BASELINE, *sorted(StrategyRegistry)]
 
 
 def default_strategies() -> list[str]:
-    """The baseline, ``dp``, ``ring_allreduce``, Lightning's ``ddp`` and ``hybrid_pipeline``, where registered."""
+    """The baseline, ``dp``, ``ring_allreduce``, Lightning's ``ddp`` and ``hybrid_pipeline``, where registered.
+
+    Examples:
+        >>> default_strategies()[:4]
+        ['single', 'dp', 'ring_allreduce', 'ddp']
+    """
     names = set(available_strategies())
     return [n for n in PREFERRED_ORDER if n in names]
 
@@ -44,7 +55,13 @@ def processes_for(name: str, devices: int) -> int:
 
 @dataclass
 class RunResult:
-    """One row of the comparison (and its curves)."""
+    """One row of the comparison (and its curves).
+
+    Examples:
+        >>> row = RunResult("ring_allreduce", processes=2, devices=2)
+        >>> row.status, row.step_ms, row.loss_curve
+        ('ok', None, [])
+    """
 
     strategy: str
     processes: int
@@ -201,7 +218,14 @@ def compare(
     extra_imports: list[str] | None = None,
     progress: Callable[[str], None] = print,
 ) -> list[RunResult]:
-    """Run every strategy in turn and fill in loss, accuracy and the parameter difference from the baseline."""
+    """Run every strategy in turn and fill in loss, accuracy and the parameter difference from the baseline.
+
+    Examples:
+        >>> names = ["single", "ring_allreduce"]  # each trains in its own subprocess: seconds to minutes
+        >>> results = compare(names, DemoConfig(steps=10), 2, Path("runs"), progress=lambda _: None)  # doctest: +SKIP
+        >>> [(r.strategy, r.status) for r in results]  # doctest: +SKIP
+        [('single', 'ok'), ('ring_allreduce', 'ok')]
+    """
     out.mkdir(parents=True, exist_ok=True)
     results: list[RunResult] = []
     for i, name in enumerate(strategies, 1):

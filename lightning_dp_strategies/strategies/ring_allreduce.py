@@ -90,7 +90,7 @@ class RingAllReduceStrategy(DDPStrategy):
         timeout: collective timeout (``timedelta`` or seconds); ``None`` is 5 minutes on gloo, 30 on NCCL.
         start_method: ``"popen"`` (scripts, the default), ``"spawn"``, ``"fork"`` (notebooks) or ``"forkserver"``.
 
-    Example:
+    Examples:
         >>> import lightning as L
         >>> import lightning_dp_strategies  # registers "ring_allreduce"
         >>> trainer = L.Trainer(strategy="ring_allreduce", accelerator="cpu", devices=2)  # doctest: +SKIP

@@ -67,7 +67,7 @@ class ScatterGatherStrategy(ParallelStrategy):
         precision_plugin: set by the Trainer; autocast (``precision="bf16-mixed"``) applies inside every replica.
         dim: the batch dimension that inputs are split and outputs concatenated along.
 
-    Example:
+    Examples:
         >>> import lightning as L
         >>> import lightning_dp_strategies  # registers "dp" and "scatter_gather"
         >>> trainer = L.Trainer(strategy="dp", accelerator="cpu", devices=3)  # doctest: +SKIP
