@@ -9,7 +9,12 @@ True
 from lightning_dp_strategies.bucketing import CommStats, GradientBuckets, GradReducer, assign_buckets, ring_reducer
 from lightning_dp_strategies.comm import CommCounter, reference_all_reduce, ring_all_reduce
 from lightning_dp_strategies.data_parallel import gather, parallel_apply, replicate, scatter
-from lightning_dp_strategies.strategies import RingAllReduceStrategy, ScatterGatherStrategy, register_all
+from lightning_dp_strategies.strategies import (
+    HybridPipelineStrategy,
+    RingAllReduceStrategy,
+    ScatterGatherStrategy,
+    register_all,
+)
 
 __version__ = "0.1.0"
 
@@ -18,6 +23,7 @@ __all__ = [
     "CommStats",
     "GradReducer",
     "GradientBuckets",
+    "HybridPipelineStrategy",
     "RingAllReduceStrategy",
     "ScatterGatherStrategy",
     "assign_buckets",

@@ -2,13 +2,20 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_dp_strategies.strategies.hybrid_pipeline import HybridPipelineStrategy
 from lightning_dp_strategies.strategies.ring_allreduce import RingAllReduceStrategy
 from lightning_dp_strategies.strategies.scatter_gather import ScatterGatherStrategy
 
-__all__ = ["RingAllReduceStrategy", "ScatterGatherStrategy", "register_all"]
+__all__ = ["HybridPipelineStrategy", "RingAllReduceStrategy", "ScatterGatherStrategy", "register_all"]
 
 
 def register_all() -> None:
-    """Register every strategy name of this package with Lightning's ``StrategyRegistry`` (safe to call twice)."""
-    for strategy in (RingAllReduceStrategy, ScatterGatherStrategy):
+    """Register every strategy name of this package with Lightning's ``StrategyRegistry`` (safe to call twice).
+
+    Examples:
+        >>> register_all()  # importing lightning_dp_strategies already did; a second call changes nothing
+        >>> "ring_allreduce" in StrategyRegistry and "dp" in StrategyRegistry
+        True
+    """
+    for strategy in (HybridPipelineStrategy, RingAllReduceStrategy, ScatterGatherStrategy):
         strategy.register_strategies(StrategyRegistry)

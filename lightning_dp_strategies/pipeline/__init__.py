@@ -1,0 +1,70 @@
+"""Pipeline parallelism on plain ``torch.distributed``: partition, micro-batching, schedules, measurement.
+
+Nothing here imports Lightning; :class:`~lightning_dp_strategies.strategies.HybridPipelineStrategy` puts it
+together with the data-parallel gradient buckets.
+
+- :mod:`.partition`: cut a sequence of blocks into contiguous stages (explicit balance, by parameters, by time).
+- :mod:`.microbatch`: how a batch is cut into equal micro-batches, and the checks before training.
+- :mod:`.schedule`: ``"gpipe"`` and ``"1f1b"``: a pure clock-table model of each and the glue to
+  ``torch.distributed.pipelining``.
+- :mod:`.runner`: one rank's side of a pipeline step, with the measured bubble.
+- :mod:`.memory`: activation memory measured with saved-tensor hooks (any device).
+- :mod:`.clipping`: gradient clipping by the global norm across stages.
+- :mod:`.state`: optimizer state of the stages <-> one state dict of the whole model.
+"""
+
+from lightning_dp_strategies.pipeline.clipping import clip_grad_norm_across
+from lightning_dp_strategies.pipeline.memory import ActivationMeter
+from lightning_dp_strategies.pipeline.microbatch import check_micro_batches, effective_micro_batches
+from lightning_dp_strategies.pipeline.partition import (
+    balance_by_parameters,
+    balance_by_time,
+    balance_costs,
+    check_balance,
+    stage_ranges,
+)
+from lightning_dp_strategies.pipeline.runner import LossFn, PipelineRunner, StepResult, StepStats
+from lightning_dp_strategies.pipeline.schedule import (
+    SCHEDULES,
+    clock_table,
+    effective_schedule,
+    gpipe_bubble,
+    make_schedule,
+    stage_order,
+    table_bubble,
+    table_in_flight,
+)
+from lightning_dp_strategies.pipeline.state import (
+    full_group_names,
+    merge_optimizer_states,
+    name_optimizer_state,
+    select_optimizer_state,
+)
+
+__all__ = [
+    "SCHEDULES",
+    "ActivationMeter",
+    "LossFn",
+    "PipelineRunner",
+    "StepResult",
+    "StepStats",
+    "balance_by_parameters",
+    "balance_by_time",
+    "balance_costs",
+    "check_balance",
+    "check_micro_batches",
+    "clip_grad_norm_across",
+    "clock_table",
+    "effective_micro_batches",
+    "effective_schedule",
+    "full_group_names",
+    "gpipe_bubble",
+    "make_schedule",
+    "merge_optimizer_states",
+    "name_optimizer_state",
+    "select_optimizer_state",
+    "stage_order",
+    "stage_ranges",
+    "table_bubble",
+    "table_in_flight",
+]

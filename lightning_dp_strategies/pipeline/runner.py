@@ -1,0 +1,255 @@
+"""One rank's side of a pipeline step: micro-batch, run the schedule, measure the bubble, share the last output.
+
+Every rank of a pipeline replica calls the same methods with the same batch (the stages of one replica see the
+same data); the runner feeds the inputs to the first stage only and the target to the last stage only. The
+``torch.distributed.pipelining`` stage sizes its receive buffers from the first micro-batch it sees, so the runner
+keeps one stage and schedule per batch shape (usually two or three: full batches, the last batch of an epoch,
+evaluation batches).
+
+A training step runs forward *and* backward of every micro-batch (the schedule interleaves them), leaving this
+stage's parameter gradients accumulated in ``.grad`` exactly as one ``loss.backward()`` on the whole batch would:
+micro-batch losses are weighted ``scale / M``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+from lightning_dp_strategies.pipeline.memory import ActivationMeter
+from lightning_dp_strategies.pipeline.microbatch import effective_micro_batches
+from lightning_dp_strategies.pipeline.schedule import TimedStage, make_schedule
+
+__all__ = ["LossFn", "PipelineRunner", "StepResult", "StepStats"]
+
+LossFn = Callable[[Tensor, Tensor], Tensor]
+"""The loss of one micro-batch on the last stage's output: ``loss_fn(output, target)``, a mean over the micro-batch."""
+
+
+@dataclass
+class StepStats:
+    """What one pipeline step on this rank took."""
+
+    micro_batches: int = 0
+    """Micro-batches the step ran (less than configured for a batch they do not divide)."""
+    step_seconds: float = 0.0
+    """Wall time of the whole schedule on this rank."""
+    compute_seconds: float = 0.0
+    """Time this rank spent in forward and backward of its stage; the rest is waiting for neighbours."""
+    warmup: bool = False
+    """The step built a new stage for a new batch shape (its time includes torch's shape inference)."""
+    peak_activation_bytes: int = 0
+    """Peak bytes saved for backward during the step, the parameters and the batch itself excluded (0 unless
+    ``measure_activations``)."""
+
+    @property
+    def bubble(self) -> float:
+        """Idle time over total time of the step on this rank."""
+        if self.step_seconds <= 0:
+            return 0.0
+        return max(0.0, 1.0 - self.compute_seconds / self.step_seconds)
+
+
+@dataclass
+class StepResult:
+    """A training step's outcome on this rank."""
+
+    output: Tensor | None
+    """The last stage's output for the whole batch, detached (``None`` on other stages)."""
+    loss: Tensor | None
+    """The batch-mean loss, detached (``None`` but on the last stage)."""
+    stats: StepStats = field(default_factory=StepStats)
+
+
+@dataclass
+class _Entry:
+    stage: TimedStage
+    schedule: PipelineScheduleSingle
+    micro_batches: int
+
+
+class PipelineRunner:
+    """Runs this rank's stage of a pipeline of ``num_stages`` ranks.
+
+    Args:
+        module: this stage's blocks (an ``nn.Sequential`` of a contiguous slice of the body).
+        stage_index: this rank's stage.
+        num_stages: stages in the pipeline.
+        group: the pipeline group, its ranks ordered by stage (group rank ``s`` runs stage ``s``).
+        device: where this stage runs.
+        schedule: ``"gpipe"`` or ``"1f1b"``.
+        micro_batches: micro-batches per step.
+        measure_activations: record the peak bytes saved for backward in each step's statistics.
+
+    Example (on every rank of a 2-stage pipeline, under ``torch.distributed``)::
+
+        runner = PipelineRunner(blocks[rank], rank, 2, group=None, device=torch.device("cpu"),
+                                schedule="1f1b", micro_batches=4)
+        result = runner.train_step(x, y, F.cross_entropy)   # .grad of this stage's parameters is now set
+        out = runner.forward(x)                              # the last stage's output, on the last stage
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        stage_index: int,
+        num_stages: int,
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+        schedule: str = "1f1b",
+        micro_batches: int = 1,
+        measure_activations: bool = False,
+    ) -> None:
+        # configuration
+        self.module = module
+        self.stage_index = stage_index
+        self.num_stages = num_stages
+        self.group = group
+        self.device = device
+        self.schedule = schedule
+        self.micro_batches = micro_batches
+        self.measure_activations = measure_activations
+        # runtime state
+        self._entries: dict[Hashable, _Entry] = {}
+        self._output_meta: dict[Hashable, tuple[tuple[int, ...], torch.dtype] | str] = {}
+        self._last_key: Hashable = None
+        self._loss_fn: LossFn | None = None
+        self._weight = 1.0
+        # statistics
+        self.last_stats = StepStats()
+        self.last_order: list[str] = []
+        """The order this stage ran its forwards and backwards in the latest step (``["F0", "F1", "B0", ...]``)."""
+
+    @property
+    def is_first(self) -> bool:
+        """Whether this rank runs the first stage (it consumes the inputs)."""
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this rank runs the last stage (it produces the output and the loss)."""
+        return self.stage_index == self.num_stages - 1
+
+    # ------------------------------------------------------------------ stages per batch shape
+    def _entry(self, key: Hashable, micro_batches: int, training: bool) -> tuple[_Entry, bool]:
+        self._last_key = key
+        entry = self._entries.get(key)
+        if entry is not None:
+            return entry, False
+        stage = TimedStage(self.module, self.stage_index, self.num_stages, self.device, group=self.group)
+        loss = self._weighted_loss if training else None
+        entry = _Entry(stage, make_schedule(self.schedule, stage, micro_batches, loss), micro_batches)
+        self._entries[key] = entry
+        return entry, True
+
+    def _weighted_loss(self, output: Tensor, target: Tensor) -> Tensor:
+        assert self._loss_fn is not None
+        return self._loss_fn(output, target) * self._weight
+
+    @staticmethod
+    def _shape_key(inputs: Tensor, target: Tensor | None) -> tuple[object, ...]:
+        target_key = None if target is None else (tuple(target.shape), target.dtype)
+        return (tuple(inputs.shape), inputs.dtype, target_key, torch.is_inference_mode_enabled())
+
+    # ------------------------------------------------------------------ steps
+    def train_step(self, inputs: Tensor, target: Tensor, loss_fn: LossFn, scale: float = 1.0) -> StepResult:
+        """Forward and backward of one batch through the pipeline; gradients accumulate into ``.grad``.
+
+        Every stage passes the same ``inputs`` and ``target`` (the whole batch); only their shapes matter off the
+        first and last stage. ``scale`` multiplies the gradient (``1 / accumulate_grad_batches``).
+        """
+        batch = int(inputs.shape[0])
+        micro = effective_micro_batches(batch, self.micro_batches)
+        entry, new = self._entry(("train", micro, *self._shape_key(inputs, target)), micro, training=True)
+        self._loss_fn, self._weight = loss_fn, scale / micro
+        losses: list[Tensor] = []
+        kwargs: dict[str, Any] = {}
+        if self.is_last:
+            kwargs.update(target=target, losses=losses)
+        args = (inputs,) if self.is_first else ()
+        output, stats = self._timed(entry, new, args, kwargs)
+        self._loss_fn = None
+        loss = None
+        if self.is_last:
+            loss = (torch.stack([x.detach().float() for x in losses]).sum() / scale).to(losses[0].dtype)
+        return StepResult(output, loss, stats)
+
+    def forward(self, inputs: Tensor) -> Tensor | None:
+        """Forward only (evaluation): the whole batch's output on the last stage, ``None`` elsewhere."""
+        micro = effective_micro_batches(int(inputs.shape[0]), self.micro_batches)
+        entry, new = self._entry(("eval", micro, *self._shape_key(inputs, None)), micro, training=False)
+        args = (inputs,) if self.is_first else ()
+        output, _ = self._timed(entry, new, args, {})
+        return output
+
+    def _timed(
+        self, entry: _Entry, new: bool, args: tuple[Tensor, ...], kwargs: dict[str, Any]
+    ) -> tuple[Tensor | None, StepStats]:
+        entry.stage.compute_seconds = 0.0
+        entry.stage.actions = []
+        # the batch is data, not activations: its storage (shared by the micro-batch views) is not counted
+        excluded = [*self.module.parameters(), *args]
+        meter = ActivationMeter(exclude=excluded) if self.measure_activations else None
+        start = time.perf_counter()
+        if meter is not None:
+            with meter:
+                output = entry.schedule.step(*args, **kwargs)
+        else:
+            output = entry.schedule.step(*args, **kwargs)
+        stats = StepStats(
+            micro_batches=entry.micro_batches,
+            step_seconds=time.perf_counter() - start,
+            compute_seconds=entry.stage.compute_seconds,
+            warmup=new,
+            peak_activation_bytes=meter.peak_bytes if meter is not None else 0,
+        )
+        self.last_stats = stats
+        self.last_order = list(entry.stage.actions)
+        if isinstance(output, Tensor):
+            output = output.detach()
+        return output, stats
+
+    # ------------------------------------------------------------------ the output, on every stage
+    def share_output(self, output: Tensor | None) -> Tensor:
+        """Broadcast the last stage's ``output`` of the latest step to every stage of this pipeline.
+
+        Collective over the pipeline group: every stage calls it right after the same :meth:`train_step` or
+        :meth:`forward`. The output's shape and dtype are exchanged once per batch shape.
+        """
+        meta: Any = self._output_meta.get(self._last_key)
+        if meta is None:
+            if self.is_last:
+                meta = (tuple(output.shape), output.dtype) if isinstance(output, Tensor) else _not_a_tensor(output)
+            if self.num_stages > 1:
+                box = [meta]
+                dist.broadcast_object_list(box, group=self.group, group_src=self.num_stages - 1)
+                meta = box[0]
+            self._output_meta[self._last_key] = meta
+        if isinstance(meta, str):
+            raise TypeError(meta)
+        assert meta is not None
+        if self.num_stages == 1:
+            assert isinstance(output, Tensor)
+            return output
+        shape, dtype = meta
+        if self.is_last:
+            assert isinstance(output, Tensor)
+            buffer = output.contiguous()
+        else:
+            buffer = torch.empty(shape, dtype=dtype, device=self.device)
+        dist.broadcast(buffer, group=self.group, group_src=self.num_stages - 1)
+        return buffer
+
+
+def _not_a_tensor(output: object) -> str:
+    return (
+        f"The last pipeline stage returned {type(output).__name__}, but the pipeline passes one tensor between "
+        "stages and to the loss: make the last block of the body return a single tensor."
+    )

@@ -1,0 +1,870 @@
+"""Pipeline x data parallelism: the body split into stages across ranks, micro-batched, the pipeline replicated.
+
+The world is a ``pipeline_stages x data_parallel`` mesh; rank ``r`` runs stage ``r // D`` of replica ``r % D``::
+
+                 replica 0   replica 1          (D = data_parallel = world // pipeline_stages)
+    stage 0      rank 0      rank 1       <- data-parallel group of stage 0: gradients averaged (ring all-reduce)
+    stage 1      rank 2      rank 3
+                   ^
+                   pipeline group of replica 0: activations forward, gradients backward (point-to-point)
+
+How a training step goes, and why backward does not run twice. ``torch.distributed.pipelining``'s schedule runs
+forward *and* backward of every micro-batch itself (1F1B interleaves them), but Lightning's automatic optimization
+wants ``training_step`` to return a loss that it then backpropagates, after zeroing gradients in between. So:
+
+1. :meth:`HybridPipelineStrategy.training_step` runs the schedule on the batch (the first stage feeds the inputs,
+   the last computes ``pipeline_loss`` per micro-batch). The gradients it produces are held aside as *pending*
+   (``.grad`` is put back as it was, so Lightning's ``zero_grad`` that follows cannot erase them).
+2. The last stage's output is broadcast to every stage of the replica, and the LightningModule's own
+   ``training_step`` runs with its body answering with that output: whatever it logs (the loss, metrics) is
+   computed as on one device, on every rank, and reaches the logger and progress bar on rank 0. The loss it returns
+   has no graph.
+3. Lightning calls :meth:`~HybridPipelineStrategy.backward` with that loss. Instead of autograd, the pending
+   gradients are added to ``.grad`` (what ``loss.backward()`` would have done) and averaged over the stage's
+   data-parallel group with the gradient buckets of ``"ring_allreduce"``. ``on_before_backward`` and
+   ``on_after_backward`` still run.
+4. Clipping and the optimizer step go through Lightning unchanged; clipping by norm uses the global norm over all
+   stages; each stage's optimizer holds only its own parameters.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.optimizer import _optimizer_to_device, _optimizers_to_device
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor, nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_dp_strategies.bucketing import CommStats, GradientBuckets, GradReducer, ring_reducer
+from lightning_dp_strategies.pipeline import (
+    SCHEDULES,
+    PipelineRunner,
+    StepStats,
+    balance_by_parameters,
+    balance_by_time,
+    check_balance,
+    check_micro_batches,
+    clip_grad_norm_across,
+    full_group_names,
+    merge_optimizer_states,
+    name_optimizer_state,
+    select_optimizer_state,
+    stage_ranges,
+)
+from lightning_dp_strategies.strategies._registry import register_name
+from lightning_dp_strategies.strategies.ring_allreduce import (
+    ACCELERATOR_DEFAULT_TIMEOUT,
+    CPU_DEFAULT_TIMEOUT,
+    START_METHODS,
+    _check_backend,
+    _check_positive,
+    _check_timeout,
+)
+
+__all__ = ["HybridPipelineStrategy", "PipelineStats"]
+
+OPT_IN_EXAMPLE = """
+    class MyModel(L.LightningModule):
+        pipeline_body = "body"                      # 1. the nn.Sequential attribute holding the blocks
+
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+
+        def pipeline_loss(self, output, target):    # 2. the loss of one micro-batch, on the last block's output
+            return F.cross_entropy(output, target)
+
+        def training_step(self, batch, batch_idx):  # unchanged: batch = (inputs, target)
+            x, y = batch
+            loss = self.pipeline_loss(self.body(x), y)
+            self.log("train_loss", loss, prog_bar=True)
+            return loss
+"""
+
+
+@dataclass(frozen=True)
+class _Config:
+    pipeline_stages: int
+    micro_batches: int
+    schedule: str
+    balance: tuple[int, ...] | str
+    bucket_cap_mb: float
+    first_bucket_cap_mb: float
+    log_pipeline_stats: bool
+
+
+@dataclass
+class _Layout:
+    """Where this rank sits and what it holds; built at setup."""
+
+    stage: int
+    replica: int
+    replicas: int
+    pipeline_group: dist.ProcessGroup
+    data_group: dist.ProcessGroup
+    body_name: str
+    blocks: list[nn.Module]
+    balance: list[int]
+    full_keys: list[str]  # the whole module's state_dict keys, in order
+    param_order: list[str]  # the whole module's parameter names, in order
+    body_prefix: str = ""
+
+    @property
+    def local_blocks(self) -> range:
+        return stage_ranges(self.balance)[self.stage]
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == len(self.balance) - 1
+
+    def owns(self, name: str) -> bool:
+        """Whether this stage holds the authoritative value of state ``name`` (body keys: its blocks; others: last)."""
+        if name.startswith(self.body_prefix):
+            block = int(name[len(self.body_prefix) :].split(".", 1)[0])
+            return block in self.local_blocks
+        return self.is_last
+
+
+@dataclass
+class PipelineStats:
+    """Statistics of this rank's pipeline steps."""
+
+    last: StepStats = field(default_factory=StepStats)
+    """The latest training step: ``last.bubble`` is its idle time over its total time on this rank."""
+    steps: int = 0
+    """Training steps run."""
+    bubble_sum: float = 0.0
+    measured_steps: int = 0
+
+    @property
+    def mean_bubble(self) -> float:
+        """Mean bubble over steps that reused a built stage (the first step of each batch shape is left out)."""
+        return self.bubble_sum / self.measured_steps if self.measured_steps else 0.0
+
+    def record(self, stats: StepStats) -> None:
+        self.last = stats
+        self.steps += 1
+        if not stats.warmup:
+            self.bubble_sum += stats.bubble
+            self.measured_steps += 1
+
+
+class _ReplayBody:
+    """Stands in for the body during ``training_step``: returns the output the pipeline computed for this batch."""
+
+    def __init__(self, output: Tensor, inputs: Tensor, name: str) -> None:
+        self.output = output
+        self.inputs = inputs
+        self.name = name
+
+    def __call__(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        if not isinstance(x, Tensor) or x.shape != self.inputs.shape:
+            raise RuntimeError(
+                f"training_step called self.{self.name} on {_describe(x)}, but the pipeline ran this step on the "
+                f"batch's inputs of shape {tuple(self.inputs.shape)}. Under HybridPipelineStrategy the body runs "
+                "once per step, on the inputs `pipeline_split_batch` returns (by default batch[0]); call it on those."
+            )
+        return self.output
+
+
+class _PipelinedBody:
+    """Stands in for the body during evaluation: runs the forward-only pipeline and returns the last output."""
+
+    def __init__(self, runner: PipelineRunner) -> None:
+        self.runner = runner
+
+    def __call__(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        return self.runner.share_output(self.runner.forward(x))
+
+
+def _describe(x: object) -> str:
+    return f"a tensor of shape {tuple(x.shape)}" if isinstance(x, Tensor) else f"a {type(x).__name__}"
+
+
+class HybridPipelineStrategy(DDPStrategy):
+    """The body of the model split into pipeline stages across ranks, micro-batched, and replicated.
+
+    ``world = pipeline_stages x data_parallel`` processes, one device each. Stage ``s`` holds only its own blocks
+    (and its optimizer only their parameters); activations and their gradients travel between stages point to point
+    (``torch.distributed.pipelining``); the replicas of a stage average gradients with the bucketed ring all-reduce.
+    The distributed sampler splits the data over the ``data_parallel`` replicas only.
+
+    The LightningModule opts in with two members (a module without them gets an error naming them)::
+
+        class MyModel(L.LightningModule):
+            pipeline_body = "body"                      # 1. the nn.Sequential attribute holding the blocks
+
+            def pipeline_loss(self, output, target):    # 2. the loss of one micro-batch, on the last block's output
+                return F.cross_entropy(output, target)
+
+    Optionally ``pipeline_split_batch(self, batch) -> (inputs, target)`` when the batch is not ``(inputs, target)``.
+    Under this strategy ``training_step`` runs *after* the pipeline (see the module docstring): ``self.body(x)``
+    returns the pipeline's output and the gradient comes from ``pipeline_loss``.
+
+    Args:
+        pipeline_stages: number of stages ``S``; the world size must be a multiple of it.
+        micro_batches: micro-batches per step ``M``; the per-replica batch size must be a multiple of it.
+        schedule: ``"1f1b"`` (default; holds at most ``S - s`` micro-batches of activations on stage ``s``) or
+            ``"gpipe"`` (all forwards, then all backwards; holds ``M``).
+        balance: blocks per stage (e.g. ``[3, 2]``), ``"parameters"`` (default: even parameter counts) or
+            ``"time"`` (even measured forward+backward time on ``module.example_input_array``, measured on rank 0).
+        bucket_cap_mb: gradient bucket cap in MiB, as ``"ring_allreduce"``.
+        first_bucket_cap_mb: cap of the first bucket in MiB.
+        reducer: how a bucket is averaged over the data-parallel group (default: the ring all-reduce).
+        log_pipeline_stats: log ``pipeline/bubble`` (rank 0's) and the communication counters every
+            ``log_every_n_steps``.
+        process_group_backend: ``"gloo"``, ``"nccl"``, ...; ``None`` picks by device.
+        timeout: collective timeout (``timedelta`` or seconds); ``None`` is 5 minutes on gloo, 30 on NCCL.
+        start_method: ``"popen"`` (default), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
+
+    Examples:
+        >>> import lightning as L
+        >>> import lightning_dp_strategies  # registers "hybrid_pipeline"
+        >>> trainer = L.Trainer(strategy="hybrid_pipeline", accelerator="cpu", devices=4)  # doctest: +SKIP
+        >>> strategy = HybridPipelineStrategy(pipeline_stages=2, micro_batches=8, schedule="gpipe")
+    """
+
+    def __init__(
+        self,
+        pipeline_stages: int = 2,
+        micro_batches: int = 4,
+        schedule: Literal["gpipe", "1f1b"] = "1f1b",
+        balance: Sequence[int] | Literal["parameters", "time"] = "parameters",
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[Any] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        bucket_cap_mb: float = 25.0,
+        first_bucket_cap_mb: float = 1.0,
+        reducer: GradReducer = ring_reducer,
+        log_pipeline_stats: bool = False,
+        process_group_backend: str | None = None,
+        timeout: timedelta | float | None = None,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        for name, value in (("pipeline_stages", pipeline_stages), ("micro_batches", micro_batches)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"`{name}` must be an integer >= 1, got {value!r}.")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"Unknown pipeline `schedule` {schedule!r}: use one of {list(SCHEDULES)}.")
+        if isinstance(balance, str):
+            if balance not in ("parameters", "time"):
+                raise ValueError(
+                    f"Unknown `balance` {balance!r}: use 'parameters', 'time', or a list of blocks per stage."
+                )
+            balance_value: tuple[int, ...] | str = balance
+        else:
+            balance_value = tuple(check_balance(balance, sum(int(b) for b in balance), pipeline_stages))
+        if start_method not in START_METHODS:
+            raise ValueError(f"Unknown `start_method` {start_method!r}: use one of {list(START_METHODS)}.")
+        if not callable(reducer):
+            raise TypeError(f"`reducer` must be callable as reducer(buffer, group, counter), got {reducer!r}.")
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=_check_backend(process_group_backend),
+            timeout=_check_timeout(timeout),
+            start_method=start_method,
+        )
+        # configuration
+        self.config = _Config(
+            pipeline_stages=pipeline_stages,
+            micro_batches=micro_batches,
+            schedule=schedule,
+            balance=balance_value,
+            bucket_cap_mb=_check_positive("bucket_cap_mb", bucket_cap_mb),
+            first_bucket_cap_mb=_check_positive("first_bucket_cap_mb", first_bucket_cap_mb),
+            log_pipeline_stats=bool(log_pipeline_stats),
+        )
+        self.reducer = reducer
+        # runtime state
+        self.layout: _Layout | None = None
+        self.runner: PipelineRunner | None = None
+        self.buckets: GradientBuckets | None = None
+        self._mesh: Any = None
+        self._grad_groups: list[dist.ProcessGroup] = []
+        self._pending: dict[nn.Parameter, Tensor | None] = {}
+        self._sync_blocked = False
+        self._batch_checked = False
+        self._warned_loss = False
+        self._failed = False
+        self._trained = False
+        self._metric_groups: list[tuple[Any, Any]] = []
+        self._step_start = CommStats()
+        # statistics
+        self.pipeline_stats = PipelineStats()
+        """Bubble and timing of this rank's pipeline steps."""
+        self.step_stats = CommStats()
+        """Gradient communication of the last optimizer step (over this stage's data-parallel group)."""
+
+    # ------------------------------------------------------------------ mesh
+    @property
+    def data_parallel_size(self) -> int:
+        """Replicas of the pipeline: ``world_size // pipeline_stages``."""
+        return max(1, self.world_size // self.config.pipeline_stages)
+
+    def _check_world(self, world_size: int) -> None:
+        stages = self.config.pipeline_stages
+        if world_size % stages:
+            fits = [d for d in range(1, world_size + 1) if world_size % d == 0]
+            lower, upper = stages * max(1, world_size // stages), stages * (world_size // stages + 1)
+            raise ValueError(
+                f"The world size {world_size} (devices x nodes) is not divisible by pipeline_stages={stages}: the "
+                f"ranks form a pipeline_stages x data_parallel grid. Use devices={lower} or {upper}, or "
+                f"pipeline_stages in {fits}."
+            )
+
+    @override
+    def _configure_launcher(self) -> None:
+        self._check_world(self.num_nodes * self.num_processes)
+        super()._configure_launcher()
+
+    @override
+    def setup_distributed(self) -> None:
+        self._check_world(self.num_nodes * self.num_processes)
+        if self._timeout is None:
+            backend = self._get_process_group_backend()
+            self._timeout = CPU_DEFAULT_TIMEOUT if backend == "gloo" else ACCELERATOR_DEFAULT_TIMEOUT
+        super().setup_distributed()
+        stages, replicas = self.config.pipeline_stages, self.data_parallel_size
+        self._mesh = init_device_mesh(
+            self.root_device.type, (stages, replicas), mesh_dim_names=("pipeline", "data_parallel")
+        )
+        # a dedicated group per stage for the gradient buckets: the communication thread never interleaves with
+        # collectives the main thread issues on the mesh groups (metric syncing, logging with sync_dist)
+        self._grad_groups = [
+            dist.new_group([s * replicas + d for d in range(replicas)], backend=self._process_group_backend)
+            for s in range(stages)
+        ]
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Split the data over the data-parallel replicas only: the stages of one replica see the same batches."""
+        return {"num_replicas": self.data_parallel_size, "rank": self.global_rank % self.data_parallel_size}
+
+    # ------------------------------------------------------------------ setup
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        assert module is not None and self.model is not None
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        body_name = _check_opt_in(module)
+        if fitting and not module.automatic_optimization:
+            raise ValueError(
+                f"{type(self).__name__} supports automatic optimization only: the pipeline schedule runs backward "
+                "itself, micro-batch by micro-batch, so `manual_backward` has nothing to do. Remove "
+                "`self.automatic_optimization = False` (Lightning then clips and steps), or use "
+                "strategy='ring_allreduce'."
+            )
+        if isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.scaler is not None:
+            raise ValueError(
+                f"{type(self).__name__} does not support precision='16-mixed': its loss scaling would have to run "
+                "inside the pipeline schedule. Use precision='bf16-mixed' or '32-true'."
+            )
+        self._batch_checked = self._trained = self._failed = False
+        self._partition(module, body_name)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self._sync_replicas()
+        layout = self.layout
+        assert layout is not None
+        stage_module = nn.Sequential(*[layout.blocks[i] for i in layout.local_blocks])
+        self.runner = PipelineRunner(
+            stage_module,
+            layout.stage,
+            self.config.pipeline_stages,
+            layout.pipeline_group,
+            self.root_device,
+            self.config.schedule,
+            self.config.micro_batches,
+        )
+        self._set_metric_groups(module)
+        if fitting:
+            if layout.replicas > 1:
+                self.buckets = GradientBuckets(
+                    self._owned_parameters(),
+                    group=self._grad_groups[layout.stage],
+                    reducer=self.reducer,
+                    bucket_cap_mb=self.config.bucket_cap_mb,
+                    first_bucket_cap_mb=self.config.first_bucket_cap_mb,
+                )
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        self._install_global_norm_clipping()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _partition(self, module: pl.LightningModule, body_name: str) -> None:
+        """Work out the balance, then remove every other stage's blocks from this rank's module."""
+        body = getattr(module, body_name)
+        blocks = list(body)
+        stages = self.config.pipeline_stages
+        if isinstance(self.config.balance, tuple):
+            balance = check_balance(self.config.balance, len(blocks), stages)
+        elif self.config.balance == "time":
+            balance = self._balance_by_time(module, blocks)
+        else:
+            balance = balance_by_parameters(blocks, stages)
+        mesh = self._mesh
+        layout = _Layout(
+            stage=self.global_rank // self.data_parallel_size,
+            replica=self.global_rank % self.data_parallel_size,
+            replicas=self.data_parallel_size,
+            pipeline_group=mesh.get_group("pipeline"),
+            data_group=mesh.get_group("data_parallel"),
+            body_name=body_name,
+            blocks=blocks,
+            balance=balance,
+            full_keys=list(module.state_dict().keys()),
+            param_order=[n for n, _ in module.named_parameters()],
+            body_prefix=_prefix_of(module, body),
+        )
+        local = set(layout.local_blocks)
+        for index in range(len(blocks)):
+            if index not in local:
+                del body._modules[str(index)]
+        self.layout = layout
+
+    def _balance_by_time(self, module: pl.LightningModule, blocks: list[nn.Module]) -> list[int]:
+        sample = getattr(module, "example_input_array", None)
+        if not isinstance(sample, Tensor):
+            raise ValueError(
+                "balance='time' measures each block on `example_input_array`, which "
+                f"{type(module).__name__} does not set to a tensor. Set `self.example_input_array = "
+                "torch.randn(batch, ...)` in __init__, or use balance='parameters' or an explicit list."
+            )
+        box: list[Any] = [None]
+        if self.global_rank == 0:
+            box[0] = balance_by_time(blocks, sample, self.config.pipeline_stages)
+        dist.broadcast_object_list(box, src=0)  # timings differ per process: every rank uses rank 0's balance
+        return list(box[0])
+
+    def _sync_replicas(self) -> None:
+        """Every replica of a stage starts from replica 0's parameters and buffers (as DDP does from rank 0)."""
+        module = self.lightning_module
+        layout = self.layout
+        assert module is not None and layout is not None
+        if layout.replicas == 1:
+            return
+        for tensor in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(tensor.data, group=layout.data_group, group_src=0)
+
+    def _owned_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        module, layout = self.lightning_module, self.layout
+        assert module is not None and layout is not None
+        return [(n, p) for n, p in module.named_parameters() if layout.owns(n)]
+
+    def _set_metric_groups(self, module: pl.LightningModule) -> None:
+        """torchmetrics on every stage sync over the data-parallel group: the stages of a replica hold equal states."""
+        try:
+            from torchmetrics import Metric
+        except ImportError:  # pragma: no cover - torchmetrics comes with Lightning
+            return
+        assert self.layout is not None
+        for sub in module.modules():
+            if isinstance(sub, Metric):
+                self._metric_groups.append((sub, sub.process_group))
+                sub.process_group = self.layout.data_group
+
+    def _install_global_norm_clipping(self) -> None:
+        """Route Lightning's clip-by-norm to the norm over all stages (clip-by-value needs nothing)."""
+        layout, precision = self.layout, self.precision_plugin
+        assert layout is not None
+
+        def clip_grad_by_norm(optimizer: Optimizer, clip_val: float | int) -> None:
+            params = list(precision.main_params(optimizer))
+            clip_grad_norm_across(params, float(clip_val), group=layout.pipeline_group, device=self.root_device)
+
+        precision.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
+
+    # ------------------------------------------------------------------ training
+    @override
+    def on_train_start(self) -> None:
+        loader = self.lightning_module.trainer.train_dataloader if self.lightning_module is not None else None
+        batch_size = getattr(loader, "batch_size", None)
+        if batch_size is None:
+            batch_size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
+        if isinstance(batch_size, int):
+            check_micro_batches(batch_size, self.config.micro_batches, "the training DataLoader (per replica)")
+            self._batch_checked = True
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        module, runner, layout = self.lightning_module, self.runner, self.layout
+        assert module is not None and runner is not None and layout is not None
+        batch = args[0] if args else kwargs["batch"]
+        inputs, target = _split_batch(module, batch)
+        if not self._batch_checked:
+            check_micro_batches(int(inputs.shape[0]), self.config.micro_batches, "the first training batch")
+            self._batch_checked = True
+        scale = 1.0 / max(1, module.trainer.accumulate_grad_batches)
+        with self.precision_plugin.train_step_context():
+            result = self._run_pipeline(inputs, target, scale)
+            output = runner.share_output(result.output)
+            with self._body_replaced(_ReplayBody(output, inputs, layout.body_name)):
+                step_output = module.training_step(*args, **kwargs)
+        self.pipeline_stats.record(result.stats)
+        if result.loss is not None:
+            self._check_loss(step_output, result.loss)
+        return step_output
+
+    def _run_pipeline(self, inputs: Tensor, target: Tensor, scale: float) -> Any:
+        """Run the schedule; its gradients become pending and ``.grad`` is left as it was."""
+        module, runner = self.lightning_module, self.runner
+        assert module is not None and runner is not None
+        params = [p for _, p in self._owned_parameters() if p.requires_grad]
+        before = {p: p.grad for p in params}
+        for p in params:
+            p.grad = None
+        if self.buckets is not None:
+            self.buckets.sync_blocked = True  # per-micro-batch hooks stay silent: the averaging happens in backward
+        try:
+            loss_fn: Callable[[Tensor, Tensor], Tensor] = getattr(module, "pipeline_loss")  # noqa: B009
+            result = runner.train_step(inputs, target, loss_fn, scale)
+        finally:
+            self._pending = {p: p.grad for p in params}
+            for p, grad in before.items():
+                p.grad = grad
+            if self.buckets is not None:
+                self.buckets.sync_blocked = self._sync_blocked
+        return result
+
+    def _check_loss(self, step_output: Any, pipeline_loss: Tensor) -> None:
+        loss = step_output.get("loss") if isinstance(step_output, Mapping) else step_output
+        if self._warned_loss or not isinstance(loss, Tensor) or loss.numel() != 1:
+            return
+        a, b = float(loss.detach()), float(pipeline_loss)
+        if abs(a - b) > 1e-3 * max(1.0, abs(b)):
+            self._warned_loss = True
+            warnings.warn(
+                f"training_step returned the loss {a:.6g}, but the pipeline trained on pipeline_loss = {b:.6g} "
+                "(mean over the batch). Under HybridPipelineStrategy gradients come from `pipeline_loss` only: make "
+                "training_step return `self.pipeline_loss(self.body(x), y)`, or move extra terms into pipeline_loss.",
+                stacklevel=2,
+            )
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        """Apply the gradients the schedule computed (no second autograd pass) and average them over the replicas."""
+        module = self.lightning_module
+        assert module is not None
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)  # on_before_backward
+        for p, grad in self._pending.items():
+            if grad is None:
+                continue
+            if p.grad is None:
+                p.grad = grad
+            else:
+                p.grad.add_(grad)
+        self._pending = {}
+        self._trained = True
+        if self.buckets is not None:
+            if self._sync_blocked:
+                self.buckets.skip()
+            else:
+                self.buckets.arm()
+                self.buckets.finish()
+        return self.precision_plugin.post_backward(closure_loss, module)  # on_after_backward
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Gradient accumulation: backward passes inside keep their gradients local."""
+        previous = self._sync_blocked
+        self._sync_blocked = True
+        try:
+            yield None
+        finally:
+            self._sync_blocked = previous
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | Any | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.buckets is not None:
+            self.step_stats = self.buckets.totals - self._step_start
+            self._step_start = self.buckets.totals.copy()
+        self._maybe_log_stats()
+        return output
+
+    def _maybe_log_stats(self) -> None:
+        module = self.lightning_module
+        if not self.config.log_pipeline_stats or module is None or module.logger is None:
+            return
+        trainer = module.trainer
+        every = int(getattr(trainer, "log_every_n_steps", 1))
+        if every > 0 and trainer.global_step % every == 0:
+            last = self.pipeline_stats.last
+            metrics = {
+                "pipeline/bubble": last.bubble,
+                "pipeline/step_seconds": last.step_seconds,
+                "pipeline/micro_batches": float(last.micro_batches),
+                **self.step_stats.as_dict("comm/"),
+            }
+            module.logger.log_metrics(metrics, step=trainer.global_step)
+
+    @property
+    def comm_stats(self) -> CommStats:
+        """Running totals of gradient communication on this rank."""
+        return self.buckets.totals if self.buckets is not None else CommStats()
+
+    # ------------------------------------------------------------------ evaluation
+    @contextmanager
+    def _body_replaced(self, stand_in: object) -> Iterator[None]:
+        module, layout = self.lightning_module, self.layout
+        assert module is not None and layout is not None
+        # an instance attribute shadows the registered submodule for attribute access only: parameters(),
+        # state_dict() and the hooks still see the real (partial) body
+        module.__dict__[layout.body_name] = stand_in
+        try:
+            yield
+        finally:
+            module.__dict__.pop(layout.body_name, None)
+
+    def _evaluate(self, hook: str, context: Any, *args: Any, **kwargs: Any) -> Any:
+        module, runner = self.lightning_module, self.runner
+        assert module is not None and runner is not None
+        with context, self._body_replaced(_PipelinedBody(runner)):
+            return getattr(module, hook)(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluate("validation_step", self.precision_plugin.val_step_context(), *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluate("test_step", self.precision_plugin.test_step_context(), *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluate("predict_step", self.precision_plugin.predict_step_context(), *args, **kwargs)
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
+        """``self.log(..., sync_dist=True)`` reduces over the data-parallel group: every stage holds the same values."""
+        if group is None and self.layout is not None:
+            group = self.layout.data_group
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+    # ------------------------------------------------------------------ checkpoints: the whole model
+    def _gather_to_stage_zero(self, local: Any) -> list[Any] | None:
+        """Gather ``local`` from every stage of replica 0 onto rank 0 (other ranks: ``None``)."""
+        layout = self.layout
+        assert layout is not None
+        if layout.replica != 0:
+            return None
+        out: list[Any] | None = [None] * self.config.pipeline_stages if layout.stage == 0 else None
+        dist.gather_object(local, out, group=layout.pipeline_group, group_dst=0)
+        return out
+
+    def _all_gather_stages(self, local: Any) -> list[Any]:
+        layout = self.layout
+        assert layout is not None
+        out: list[Any] = [None] * self.config.pipeline_stages
+        dist.all_gather_object(out, local, group=layout.pipeline_group)
+        return out
+
+    def _local_state(self) -> dict[str, Tensor]:
+        module, layout = self.lightning_module, self.layout
+        assert module is not None and layout is not None
+        return {k: v.detach().cpu() for k, v in module.state_dict().items() if layout.owns(k)}
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The whole model's ``state_dict`` on rank 0 (gathered from the stages), this stage's elsewhere."""
+        module, layout = self.lightning_module, self.layout
+        assert module is not None
+        if layout is None or self.config.pipeline_stages == 1:
+            return module.state_dict()
+        parts = self._gather_to_stage_zero(self._local_state())
+        if parts is None:
+            return module.state_dict()
+        merged = {k: v for part in parts for k, v in part.items()}
+        return OrderedDict((k, merged[k]) for k in layout.full_keys if k in merged)
+
+    def _group_names(self, optimizer: Optimizer) -> list[list[str]]:
+        module = self.lightning_module
+        assert module is not None
+        names = {id(p): n for n, p in module.named_parameters()}
+        return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The whole model's optimizer state on rank 0, numbered as a single-device optimizer over the module."""
+        layout = self.layout
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        if layout is None or self.config.pipeline_stages == 1:
+            return optimizer.state_dict()
+        named = name_optimizer_state(
+            optimizer.state_dict(), self._group_names(optimizer), {n for n, _ in self._owned_parameters()}
+        )
+        parts = self._gather_to_stage_zero(named)
+        if parts is None:
+            return optimizer.state_dict()
+        return merge_optimizer_states(parts, layout.param_order)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Load a whole-model ``state_dict`` (from any strategy or a single device); each stage takes its part."""
+        module, layout = self.lightning_module, self.layout
+        assert module is not None
+        if layout is None:
+            module.load_state_dict(checkpoint["state_dict"], strict=strict)
+            return
+        state = checkpoint["state_dict"]
+        local_keys = set(module.state_dict().keys())
+        if strict:
+            missing = sorted(k for k in layout.full_keys if k not in state)
+            unexpected = sorted(k for k in state if k not in set(layout.full_keys))
+            if missing or unexpected:
+                raise RuntimeError(
+                    f"The checkpoint does not match {type(module).__name__}: missing keys {missing}, unexpected keys "
+                    f"{unexpected}. Pass `strict=False` to load what matches."
+                )
+        module.load_state_dict({k: v for k, v in state.items() if k in local_keys}, strict=False)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        layout = self.layout
+        if layout is None or self.config.pipeline_stages == 1:
+            super().load_optimizer_state_dict(checkpoint)
+            return
+        owned = {n for n, _ in self._owned_parameters()}
+        for optimizer, full in zip(self.optimizers, checkpoint["optimizer_states"], strict=False):
+            local_names = self._group_names(optimizer)
+            owned_names = [[n for n in group if n in owned] for group in local_names]
+            full_names = full_group_names(self._all_gather_stages(owned_names), layout.param_order)
+            optimizer.load_state_dict(select_optimizer_state(full, full_names, local_names))
+            _optimizer_to_device(optimizer, self.root_device)
+
+    # ------------------------------------------------------------------ teardown: the whole module again
+    def _reassemble(self) -> None:
+        """Put every block back into this rank's module; after training, with the values the stages trained."""
+        module, layout = self.lightning_module, self.layout
+        if module is None or layout is None:
+            return
+        trained: dict[str, Tensor] = {}
+        if self._trained and not self._failed and dist.is_initialized() and self.config.pipeline_stages > 1:
+            for part in self._all_gather_stages(self._local_state()):
+                trained.update(part)
+        body = module._modules[layout.body_name]
+        assert body is not None
+        body._modules.clear()
+        for index, block in enumerate(layout.blocks):
+            body._modules[str(index)] = block
+        if trained:
+            module.load_state_dict({k: v for k, v in trained.items()}, strict=False)
+        self.layout = None
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._failed = True
+        if self.buckets is not None:
+            self.buckets.abort()
+        super().on_exception(exception)
+
+    @override
+    def teardown(self) -> None:
+        if self.buckets is not None:
+            self.buckets.close()
+            self.buckets = None
+        for metric, group in self._metric_groups:
+            metric.process_group = group
+        self._metric_groups = []
+        self._reassemble()
+        self.runner = None
+        self._pending = {}
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        register_name(
+            strategy_registry,
+            "hybrid_pipeline",
+            cls,
+            description="Pipeline stages across ranks (GPipe/1F1B micro-batches) x data-parallel replicas",
+        )
+
+
+# ---------------------------------------------------------------------------------------------- the opt-in
+def _check_opt_in(module: pl.LightningModule) -> str:
+    """Return the name of the body, or raise naming exactly what the module lacks."""
+    name = getattr(module, "pipeline_body", None)
+    problems = []
+    if not isinstance(name, str):
+        problems.append('a class attribute `pipeline_body = "<attribute>"` naming its nn.Sequential of blocks')
+    elif not isinstance(getattr(module, name, None), nn.Sequential):
+        found = type(getattr(module, name, None)).__name__
+        problems.append(
+            f"`pipeline_body = {name!r}` must name an nn.Sequential attribute (self.{name} is a {found}); "
+            "wrap the blocks in nn.Sequential"
+        )
+    if not callable(getattr(module, "pipeline_loss", None)):
+        problems.append(
+            "a method `pipeline_loss(self, output, target) -> Tensor`: the mean loss of one micro-batch, computed "
+            "on the last block's output"
+        )
+    if problems:
+        raise TypeError(
+            f"{type(module).__name__} cannot run under HybridPipelineStrategy: it needs "
+            + "; and ".join(problems)
+            + ". For example:\n"
+            + OPT_IN_EXAMPLE
+        )
+    assert isinstance(name, str)
+    return name
+
+
+def _split_batch(module: pl.LightningModule, batch: Any) -> tuple[Tensor, Tensor]:
+    split = getattr(module, "pipeline_split_batch", None)
+    if callable(split):
+        inputs, target = split(batch)
+    elif isinstance(batch, (tuple, list)) and len(batch) >= 2:
+        inputs, target = batch[0], batch[1]
+    else:
+        raise TypeError(
+            f"HybridPipelineStrategy cannot tell the inputs from the target in a batch of type "
+            f"{type(batch).__name__}: by default the batch is `(inputs, target, ...)`. Define "
+            "`pipeline_split_batch(self, batch) -> (inputs, target)` on the LightningModule."
+        )
+    if not isinstance(inputs, Tensor) or not isinstance(target, Tensor):
+        raise TypeError(
+            f"The pipeline takes one input tensor and one target tensor, got {_describe(inputs)} and "
+            f"{_describe(target)}; return tensors from `pipeline_split_batch`."
+        )
+    return inputs, target
+
+
+def _prefix_of(module: nn.Module, body: nn.Module) -> str:
+    for name, sub in module.named_modules():
+        if sub is body:
+            return f"{name}."
+    raise AssertionError("the body is not a submodule")  # pragma: no cover
