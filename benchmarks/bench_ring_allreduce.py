@@ -50,8 +50,9 @@ def _collectives(rank: int, world: int, port: int, repeats: int, out: str) -> No
     results = []
     for nbytes in SIZES:
         data = torch.randn(nbytes // 4)
+        workspace = torch.empty(-(-data.numel() // world))  # reused, as the strategy's RingReducer does
         for _ in range(3):  # warm-up both
-            ring_all_reduce(data, "avg")
+            ring_all_reduce(data, "avg", workspace=workspace)
             dist.all_reduce(data)
         times: dict[str, list[float]] = {"ring": [], "torch": []}
         reps = max(5, min(repeats, (64 * 1024 * 1024 * 8) // nbytes))
@@ -60,7 +61,7 @@ def _collectives(rank: int, world: int, port: int, repeats: int, out: str) -> No
                 dist.barrier()
                 start = time.perf_counter()
                 if name == "ring":
-                    ring_all_reduce(data, "avg")
+                    ring_all_reduce(data, "avg", workspace=workspace)
                 else:
                     dist.all_reduce(data)
                     data.div_(world)

@@ -6,7 +6,14 @@
 True
 """
 
-from lightning_dp_strategies.bucketing import CommStats, GradientBuckets, GradReducer, assign_buckets, ring_reducer
+from lightning_dp_strategies.bucketing import (
+    CommStats,
+    GradientBuckets,
+    GradReducer,
+    RingReducer,
+    assign_buckets,
+    ring_reducer,
+)
 from lightning_dp_strategies.comm import CommCounter, reference_all_reduce, ring_all_reduce
 from lightning_dp_strategies.data_parallel import gather, parallel_apply, replicate, scatter
 from lightning_dp_strategies.strategies import (
@@ -25,6 +32,7 @@ __all__ = [
     "GradientBuckets",
     "HybridPipelineStrategy",
     "RingAllReduceStrategy",
+    "RingReducer",
     "ScatterGatherStrategy",
     "assign_buckets",
     "gather",

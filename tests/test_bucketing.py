@@ -180,8 +180,11 @@ def _check_grads_as_bucket_views(rank: int, world_size: int) -> None:
 
     synced_backward()
     torch.testing.assert_close(model.a.weight.grad, oracle)
+    workspaces = dict(buckets.reducer._workspaces)  # type: ignore[union-attr]
+    assert len(workspaces) == 1, "the default RingReducer keeps one scratch workspace per dtype and device"
     synced_backward()  # not zeroed: gradients accumulate, as in single-device training
     torch.testing.assert_close(model.a.weight.grad, 2 * oracle)
+    assert buckets.reducer._workspaces == workspaces, "the workspace was reallocated"  # type: ignore[union-attr]
     torch.optim.SGD(model.parameters(), lr=0.1).zero_grad(set_to_none=False)
     assert model.b.weight.grad is None, "never used anywhere: stays None even after zero_grad(set_to_none=False)"
     synced_backward()

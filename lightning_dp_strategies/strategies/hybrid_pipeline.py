@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -50,7 +50,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_dp_strategies.bucketing import CommStats, GradientBuckets, GradReducer, ring_reducer
+from lightning_dp_strategies.bucketing import GradientBuckets, GradReducer
 from lightning_dp_strategies.pipeline import (
     SCHEDULES,
     PipelineRunner,
@@ -66,15 +66,16 @@ from lightning_dp_strategies.pipeline import (
     select_optimizer_state,
     stage_ranges,
 )
-from lightning_dp_strategies.strategies._registry import register_name
-from lightning_dp_strategies.strategies.ring_allreduce import (
+from lightning_dp_strategies.strategies._grad_sync import BucketedGradSync
+from lightning_dp_strategies.strategies._options import (
     ACCELERATOR_DEFAULT_TIMEOUT,
     CPU_DEFAULT_TIMEOUT,
-    START_METHODS,
-    _check_backend,
-    _check_positive,
-    _check_timeout,
+    check_backend,
+    check_positive,
+    check_start_method,
+    check_timeout,
 )
+from lightning_dp_strategies.strategies._registry import register_name
 
 __all__ = ["HybridPipelineStrategy", "PipelineStats"]
 
@@ -196,7 +197,7 @@ def _describe(x: object) -> str:
     return f"a tensor of shape {tuple(x.shape)}" if isinstance(x, Tensor) else f"a {type(x).__name__}"
 
 
-class HybridPipelineStrategy(DDPStrategy):
+class HybridPipelineStrategy(BucketedGradSync, DDPStrategy):
     """The body of the model split into pipeline stages across ranks, micro-batched, and replicated.
 
     ``world = pipeline_stages x data_parallel`` processes, one device each. Stage ``s`` holds only its own blocks
@@ -225,7 +226,7 @@ class HybridPipelineStrategy(DDPStrategy):
             ``"time"`` (even measured forward+backward time on ``module.example_input_array``, measured on rank 0).
         bucket_cap_mb: gradient bucket cap in MiB, as ``"ring_allreduce"``.
         first_bucket_cap_mb: cap of the first bucket in MiB.
-        reducer: how a bucket is averaged over the data-parallel group (default: the ring all-reduce).
+        reducer: how a bucket is averaged over the data-parallel group (default ``None``: a ``RingReducer``).
         log_pipeline_stats: log ``pipeline/bubble`` (rank 0's) and the communication counters every
             ``log_every_n_steps``.
         process_group_backend: ``"gloo"``, ``"nccl"``, ...; ``None`` picks by device.
@@ -252,7 +253,7 @@ class HybridPipelineStrategy(DDPStrategy):
         precision_plugin: Precision | None = None,
         bucket_cap_mb: float = 25.0,
         first_bucket_cap_mb: float = 1.0,
-        reducer: GradReducer = ring_reducer,
+        reducer: GradReducer | None = None,
         log_pipeline_stats: bool = False,
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = None,
@@ -271,9 +272,8 @@ class HybridPipelineStrategy(DDPStrategy):
             balance_value: tuple[int, ...] | str = balance
         else:
             balance_value = tuple(check_balance(balance, sum(int(b) for b in balance), pipeline_stages))
-        if start_method not in START_METHODS:
-            raise ValueError(f"Unknown `start_method` {start_method!r}: use one of {list(START_METHODS)}.")
-        if not callable(reducer):
+        check_start_method(start_method)
+        if reducer is not None and not callable(reducer):
             raise TypeError(f"`reducer` must be callable as reducer(buffer, group, counter), got {reducer!r}.")
         super().__init__(
             accelerator=accelerator,
@@ -281,8 +281,8 @@ class HybridPipelineStrategy(DDPStrategy):
             cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
-            process_group_backend=_check_backend(process_group_backend),
-            timeout=_check_timeout(timeout),
+            process_group_backend=check_backend(process_group_backend),
+            timeout=check_timeout(timeout),
             start_method=start_method,
         )
         # configuration
@@ -291,30 +291,26 @@ class HybridPipelineStrategy(DDPStrategy):
             micro_batches=micro_batches,
             schedule=schedule,
             balance=balance_value,
-            bucket_cap_mb=_check_positive("bucket_cap_mb", bucket_cap_mb),
-            first_bucket_cap_mb=_check_positive("first_bucket_cap_mb", first_bucket_cap_mb),
+            bucket_cap_mb=check_positive("bucket_cap_mb", bucket_cap_mb),
+            first_bucket_cap_mb=check_positive("first_bucket_cap_mb", first_bucket_cap_mb),
             log_pipeline_stats=bool(log_pipeline_stats),
         )
         self.reducer = reducer
-        # runtime state
+        # runtime state (and step_stats: gradient communication over this stage's data-parallel group)
+        self._init_grad_sync()
         self.layout: _Layout | None = None
         self.runner: PipelineRunner | None = None
-        self.buckets: GradientBuckets | None = None
         self._mesh: Any = None
         self._grad_groups: list[dist.ProcessGroup] = []
         self._pending: dict[nn.Parameter, Tensor | None] = {}
-        self._sync_blocked = False
         self._batch_checked = False
         self._warned_loss = False
         self._failed = False
         self._trained = False
         self._metric_groups: list[tuple[Any, Any]] = []
-        self._step_start = CommStats()
         # statistics
         self.pipeline_stats = PipelineStats()
         """Bubble and timing of this rank's pipeline steps."""
-        self.step_stats = CommStats()
-        """Gradient communication of the last optimizer step (over this stage's data-parallel group)."""
 
     # ------------------------------------------------------------------ mesh
     @property
@@ -588,39 +584,10 @@ class HybridPipelineStrategy(DDPStrategy):
                 self.buckets.finish()
         return self.precision_plugin.post_backward(closure_loss, module)  # on_after_backward
 
-    @contextmanager
     @override
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        """Gradient accumulation: backward passes inside keep their gradients local."""
-        previous = self._sync_blocked
-        self._sync_blocked = True
-        try:
-            yield None
-        finally:
-            self._sync_blocked = previous
-
-    @override
-    def optimizer_step(
-        self,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        model: pl.LightningModule | Any | None = None,
-        **kwargs: Any,
-    ) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self.buckets is not None:
-            self.step_stats = self.buckets.totals - self._step_start
-            self._step_start = self.buckets.totals.copy()
-        self._maybe_log_stats()
-        return output
-
-    def _maybe_log_stats(self) -> None:
+    def _log_step(self) -> None:
         module = self.lightning_module
-        if not self.config.log_pipeline_stats or module is None or module.logger is None:
-            return
-        trainer = module.trainer
-        every = int(getattr(trainer, "log_every_n_steps", 1))
-        if every > 0 and trainer.global_step % every == 0:
+        if self._should_log(self.config.log_pipeline_stats) and module is not None and module.logger is not None:
             last = self.pipeline_stats.last
             metrics = {
                 "pipeline/bubble": last.bubble,
@@ -628,12 +595,7 @@ class HybridPipelineStrategy(DDPStrategy):
                 "pipeline/micro_batches": float(last.micro_batches),
                 **self.step_stats.as_dict("comm/"),
             }
-            module.logger.log_metrics(metrics, step=trainer.global_step)
-
-    @property
-    def comm_stats(self) -> CommStats:
-        """Running totals of gradient communication on this rank."""
-        return self.buckets.totals if self.buckets is not None else CommStats()
+            module.logger.log_metrics(metrics, step=module.trainer.global_step)
 
     # ------------------------------------------------------------------ evaluation
     @contextmanager
@@ -792,9 +754,7 @@ class HybridPipelineStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        if self.buckets is not None:
-            self.buckets.close()
-            self.buckets = None
+        self._close_buckets()
         for metric, group in self._metric_groups:
             metric.process_group = group
         self._metric_groups = []

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
-from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -18,58 +16,24 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor
 from torch.distributed.distributed_c10d import _get_default_group
-from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_dp_strategies.bucketing import CommStats, GradientBuckets, GradReducer, ring_reducer
+from lightning_dp_strategies.bucketing import GradientBuckets, GradReducer
+from lightning_dp_strategies.strategies._grad_sync import BucketedGradSync
+from lightning_dp_strategies.strategies._options import (
+    ACCELERATOR_DEFAULT_TIMEOUT,
+    CPU_DEFAULT_TIMEOUT,
+    check_backend,
+    check_positive,
+    check_start_method,
+    check_timeout,
+)
 from lightning_dp_strategies.strategies._registry import register_name
 
 __all__ = ["RingAllReduceStrategy"]
 
-START_METHODS = ("popen", "spawn", "fork", "forkserver")
-CPU_DEFAULT_TIMEOUT = timedelta(minutes=5)
-"""Default collective timeout on gloo: a dead rank makes the others fail within five minutes instead of hanging."""
-ACCELERATOR_DEFAULT_TIMEOUT = timedelta(minutes=30)
-"""Default collective timeout on NCCL and other accelerator backends (Lightning's own default)."""
 
-
-def _check_positive(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(
-            f"`{name}` must be a positive number of MiB (default {25 if name == 'bucket_cap_mb' else 1}),"
-            f" got {value!r}."
-        )
-    return float(value)
-
-
-def _check_backend(backend: object) -> str | None:
-    if backend is None:
-        return None
-    known = [b for b in dist.Backend.backend_list if b not in ("undefined", "fake")]
-    parts = [p.split(":")[-1] for p in backend.split(",")] if isinstance(backend, str) else [backend]
-    if not all(isinstance(p, str) and p.lower() in known for p in parts):
-        raise ValueError(
-            f"Unknown `process_group_backend` {backend!r}: use one of {known} (or 'cpu:gloo,cuda:nccl'), or leave it "
-            "as None to pick gloo on CPU and nccl on CUDA."
-        )
-    assert isinstance(backend, str)
-    return backend
-
-
-def _check_timeout(timeout: object) -> timedelta | None:
-    if timeout is None or isinstance(timeout, timedelta):
-        if isinstance(timeout, timedelta) and timeout.total_seconds() <= 0:
-            raise ValueError(f"`timeout` must be positive, got {timeout!r}.")
-        return timeout
-    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0:
-        return timedelta(seconds=float(timeout))
-    raise ValueError(
-        f"`timeout` must be a datetime.timedelta or a positive number of seconds, got {timeout!r}; None picks "
-        f"{CPU_DEFAULT_TIMEOUT} on gloo and {ACCELERATOR_DEFAULT_TIMEOUT} on NCCL."
-    )
-
-
-class RingAllReduceStrategy(DDPStrategy):
+class RingAllReduceStrategy(BucketedGradSync, DDPStrategy):
     """One process per device; gradients averaged by this package's bucketed ring all-reduce during backward.
 
     Lightning's launchers, cluster environments (torchrun, SLURM, ...) and process-group setup are reused from
@@ -80,7 +44,7 @@ class RingAllReduceStrategy(DDPStrategy):
     Args:
         bucket_cap_mb: cap of each gradient bucket in MiB (default 25, as torch DDP).
         first_bucket_cap_mb: cap of the first bucket in MiB (default 1), so communication starts early in backward.
-        reducer: how a bucket is averaged (default: the ring all-reduce); see
+        reducer: how a bucket is averaged (default ``None``: a ``RingReducer``, the ring all-reduce); see
             :data:`~lightning_dp_strategies.bucketing.GradReducer`.
         broadcast_buffers: broadcast module buffers (BatchNorm statistics) from rank 0 before every training step,
             as torch DDP does.
@@ -106,16 +70,15 @@ class RingAllReduceStrategy(DDPStrategy):
         precision_plugin: Precision | None = None,
         bucket_cap_mb: float = 25.0,
         first_bucket_cap_mb: float = 1.0,
-        reducer: GradReducer = ring_reducer,
+        reducer: GradReducer | None = None,
         broadcast_buffers: bool = True,
         log_comm_stats: bool = False,
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
-        if start_method not in START_METHODS:
-            raise ValueError(f"Unknown `start_method` {start_method!r}: use one of {list(START_METHODS)}.")
-        if not callable(reducer):
+        check_start_method(start_method)
+        if reducer is not None and not callable(reducer):
             raise TypeError(f"`reducer` must be callable as reducer(buffer, group, counter), got {reducer!r}.")
         super().__init__(
             accelerator=accelerator,
@@ -123,25 +86,19 @@ class RingAllReduceStrategy(DDPStrategy):
             cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
-            process_group_backend=_check_backend(process_group_backend),
-            timeout=_check_timeout(timeout),
+            process_group_backend=check_backend(process_group_backend),
+            timeout=check_timeout(timeout),
             start_method=start_method,
         )
         # configuration
-        self.bucket_cap_mb = _check_positive("bucket_cap_mb", bucket_cap_mb)
-        self.first_bucket_cap_mb = _check_positive("first_bucket_cap_mb", first_bucket_cap_mb)
+        self.bucket_cap_mb = check_positive("bucket_cap_mb", bucket_cap_mb)
+        self.first_bucket_cap_mb = check_positive("first_bucket_cap_mb", first_bucket_cap_mb)
         self.reducer = reducer
         self.broadcast_buffers = bool(broadcast_buffers)
         self.log_comm_stats = bool(log_comm_stats)
-        # runtime state
-        self.buckets: GradientBuckets | None = None
+        # runtime state and statistics (buckets, no-sync flag, step_stats)
+        self._init_grad_sync()
         self._grad_group: dist.ProcessGroup | None = None
-        self._sync_blocked = False
-        self._step_start = CommStats()
-        self._closed_totals = CommStats()
-        # statistics
-        self.step_stats = CommStats()
-        """Communication of the last optimizer step (all backward passes since the previous step)."""
 
     # ------------------------------------------------------------------ setup
     @override
@@ -195,31 +152,6 @@ class RingAllReduceStrategy(DDPStrategy):
                 dist._broadcast_coalesced(_get_default_group(), buffers, 250 * 1024 * 1024, 0)
         return super().training_step(*args, **kwargs)
 
-    @contextmanager
-    @override
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        """Backward passes inside this context accumulate gradients locally and do not communicate.
-
-        Lightning enters it on gradient-accumulation steps; in manual optimization use it as ``no_sync``::
-
-            with self.trainer.strategy.no_backward_sync():
-                self.manual_backward(loss)   # local only
-            self.manual_backward(loss2)      # averages the accumulated gradients
-        """
-        previous = self._sync_blocked
-        self._set_sync_blocked(True)
-        try:
-            yield None
-        finally:
-            self._set_sync_blocked(previous)
-
-    no_backward_sync = block_backward_sync
-
-    def _set_sync_blocked(self, blocked: bool) -> None:
-        self._sync_blocked = blocked
-        if self.buckets is not None:
-            self.buckets.sync_blocked = blocked
-
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
         if self.buckets is None:
@@ -235,33 +167,10 @@ class RingAllReduceStrategy(DDPStrategy):
             self.buckets.finish()
 
     @override
-    def optimizer_step(
-        self,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        model: pl.LightningModule | Any | None = None,
-        **kwargs: Any,
-    ) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self.buckets is not None:
-            self.step_stats = self.buckets.totals - self._step_start
-            self._step_start = self.buckets.totals.copy()
-            self._maybe_log_stats()
-        return output
-
-    def _maybe_log_stats(self) -> None:
+    def _log_step(self) -> None:
         module = self.lightning_module
-        if not self.log_comm_stats or module is None or module.logger is None:
-            return
-        trainer = module.trainer
-        every = int(getattr(trainer, "log_every_n_steps", 1))
-        if every > 0 and trainer.global_step % every == 0:
-            module.logger.log_metrics(self.step_stats.as_dict("comm/"), step=trainer.global_step)
-
-    @property
-    def comm_stats(self) -> CommStats:
-        """Running totals of gradient communication on this rank since setup."""
-        return self.buckets.totals if self.buckets is not None else self._closed_totals
+        if self._should_log(self.log_comm_stats) and module is not None and module.logger is not None:
+            module.logger.log_metrics(self.step_stats.as_dict("comm/"), step=module.trainer.global_step)
 
     # ------------------------------------------------------------------ teardown
     @override
@@ -272,10 +181,7 @@ class RingAllReduceStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        if self.buckets is not None:
-            self.buckets.close()
-            self._closed_totals = self.buckets.totals
-            self.buckets = None
+        self._close_buckets()
         if self._grad_group is not None and dist.is_initialized():
             dist.destroy_process_group(self._grad_group)
         self._grad_group = None

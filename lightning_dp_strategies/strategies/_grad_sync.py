@@ -1,0 +1,95 @@
+"""What the strategies that average gradients with ``GradientBuckets`` share: no-sync blocks and per-step stats."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.strategies import ParallelStrategy
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_dp_strategies.bucketing import CommStats, GradientBuckets
+
+
+class BucketedGradSync(ParallelStrategy):
+    """Mixed in ahead of ``DDPStrategy``: ``self.buckets`` average the gradients; this keeps the books.
+
+    Subclasses call :meth:`_init_grad_sync` in ``__init__``, create ``self.buckets`` at setup, call
+    :meth:`_close_buckets` at teardown, and may override :meth:`_log_step` to log after each optimizer step.
+    """
+
+    buckets: GradientBuckets | None
+    step_stats: CommStats
+    """Communication of the last optimizer step (all backward passes since the previous step)."""
+
+    def _init_grad_sync(self) -> None:
+        self.buckets = None
+        self.step_stats = CommStats()
+        self._sync_blocked = False
+        self._step_start = CommStats()
+        self._closed_totals = CommStats()
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Backward passes inside this context accumulate gradients locally and do not communicate.
+
+        Lightning enters it on gradient-accumulation steps; in manual optimization use it as ``no_sync``::
+
+            with self.trainer.strategy.no_backward_sync():
+                self.manual_backward(loss)   # local only
+            self.manual_backward(loss2)      # averages the accumulated gradients
+        """
+        previous = self._sync_blocked
+        self._set_sync_blocked(True)
+        try:
+            yield None
+        finally:
+            self._set_sync_blocked(previous)
+
+    no_backward_sync = block_backward_sync
+
+    def _set_sync_blocked(self, blocked: bool) -> None:
+        self._sync_blocked = blocked
+        if self.buckets is not None:
+            self.buckets.sync_blocked = blocked
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | Any | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.buckets is not None:
+            self.step_stats = self.buckets.totals - self._step_start
+            self._step_start = self.buckets.totals.copy()
+        self._log_step()
+        return output
+
+    def _log_step(self) -> None:
+        """Called after every optimizer step; the default logs nothing."""
+
+    def _should_log(self, enabled: bool) -> bool:
+        """Whether to log now: ``enabled``, a logger exists, and this is a ``log_every_n_steps`` step."""
+        module = self.lightning_module
+        if not enabled or module is None or module.logger is None:
+            return False
+        every = int(getattr(module.trainer, "log_every_n_steps", 1))
+        return every > 0 and module.trainer.global_step % every == 0
+
+    @property
+    def comm_stats(self) -> CommStats:
+        """Running totals of gradient communication on this rank since setup (kept after teardown)."""
+        return self.buckets.totals if self.buckets is not None else self._closed_totals
+
+    def _close_buckets(self) -> None:
+        if self.buckets is not None:
+            self.buckets.close()
+            self._closed_totals = self.buckets.totals
+            self.buckets = None

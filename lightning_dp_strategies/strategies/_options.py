@@ -1,0 +1,57 @@
+"""Validation of the options the multi-process strategies share; each error names the allowed values."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch.distributed as dist
+
+START_METHODS = ("popen", "spawn", "fork", "forkserver")
+CPU_DEFAULT_TIMEOUT = timedelta(minutes=5)
+"""Default collective timeout on gloo: a dead rank makes the others fail within five minutes instead of hanging."""
+ACCELERATOR_DEFAULT_TIMEOUT = timedelta(minutes=30)
+"""Default collective timeout on NCCL and other accelerator backends (Lightning's own default)."""
+
+
+def check_positive(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(
+            f"`{name}` must be a positive number of MiB (default {25 if name == 'bucket_cap_mb' else 1}),"
+            f" got {value!r}."
+        )
+    return float(value)
+
+
+def check_backend(backend: object) -> str | None:
+    if backend is None:
+        return None
+    known = [b for b in dist.Backend.backend_list if b not in ("undefined", "fake")]
+    parts = [p.split(":")[-1] for p in backend.split(",")] if isinstance(backend, str) else [backend]
+    if not all(isinstance(p, str) and p.lower() in known for p in parts):
+        raise ValueError(
+            f"Unknown `process_group_backend` {backend!r}: use one of {known} (or 'cpu:gloo,cuda:nccl'), or leave it "
+            "as None to pick gloo on CPU and nccl on CUDA."
+        )
+    assert isinstance(backend, str)
+    return backend
+
+
+def check_timeout(timeout: object) -> timedelta | None:
+    if timeout is None or isinstance(timeout, timedelta):
+        if isinstance(timeout, timedelta) and timeout.total_seconds() <= 0:
+            raise ValueError(f"`timeout` must be positive, got {timeout!r}.")
+        return timeout
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0:
+        return timedelta(seconds=float(timeout))
+    raise ValueError(
+        f"`timeout` must be a datetime.timedelta or a positive number of seconds, got {timeout!r}; None picks "
+        f"{CPU_DEFAULT_TIMEOUT} on gloo and {ACCELERATOR_DEFAULT_TIMEOUT} on NCCL."
+    )
+
+
+def check_start_method(start_method: object) -> str:
+    """``start_method`` itself, or a clear error listing the launchers."""
+    if start_method not in START_METHODS:
+        raise ValueError(f"Unknown `start_method` {start_method!r}: use one of {list(START_METHODS)}.")
+    assert isinstance(start_method, str)
+    return start_method
