@@ -26,8 +26,8 @@ def _parser() -> argparse.ArgumentParser:
     cmp.add_argument(
         "--model-size",
         choices=["small", "medium", "large"],
-        default="small",
-        help="demo MLP: small ~0.07 M, medium ~1.4 M, large ~21 M parameters (default small)",
+        default="medium",
+        help="demo MLP: small ~0.07 M, medium ~1.4 M, large ~21 M parameters (default medium)",
     )
     cmp.add_argument("--global-batch", type=int, default=64, help="samples per optimizer step, all ranks (default 64)")
     cmp.add_argument("--output", type=Path, default=Path("comparison"), help="output folder (default ./comparison)")

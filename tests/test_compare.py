@@ -53,6 +53,8 @@ def test_short_run_writes_table_json_and_png_and_isolates_a_crash(
             "single,crashes_at_setup,ring_allreduce",
             "--steps",
             "6",
+            "--model-size",
+            "small",
             "--output",
             str(tmp_path),
             "--import",

@@ -16,6 +16,7 @@ PUBLIC_MODULES = [
     "lightning_dp_strategies.bucketing",
     "lightning_dp_strategies.data_parallel",
     "lightning_dp_strategies.compare",
+    "lightning_dp_strategies.pipeline",
 ]
 
 

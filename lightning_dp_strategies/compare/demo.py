@@ -27,7 +27,7 @@ class DemoConfig:
 
     steps: int = 30
     global_batch: int = 64
-    model_size: str = "small"
+    model_size: str = "medium"
     features: int = 32
     classes: int = 8
     samples: int = 4096
@@ -107,8 +107,15 @@ class DemoClassifier(L.LightningModule):
         layers.append(nn.Linear(width, config.classes))
         self.blocks = nn.Sequential(*layers)
 
+    pipeline_body = "blocks"
+    """The opt-in for ``hybrid_pipeline``: the ``nn.Sequential`` to cut into stages (with :meth:`pipeline_loss`)."""
+
     def forward(self, x: Tensor) -> Tensor:
         return self.blocks(x)
+
+    def pipeline_loss(self, output: Tensor, target: Tensor) -> Tensor:
+        """The loss of one micro-batch on the last pipeline stage's output (``hybrid_pipeline``'s opt-in)."""
+        return self.loss_fn(output, target)
 
     def loss_fn(self, logits: Tensor, y: Tensor) -> Tensor:
         """The loss on the last block's output (what a pipeline's last stage computes)."""

@@ -106,9 +106,9 @@ class _Recorder(L.Callback):
         if stats is not None:
             self.comm_bytes.append(float(getattr(stats, "bytes_sent", 0)))
             self.exposed_ms.append(float(getattr(stats, "exposed_seconds", 0.0)) * 1e3)
-            bubble = getattr(stats, "bubble", None)
-            if bubble is not None:
-                self.bubbles.append(float(bubble))
+        pipeline = getattr(trainer.strategy, "pipeline_stats", None)  # hybrid_pipeline: idle over total, this rank
+        if pipeline is not None and not pipeline.last.warmup:
+            self.bubbles.append(float(pipeline.last.bubble))
 
 
 def run_worker(name: str, config: DemoConfig, devices: int, out: Path) -> None:

@@ -35,7 +35,13 @@ LossFn = Callable[[Tensor, Tensor], Tensor]
 
 @dataclass
 class StepStats:
-    """What one pipeline step on this rank took."""
+    """What one pipeline step on this rank took.
+
+    Examples:
+        >>> stats = StepStats(micro_batches=4, step_seconds=2.0, compute_seconds=1.5)
+        >>> stats.bubble  # idle over total on this rank
+        0.25
+    """
 
     micro_batches: int = 0
     """Micro-batches the step ran (less than configured for a batch they do not divide)."""
@@ -59,7 +65,13 @@ class StepStats:
 
 @dataclass
 class StepResult:
-    """A training step's outcome on this rank."""
+    """A training step's outcome on this rank.
+
+    Examples:
+        >>> result = StepResult(output=None, loss=torch.tensor(0.5))  # what the last stage of a step returns
+        >>> float(result.loss), result.stats.micro_batches
+        (0.5, 0)
+    """
 
     output: Tensor | None
     """The last stage's output for the whole batch, detached (``None`` on other stages)."""

@@ -213,6 +213,11 @@ def make_schedule(
     """The torch schedule for ``schedule``; ``loss_fn=None`` builds a forward-only one (evaluation).
 
     Gradients are not rescaled by the schedule (``scale_grads=False``): ``loss_fn`` carries the ``1 / M`` weight.
+
+    Examples:
+        >>> # on each rank of the stage's process group, with a torch PipelineStage for this rank's blocks
+        >>> schedule = make_schedule("1f1b", stage, micro_batches=4, loss_fn=loss_fn)  # doctest: +SKIP
+        >>> schedule.step(x, target=y)  # doctest: +SKIP
     """
     if effective_schedule(schedule, stage.num_stages, micro_batches) == "1f1b" and loss_fn is not None:
         return Schedule1F1B(stage, micro_batches, loss_fn=loss_fn, scale_grads=False)
