@@ -44,9 +44,16 @@ def test_write_your_own_strategy_guide_example_trains() -> None:
     assert "bytes bf16/fp32 = 0.50" in output
 
 
+@pytest.mark.timeout(180)
+def test_quickstart_example_trains_with_ring_allreduce() -> None:
+    output = run_script(["docs/examples/quickstart.py"], timeout=150)
+    assert "CommStats(bytes_sent=" in output and "synced_backwards=" in output
+
+
 def test_guide_includes_the_tested_example_verbatim() -> None:
     from pathlib import Path
 
-    guide = (Path(__file__).resolve().parents[1] / "docs" / "extending.md").read_text()
-    assert '--8<-- "docs/examples/bf16_ring_strategy.py"' in guide
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    assert '--8<-- "docs/examples/bf16_ring_strategy.py"' in (docs / "extending.md").read_text()
+    assert '--8<-- "docs/examples/quickstart.py"' in (docs / "quickstart.md").read_text()
     assert sys.version_info >= (3, 10)
