@@ -55,3 +55,9 @@ def check_start_method(start_method: object) -> str:
         raise ValueError(f"Unknown `start_method` {start_method!r}: use one of {list(START_METHODS)}.")
     assert isinstance(start_method, str)
     return start_method
+
+
+def check_reducer(reducer: object) -> None:
+    """``None`` (the default ring reducer) or a callable ``reducer(buffer, group, counter)``."""
+    if reducer is not None and not callable(reducer):
+        raise TypeError(f"`reducer` must be callable as reducer(buffer, group, counter), got {reducer!r}.")

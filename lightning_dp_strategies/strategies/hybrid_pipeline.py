@@ -72,6 +72,7 @@ from lightning_dp_strategies.strategies._options import (
     CPU_DEFAULT_TIMEOUT,
     check_backend,
     check_positive,
+    check_reducer,
     check_start_method,
     check_timeout,
 )
@@ -273,8 +274,7 @@ class HybridPipelineStrategy(BucketedGradSync, DDPStrategy):
         else:
             balance_value = tuple(check_balance(balance, sum(int(b) for b in balance), pipeline_stages))
         check_start_method(start_method)
-        if reducer is not None and not callable(reducer):
-            raise TypeError(f"`reducer` must be callable as reducer(buffer, group, counter), got {reducer!r}.")
+        check_reducer(reducer)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
