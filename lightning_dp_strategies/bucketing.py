@@ -386,8 +386,7 @@ class GradientBuckets:
             assert bucket.future is not None
             bucket.future.result()
         self.totals.exposed_seconds += time.perf_counter() - waited
-        for bucket in self.buckets:
-            flags = bucket.flags.tolist()
+        for bucket, flags in zip(self.buckets, self._reduced_flags(), strict=True):
             for slot, param in enumerate(bucket.params):
                 if flags[slot] > 0:
                     # .grad becomes a view of the bucket (no copy back): valid until the next synchronised backward
@@ -398,6 +397,17 @@ class GradientBuckets:
             self.totals.ring_operations += bucket.counter.operations
             self.totals.comm_seconds += bucket.counter.seconds
         self.totals.synced_backwards += 1
+
+    def _reduced_flags(self) -> list[list[float]]:
+        """Every bucket's reduced presence flags, in one device-to-host transfer when the buckets share a device."""
+        if len({b.buffer.device for b in self.buckets}) > 1:
+            return [b.flags.tolist() for b in self.buckets]
+        flat = torch.cat([b.flags.float() for b in self.buckets]).tolist()  # one sync on CUDA, not one per bucket
+        out, start = [], 0
+        for bucket in self.buckets:
+            out.append(flat[start : start + len(bucket.params)])
+            start += len(bucket.params)
+        return out
 
     def abort(self) -> None:
         """Drop an armed backward that did not complete (an exception mid-step) without communicating further."""
