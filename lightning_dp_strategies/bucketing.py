@@ -208,6 +208,18 @@ class Bucket:
         self.counter = CommCounter()
 
 
+def _init_comm_thread(device: torch.device, intra_op_threads: int) -> None:
+    """Give the communication thread its creator's device and intra-op thread count.
+
+    OpenMP keeps the thread count per thread: without this, a process limited to one intra-op thread
+    (``torch.set_num_threads(1)``) would still start a full OpenMP team for every ``add_`` of the ring, whose
+    spinning threads compete with autograd for the same cores.
+    """
+    torch.set_num_threads(intra_op_threads)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 class GradientBuckets:
     """Averages the gradients of ``named_params`` over ``group`` during every armed backward pass.
 
@@ -303,8 +315,7 @@ class GradientBuckets:
         if self._trainable_signature() != self._built_for:
             self._build()
         if self._executor is None:
-            device = self.buckets[0].buffer.device
-            init = functools.partial(torch.cuda.set_device, device) if device.type == "cuda" else None
+            init = functools.partial(_init_comm_thread, self.buckets[0].buffer.device, torch.get_num_threads())
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="ldps-grad-comm", initializer=init)
         for bucket in self.buckets:
             bucket.reset()
