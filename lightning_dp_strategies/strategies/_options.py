@@ -13,6 +13,11 @@ ACCELERATOR_DEFAULT_TIMEOUT = timedelta(minutes=30)
 """Default collective timeout on NCCL and other accelerator backends (Lightning's own default)."""
 
 
+def default_timeout(backend: str) -> timedelta:
+    """The collective timeout when none was given: short on gloo (CPU), Lightning's default on accelerators."""
+    return CPU_DEFAULT_TIMEOUT if backend == "gloo" else ACCELERATOR_DEFAULT_TIMEOUT
+
+
 def check_positive(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ValueError(

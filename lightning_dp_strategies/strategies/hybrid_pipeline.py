@@ -68,13 +68,12 @@ from lightning_dp_strategies.pipeline import (
 )
 from lightning_dp_strategies.strategies._grad_sync import BucketedGradSync
 from lightning_dp_strategies.strategies._options import (
-    ACCELERATOR_DEFAULT_TIMEOUT,
-    CPU_DEFAULT_TIMEOUT,
     check_backend,
     check_positive,
     check_reducer,
     check_start_method,
     check_timeout,
+    default_timeout,
 )
 from lightning_dp_strategies.strategies._registry import register_name
 
@@ -338,8 +337,7 @@ class HybridPipelineStrategy(BucketedGradSync, DDPStrategy):
     def setup_distributed(self) -> None:
         self._check_world(self.num_nodes * self.num_processes)
         if self._timeout is None:
-            backend = self._get_process_group_backend()
-            self._timeout = CPU_DEFAULT_TIMEOUT if backend == "gloo" else ACCELERATOR_DEFAULT_TIMEOUT
+            self._timeout = default_timeout(self._get_process_group_backend())
         super().setup_distributed()
         stages, replicas = self.config.pipeline_stages, self.data_parallel_size
         self._mesh = init_device_mesh(

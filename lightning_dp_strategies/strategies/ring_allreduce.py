@@ -21,13 +21,12 @@ from typing_extensions import override
 from lightning_dp_strategies.bucketing import GradientBuckets, GradReducer
 from lightning_dp_strategies.strategies._grad_sync import BucketedGradSync
 from lightning_dp_strategies.strategies._options import (
-    ACCELERATOR_DEFAULT_TIMEOUT,
-    CPU_DEFAULT_TIMEOUT,
     check_backend,
     check_positive,
     check_reducer,
     check_start_method,
     check_timeout,
+    default_timeout,
 )
 from lightning_dp_strategies.strategies._registry import register_name
 
@@ -104,8 +103,7 @@ class RingAllReduceStrategy(BucketedGradSync, DDPStrategy):
     @override
     def setup_distributed(self) -> None:
         if self._timeout is None:
-            backend = self._get_process_group_backend()
-            self._timeout = CPU_DEFAULT_TIMEOUT if backend == "gloo" else ACCELERATOR_DEFAULT_TIMEOUT
+            self._timeout = default_timeout(self._get_process_group_backend())
         super().setup_distributed()
 
     @override
