@@ -1,0 +1,294 @@
+"""The gradient-reduction contract (a bucket in, a future out) and the built-in reducers.
+
+A reducer is any callable ``reducer(bucket) -> torch.futures.Future`` (the shape of torch DDP's communication hooks).
+It must leave ``bucket.buffer`` holding the average (``bucket.op == "avg"``) or the sum (``"sum"``) of every rank's
+buffer over ``bucket.group`` by the time the future completes, add what it sent to ``bucket.counter``, and be called
+in the same order on every rank (:class:`~lightning_dp_strategies.bucketing.GradientBuckets` guarantees that: buckets
+launch strictly in index order). Compression wraps a reducer (:mod:`lightning_dp_strategies.compression`).
+
+==============  ==============================================================  ==========================
+name            what it does                                                    runs on
+==============  ==============================================================  ==========================
+``ring``        this package's ring all-reduce (reduce-scatter + all-gather)    a communication thread
+``native``      the backend's ``all_reduce`` (gloo's ring, NCCL's ring/tree)     the backend's own threads
+``per_tensor``  one blocking ``all_reduce`` per gradient: the naive reference   the caller (blocks backward)
+==============  ==============================================================  ==========================
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.futures import Future
+
+from lightning_dp_strategies.comm import CommCounter, ring_all_reduce
+
+__all__ = [
+    "REDUCERS",
+    "GradBucket",
+    "NativeReducer",
+    "PerTensorReducer",
+    "Reducer",
+    "RingReducer",
+    "completed",
+    "resolve_reducer",
+]
+
+ReduceKind = Literal["avg", "sum"]
+
+
+@dataclass
+class GradBucket:
+    """What a reducer is handed: one flat, contiguous buffer to reduce in place over ``group``.
+
+    The buffer holds the gradients of ``shapes`` back to back, then ``num_flags`` extra elements (the presence flags of
+    :class:`~lightning_dp_strategies.bucketing.GradientBuckets`; reduce them like everything else).
+
+    Examples:
+        >>> bucket = GradBucket(torch.arange(7.0), shapes=[torch.Size([2, 2]), torch.Size([2])], num_flags=1)
+        >>> [tuple(g.shape) for g in bucket.gradients()], bucket.flags.tolist(), bucket.world_size
+        ([(2, 2), (2,)], [6.0], 1)
+    """
+
+    buffer: Tensor
+    group: dist.ProcessGroup | None = None
+    counter: CommCounter = field(default_factory=CommCounter)
+    index: int = 0
+    """Position in the launch order (the same bucket has the same index on every rank and every step)."""
+    shapes: list[torch.Size] = field(default_factory=list)
+    num_flags: int = 0
+    op: ReduceKind = "avg"
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in ``group`` (1 when ``torch.distributed`` is not initialised)."""
+        return dist.get_world_size(self.group) if dist.is_available() and dist.is_initialized() else 1
+
+    @property
+    def flags(self) -> Tensor:
+        """The trailing ``num_flags`` elements."""
+        return self.buffer[self.buffer.numel() - self.num_flags :]
+
+    def gradients(self) -> list[Tensor]:
+        """Views of the buffer shaped like ``shapes``, in order."""
+        out, start = [], 0
+        for shape in self.shapes:
+            n = math.prod(shape)
+            out.append(self.buffer[start : start + n].view(shape))
+            start += n
+        return out
+
+    def with_buffer(self, buffer: Tensor, op: ReduceKind | None = None, keep_layout: bool = True) -> GradBucket:
+        """The same bucket (group, counter, index) over another buffer, e.g. a compressed copy."""
+        if keep_layout:
+            return replace(self, buffer=buffer, op=op or self.op)
+        return replace(self, buffer=buffer, op=op or self.op, shapes=[], num_flags=0)
+
+
+@runtime_checkable
+class Reducer(Protocol):
+    """``reducer(bucket) -> Future``: reduce ``bucket.buffer`` in place; the future completes when it holds the result.
+
+    Optional: a ``close()`` method, called when the buckets are torn down (stop threads, free state).
+
+    Examples:
+        >>> def doubling(bucket: GradBucket) -> Future[Tensor]:  # a toy reducer: synchronous, then done
+        ...     bucket.buffer.mul_(2)
+        ...     return completed(bucket.buffer)
+        >>> isinstance(doubling, Reducer), doubling(GradBucket(torch.ones(2))).wait()
+        (True, tensor([2., 2.]))
+    """
+
+    def __call__(self, bucket: GradBucket) -> Future[Any]: ...
+
+
+def completed(value: Any = None) -> Future[Any]:
+    """A future that is already done, for reducers that work synchronously.
+
+    Examples:
+        >>> completed(3).wait()
+        3
+    """
+    future: Future[Any] = Future()
+    future.set_result(value)
+    return future
+
+
+def _ring_estimate(nbytes: int, world_size: int) -> int:
+    """The bytes a bandwidth-optimal all-reduce sends per rank: 2(N-1)/N of the payload."""
+    return 2 * (world_size - 1) * nbytes // world_size if world_size > 1 else 0
+
+
+def _init_comm_thread(device: torch.device, intra_op_threads: int) -> None:
+    """Give the communication thread its creator's device and intra-op thread count.
+
+    OpenMP keeps the thread count per thread: without this, a process limited to one intra-op thread
+    (``torch.set_num_threads(1)``) would still start a full OpenMP team for every ``add_`` of the ring, whose
+    spinning threads compete with autograd for the same cores.
+    """
+    torch.set_num_threads(intra_op_threads)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+class RingReducer:
+    """The default reducer (``"ring"``): :func:`~lightning_dp_strategies.comm.ring_all_reduce` on its own thread.
+
+    Buckets are reduced one at a time, in call order, on one communication thread (started on first use with the
+    caller's device and intra-op thread count), so backward goes on while they travel. One scratch workspace per dtype
+    and device is reused: a fresh half-bucket buffer per reduction costs page faults on large buckets.
+
+    Examples:
+        >>> reducer = RingReducer()
+        >>> reducer(GradBucket(torch.ones(4))).wait()  # one process: nothing to exchange
+        tensor([1., 1., 1., 1.])
+        >>> reducer.close()
+    """
+
+    def __init__(self) -> None:
+        self._workspaces: dict[tuple[torch.dtype, torch.device], Tensor] = {}
+        self._executor: ThreadPoolExecutor | None = None
+
+    def __call__(self, bucket: GradBucket) -> Future[Tensor]:
+        if self._executor is None:
+            init = functools.partial(_init_comm_thread, bucket.buffer.device, torch.get_num_threads())
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="ldps-grad-comm", initializer=init)
+        future: Future[Tensor] = Future()
+        self._executor.submit(self._run, bucket, future)
+        return future
+
+    def _run(self, bucket: GradBucket, future: Future[Tensor]) -> None:
+        try:
+            self.reduce(bucket)
+        except BaseException as error:  # handed to whoever waits
+            future.set_exception(error)  # type: ignore[arg-type]  # the stub wants the result type
+        else:
+            future.set_result(bucket.buffer)
+
+    def reduce(self, bucket: GradBucket) -> None:
+        """Reduce ``bucket`` now, in the calling thread."""
+        if bucket.world_size == 1:
+            return
+        buffer = bucket.buffer
+        needed = -(-buffer.numel() // bucket.world_size)
+        key = (buffer.dtype, buffer.device)
+        workspace = self._workspaces.get(key)
+        if workspace is None or workspace.numel() < needed:
+            workspace = self._workspaces[key] = torch.empty(needed, dtype=buffer.dtype, device=buffer.device)
+        ring_all_reduce(buffer, bucket.op, group=bucket.group, counter=bucket.counter, workspace=workspace)
+
+    def close(self) -> None:
+        """Stop the communication thread (after the reductions already queued) and drop the workspaces."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        self._workspaces.clear()
+
+
+class NativeReducer:
+    """``"native"``: the backend's own asynchronous ``all_reduce`` (gloo's ring, NCCL's ring or tree).
+
+    The sum runs on the backend's threads (or CUDA streams); averaging divides once it completes. The backend does
+    not report what it sends, so ``counter.bytes_sent`` records the bandwidth-optimal estimate, 2(N-1)/N of the
+    payload, and ``counter.seconds`` the time from launch to completion.
+
+    Examples:
+        >>> NativeReducer()(GradBucket(torch.ones(3))).wait()  # one process
+        tensor([1., 1., 1.])
+    """
+
+    def __call__(self, bucket: GradBucket) -> Future[Tensor]:
+        world = bucket.world_size
+        if world == 1:
+            return completed(bucket.buffer)
+        start = time.perf_counter()
+        work = dist.all_reduce(bucket.buffer, dist.ReduceOp.SUM, group=bucket.group, async_op=True)
+        assert work is not None
+
+        def done(_: Future[Any]) -> Tensor:
+            if bucket.op == "avg":
+                bucket.buffer.div_(world)
+            bucket.counter.bytes_sent += _ring_estimate(bucket.buffer.numel() * bucket.buffer.element_size(), world)
+            bucket.counter.operations += 1
+            bucket.counter.seconds += time.perf_counter() - start
+            return bucket.buffer
+
+        return work.get_future().then(done)
+
+
+class PerTensorReducer:
+    """``"per_tensor"``: one blocking ``all_reduce`` per gradient (and one for the flags): the naive reference.
+
+    Nothing overlaps and nothing is bucketed; keep it as a test oracle, as picotron keeps its naive paths. Counts bytes
+    as :class:`NativeReducer` does.
+
+    Examples:
+        >>> bucket = GradBucket(torch.ones(5), shapes=[torch.Size([2, 2])], num_flags=1)
+        >>> PerTensorReducer()(bucket).wait()
+        tensor([1., 1., 1., 1., 1.])
+    """
+
+    def __call__(self, bucket: GradBucket) -> Future[Tensor]:
+        world = bucket.world_size
+        if world == 1:
+            return completed(bucket.buffer)
+        start = time.perf_counter()
+        tensors = [*bucket.gradients(), bucket.flags] if bucket.shapes else [bucket.buffer]
+        covered = sum(t.numel() for t in tensors)
+        if covered != bucket.buffer.numel():  # a layout that does not describe the whole buffer: reduce it whole
+            tensors = [bucket.buffer]
+        for tensor in tensors:
+            if tensor.numel() == 0:
+                continue
+            dist.all_reduce(tensor, dist.ReduceOp.SUM, group=bucket.group)
+            bucket.counter.bytes_sent += _ring_estimate(tensor.numel() * tensor.element_size(), world)
+            bucket.counter.operations += 1
+        if bucket.op == "avg":
+            bucket.buffer.div_(world)
+        bucket.counter.seconds += time.perf_counter() - start
+        return completed(bucket.buffer)
+
+
+REDUCERS: dict[str, Callable[[], Reducer]] = {
+    "ring": RingReducer,
+    "native": NativeReducer,
+    "per_tensor": PerTensorReducer,
+}
+"""The built-in reducers by name, as the strategies' ``reducer=`` option accepts them."""
+
+
+def resolve_reducer(reducer: str | Reducer | None) -> Reducer:
+    """A reducer from a name in :data:`REDUCERS`, a reducer itself, or ``None`` (a new :class:`RingReducer`).
+
+    Examples:
+        >>> type(resolve_reducer("native")).__name__, type(resolve_reducer(None)).__name__
+        ('NativeReducer', 'RingReducer')
+        >>> resolve_reducer("tree")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: Unknown reducer 'tree': use one of ['ring', 'native', 'per_tensor'], or pass a callable ...
+    """
+    if reducer is None:
+        return RingReducer()
+    if isinstance(reducer, str):
+        if reducer not in REDUCERS:
+            raise ValueError(
+                f"Unknown reducer {reducer!r}: use one of {list(REDUCERS)}, or pass a callable "
+                "reducer(bucket) -> torch.futures.Future (see lightning_dp_strategies.reducers)."
+            )
+        return REDUCERS[reducer]()
+    if not callable(reducer):
+        raise TypeError(
+            f"`reducer` must be one of {list(REDUCERS)} or a callable reducer(bucket) -> torch.futures.Future, "
+            f"got {reducer!r}."
+        )
+    return reducer

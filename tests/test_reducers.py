@@ -1,0 +1,112 @@
+"""The reduction contract: every built-in reducer averages (and sums) a bucket like the backend's own all-reduce.
+
+Oracle: ``reference_all_reduce`` (a plain ``dist.all_reduce``). Tolerance 1e-6 absolute on fp32 values of order 1:
+the reducers differ from the oracle only in summation order.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_dp_strategies.comm import CommCounter, reference_all_reduce
+from lightning_dp_strategies.reducers import (
+    REDUCERS,
+    GradBucket,
+    NativeReducer,
+    PerTensorReducer,
+    RingReducer,
+    completed,
+    resolve_reducer,
+)
+from tests.helpers.distributed import run_distributed
+
+SHAPES = [torch.Size([3, 5]), torch.Size([7]), torch.Size([2, 2, 2])]
+NUMEL = 15 + 7 + 8
+
+
+def _bucket_for(rank: int, op: str) -> GradBucket:
+    generator = torch.Generator().manual_seed(100 + rank)
+    buffer = torch.randn(NUMEL + len(SHAPES), generator=generator)
+    buffer[NUMEL:] = torch.tensor([1.0, float(rank % 2), 0.0])  # presence flags
+    return GradBucket(buffer, None, CommCounter(), index=0, shapes=list(SHAPES), num_flags=len(SHAPES), op=op)  # type: ignore[arg-type]
+
+
+def _check_reducers_against_oracle(rank: int, world_size: int) -> None:
+    for name in REDUCERS:
+        for op in ("avg", "sum"):
+            bucket = _bucket_for(rank, op)
+            expected = reference_all_reduce(bucket.buffer.clone(), op)
+            reducer = resolve_reducer(name)
+            result = reducer(bucket).wait()
+            assert result is bucket.buffer, f"{name}: the future's value is the reduced buffer itself"
+            torch.testing.assert_close(bucket.buffer, expected, atol=1e-6, rtol=0, msg=f"{name} {op}")
+            # every rank sends 2(N-1)/N of the payload (counted by the ring, the bandwidth-optimal estimate otherwise)
+            nbytes = bucket.buffer.numel() * 4
+            expected_bytes = 2 * (world_size - 1) * nbytes / world_size
+            assert abs(bucket.counter.bytes_sent - expected_bytes) <= 3 * 4 * world_size * 2, (name, bucket.counter)
+            assert bucket.counter.operations == (len(SHAPES) + 1 if name == "per_tensor" else 1), name
+            close = getattr(reducer, "close", None)
+            if close is not None:
+                close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_built_in_reducers_match_the_oracle(world_size: int) -> None:
+    run_distributed(_check_reducers_against_oracle, world_size)
+
+
+def _check_ring_reducer_keeps_call_order(rank: int, world_size: int) -> None:
+    """Many buckets in flight on the communication thread come back right and in order."""
+    reducer = RingReducer()
+    buckets = [GradBucket(torch.full((1000 + i,), float(rank + i)), index=i) for i in range(6)]
+    futures = [reducer(b) for b in buckets]
+    for i, future in enumerate(futures):
+        future.wait()
+        torch.testing.assert_close(buckets[i].buffer, torch.full((1000 + i,), (world_size - 1) / 2 + i))
+    reducer.close()
+
+
+@pytest.mark.timeout(120)
+def test_ring_reducer_overlaps_buckets_in_launch_order() -> None:
+    run_distributed(_check_ring_reducer_keeps_call_order, 2)
+
+
+def _check_failure_reaches_the_waiter(rank: int, world_size: int) -> None:
+    reducer = RingReducer()
+    future = reducer(GradBucket(torch.ones(4), op="max"))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="use 'sum' or 'avg'"):
+        future.wait()
+    reducer.close()
+
+
+@pytest.mark.timeout(120)
+def test_an_error_on_the_communication_thread_is_raised_by_wait() -> None:
+    run_distributed(_check_failure_reaches_the_waiter, 2)
+
+
+def test_one_process_reducers_leave_the_buffer_alone() -> None:
+    for reducer in (RingReducer(), NativeReducer(), PerTensorReducer()):
+        bucket = GradBucket(torch.arange(5.0))
+        assert torch.equal(reducer(bucket).wait(), torch.arange(5.0))
+        assert bucket.counter.bytes_sent == 0
+
+
+def test_unknown_names_and_non_callables_are_rejected_with_the_choices() -> None:
+    with pytest.raises(ValueError, match=r"use one of \['ring', 'native', 'per_tensor'\]"):
+        resolve_reducer("nccl")
+    with pytest.raises(TypeError, match="callable reducer\\(bucket\\)"):
+        resolve_reducer(42)  # type: ignore[arg-type]
+    custom = lambda bucket: completed(bucket.buffer)  # noqa: E731
+    assert resolve_reducer(custom) is custom
+
+
+def test_bucket_views_and_rebinding() -> None:
+    bucket = GradBucket(torch.arange(8.0), shapes=[torch.Size([2, 3])], num_flags=2, index=4)
+    (grad,) = bucket.gradients()
+    grad.add_(1)
+    assert bucket.buffer[:6].tolist() == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0], "gradients() are views of the buffer"
+    assert bucket.flags.tolist() == [6.0, 7.0]
+    other = bucket.with_buffer(torch.zeros(3), op="sum", keep_layout=False)
+    assert other.counter is bucket.counter and other.index == 4 and other.op == "sum" and other.shapes == []
