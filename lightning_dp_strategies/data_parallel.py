@@ -8,8 +8,9 @@ runs (and is tested) without a GPU::
       (dim 0, even      chunk 1 ─▶ replica 1 ─┼─parallel_apply (threads)──▶ outputs ──gather──▶ root device
        split ± 1)       chunk 2 ─▶ replica 2 ─┘                               (cat along dim 0)
 
-Gradients need no averaging step: the replicas' parameters are the root parameters (CPU) or differentiable
-broadcasts of them (CUDA), so autograd sums each replica's contribution into the root ``.grad``. A loss computed on
+Gradients need no averaging step: the replicas' parameters are differentiable aliases of the root parameters (CPU)
+or differentiable broadcasts of them (CUDA), so autograd sums each replica's contribution into the root ``.grad``, in
+replica order (bitwise the same sum in every run). A loss computed on
 the gathered outputs is the loss of the whole batch, hence the gradients are the single-device gradients, also when
 the batch does not split evenly.
 """
@@ -200,41 +201,94 @@ def replicate(module: M, devices: Sequence[DeviceLike]) -> list[M]:
     """One replica of ``module`` per device, through which gradients reach ``module``'s own parameters.
 
     On CUDA this is :func:`torch.nn.parallel.replicate` (differentiable broadcasts of the parameters). On CPU the
-    replicas are logical: shallow copies of every submodule that share ``module``'s ``Parameter`` objects, so
-    gradients accumulate straight into them. As in :class:`torch.nn.DataParallel`, replica 0 shares ``module``'s
-    buffers (its BatchNorm running-statistics updates are kept) and every other replica gets its own copy (its updates
-    are dropped) - no two threads ever write to one buffer.
+    replicas are logical: shallow copies of every submodule whose parameters alias ``module``'s (the same memory, no
+    copy). With grad enabled each replica holds its own autograd alias of every trainable parameter, and one backward
+    node sums the replicas' gradients in replica order before they reach ``.grad`` - as the CUDA broadcast's backward
+    does - so the sum does not depend on the order autograd happens to visit the replicas' threads (which depends on
+    what ran before in the process). Under ``torch.no_grad()`` the replicas share the ``Parameter`` objects. As in
+    :class:`torch.nn.DataParallel`, replica 0 shares ``module``'s buffers (its BatchNorm running-statistics updates
+    are kept) and every other replica gets its own copy (its updates are dropped) - no two threads ever write to one
+    buffer.
 
     Examples:
         >>> net = torch.nn.Linear(2, 2)
         >>> a, b = replicate(net, ["cpu", "cpu"])
-        >>> a is not net and a.weight is net.weight and b.weight is net.weight
+        >>> a is not net and a.weight.data_ptr() == b.weight.data_ptr() == net.weight.data_ptr()
         True
+        >>> (a(torch.ones(1, 2)).sum() + b(torch.ones(1, 2)).sum()).backward()
+        >>> net.bias.grad  # both replicas' gradients, summed into the root parameter
+        tensor([2., 2.])
     """
     targets = as_devices(devices)
     if targets[0].type == "cuda":
         from torch.nn.parallel import replicate as cuda_replicate
 
         return cuda_replicate(module, targets, detach=not torch.is_grad_enabled())
-    return [_logical_replica(module, share_buffers=i == 0) for i in range(len(targets))]
+    return _logical_replicas(module, len(targets))
 
 
-def _logical_replica(module: M, share_buffers: bool) -> M:
+class _ReplicaAliases(torch.autograd.Function):
+    """Forward: ``count`` aliases of every parameter (replica-major). Backward: their gradients summed in replica order.
+
+    One node for all replicas, so autograd hands it every replica's gradient before it sums them: the order of the
+    additions is fixed here, not by the engine's scheduling of the replicas' graphs (``torch.nn.parallel``'s
+    ``Broadcast`` / ``ReduceAddCoalesced`` pair plays this role on CUDA).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, count: int, *params: Tensor) -> tuple[Tensor, ...]:
+        ctx.count = count
+        ctx.set_materialize_grads(False)  # a replica that did not use a parameter gives None, not zeros
+        return tuple(p.detach() for _ in range(count) for p in params)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+        per_replica = len(grads) // ctx.count
+        sums: list[Tensor | None] = []
+        for j in range(per_replica):
+            total: Tensor | None = None
+            for i in range(ctx.count):
+                grad = grads[i * per_replica + j]
+                if grad is not None:
+                    total = grad if total is None else total + grad  # out of place: replica 0 + 1 + 2 + ...
+            sums.append(total)
+        return (None, *sums)
+
+
+def _logical_replicas(module: M, count: int) -> list[M]:
     modules = list(module.modules())  # shared submodules appear once, and stay shared in the replica
     index = {id(m): i for i, m in enumerate(modules)}
-    copies = [m._replicate_for_data_parallel() for m in modules]
-    cloned: dict[int, Tensor] = {}
-    for original, replica in zip(modules, copies, strict=True):
-        replica._parameters = dict(original._parameters)
-        if not share_buffers:
-            for key, buf in original._buffers.items():
-                if buf is not None:
-                    if id(buf) not in cloned:
-                        cloned[id(buf)] = buf.clone()
-                    replica._buffers[key] = cloned[id(buf)]
-        for key, child in original._modules.items():
-            replica._modules[key] = None if child is None else copies[index[id(child)]]
-    return copies[0]
+    trainable: dict[int, Tensor] = {}  # tied parameters appear once, and stay tied in the replica
+    if torch.is_grad_enabled():
+        for m in modules:
+            for p in m._parameters.values():
+                if p is not None and p.requires_grad:
+                    trainable.setdefault(id(p), p)
+    params = list(trainable.values())
+    aliases = _ReplicaAliases.apply(count, *params) if params else ()
+    replicas: list[M] = []
+    for r in range(count):
+        alias = {id(p): aliases[r * len(params) + j] for j, p in enumerate(params)}
+        copies = [m._replicate_for_data_parallel() for m in modules]
+        cloned: dict[int, Tensor] = {}
+        for original, replica in zip(modules, copies, strict=True):
+            replica._former_parameters = {}  # as torch.nn.parallel.replicate
+            for key, param in original._parameters.items():
+                if param is None or id(param) not in alias:
+                    replica._parameters[key] = param  # frozen, or no grad: the parameter itself
+                else:
+                    setattr(replica, key, alias[id(param)])  # not a leaf: a plain attribute, as on CUDA
+                    replica._former_parameters[key] = alias[id(param)]
+            if r > 0:
+                for key, buf in original._buffers.items():
+                    if buf is not None:
+                        if id(buf) not in cloned:
+                            cloned[id(buf)] = buf.clone()
+                        replica._buffers[key] = cloned[id(buf)]
+            for key, child in original._modules.items():
+                replica._modules[key] = None if child is None else copies[index[id(child)]]
+        replicas.append(copies[0])
+    return replicas
 
 
 # ---------------------------------------------------------------------------------------------------- parallel_apply
@@ -301,6 +355,11 @@ def parallel_apply(
     the caller's intra-op threads. Function 0 runs in the calling thread. An exception in any replica is re-raised
     here, after all threads finished.
 
+    CPU replicas draw random numbers (dropout) from the one CPU generator. Under
+    ``torch.use_deterministic_algorithms(True)`` (what ``Trainer(deterministic=True)`` sets) their threads therefore
+    run one after another, in replica order, each with all of the caller's intra-op threads, so that every run gives
+    every replica the same random numbers; otherwise they run at once and draw in whatever order they reach it.
+
     Args:
         functions: one callable per replica, usually ``replica.forward`` or the replica itself.
         inputs: ``(args, kwargs)`` per replica, as :func:`scatter` returns for ``(args, kwargs)``.
@@ -317,8 +376,14 @@ def parallel_apply(
             f"Need one input and one device per function, got {len(functions)} functions, {len(inputs)} inputs "
             f"and {len(targets)} devices."
         )
-    # replicas sharing one CPU share its intra-op threads (none on CUDA, where each has its own device)
-    cpu_share = max(1, torch.get_num_threads() // len(targets)) if targets[0].type == "cpu" else None
+    # CPU replicas draw random numbers (dropout) from the one CPU generator, in whatever order their threads reach it;
+    # under torch.use_deterministic_algorithms(True) (Trainer(deterministic=True)) they run one after another, in
+    # replica order, so every run hands every replica the same random numbers
+    one_at_a_time = targets[0].type == "cpu" and torch.are_deterministic_algorithms_enabled()
+    # replicas sharing one CPU at once share its intra-op threads (none on CUDA, where each has its own device)
+    cpu_share: int | None = None
+    if targets[0].type == "cpu":
+        cpu_share = torch.get_num_threads() if one_at_a_time else max(1, torch.get_num_threads() // len(targets))
     context = ThreadContext.capture(intra_op_threads=cpu_share)
     streams = [torch.cuda.current_stream(d) if d.type == "cuda" else None for d in targets]
     results: list[Any] = [None] * len(functions)
@@ -335,12 +400,19 @@ def parallel_apply(
     threads = [threading.Thread(target=run, args=(i,), name=f"replica-{i}") for i in range(1, len(functions))]
     own_threads = torch.get_num_threads()
     try:
-        for thread in threads:
-            thread.start()
-        run(0)
+        if one_at_a_time:
+            run(0)
+            for thread in threads:
+                thread.start()
+                thread.join()
+        else:
+            for thread in threads:
+                thread.start()
+            run(0)
     finally:
         for thread in threads:
-            thread.join()
+            if thread.ident is not None:  # started
+                thread.join()
         if torch.get_num_threads() != own_threads:
             torch.set_num_threads(own_threads)
     for i, err in enumerate(errors):

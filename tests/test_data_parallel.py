@@ -173,7 +173,11 @@ def test_cpu_replicas_share_parameters_and_only_replica_0_shares_buffers() -> No
     assert all(r is not net for r in replicas)
     for r in replicas:
         assert r.block is r.again  # shared submodules stay shared inside each replica
-        assert [id(p) for p in r.parameters()] == [id(p) for p in net.parameters()]
+        # with grad enabled: autograd aliases of the root's parameters (the same memory), summed in replica order
+        assert r.block.weight.data_ptr() == net.block.weight.data_ptr() and r.block.weight.grad_fn is not None
+    with torch.no_grad():
+        for r in replicate(net, CPU3):
+            assert [id(p) for p in r.parameters()] == [id(p) for p in net.parameters()]
     assert replicas[0].norm.running_mean is net.norm.running_mean
     for r in replicas[1:]:
         assert r.norm.running_mean is not net.norm.running_mean
