@@ -1,0 +1,100 @@
+"""Rank agreement at setup: every rank describes its model and options, and any difference fails on every rank.
+
+Ranks that disagree about the model do not fail cleanly on their own: a different parameter shape makes the
+broadcast of rank 0's weights or a gradient bucket's all-reduce hang or error on some ranks only, and a different
+option (a bucket cap, a reducer, an accumulation factor) silently pairs up collectives that do not belong together.
+So before anything else is communicated, each rank gathers every rank's fingerprint and compares them; since all
+ranks see the same list, all raise the same error together and none waits forever.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["RankMismatchError", "check_ranks_agree", "model_fingerprint"]
+
+
+class RankMismatchError(RuntimeError):
+    """Ranks built different models or were given different options; raised on every rank at setup.
+
+    Examples:
+        >>> issubclass(RankMismatchError, RuntimeError)  # caught by ``except RuntimeError`` as well
+        True
+    """
+
+
+def model_fingerprint(module: nn.Module, options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """A JSON-able description of ``module`` (parameters, buffers) and ``options``, comparable across ranks.
+
+    Parameters are listed with name, shape, dtype and whether they train (which fixes the bucket layout, given equal
+    bucket caps among the options); buffers with name, shape and dtype. Option values are compared by ``repr``.
+
+    Examples:
+        >>> fingerprint = model_fingerprint(nn.Linear(3, 2), {"bucket_cap_mb": 25.0})
+        >>> fingerprint["parameters"][0], fingerprint["options"]
+        (['weight', [2, 3], 'torch.float32', True], {'bucket_cap_mb': '25.0'})
+    """
+    return {
+        "parameters": [[n, list(p.shape), str(p.dtype), p.requires_grad] for n, p in module.named_parameters()],
+        "buffers": [[n, list(b.shape), str(b.dtype)] for n, b in module.named_buffers()],
+        "options": {k: repr(v) for k, v in sorted((options or {}).items())},
+    }
+
+
+def _digest(fingerprint: Mapping[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()
+
+
+def _first_difference(reference: Mapping[str, Any], other: Mapping[str, Any]) -> str:
+    """A human-readable account of the first difference between two fingerprints."""
+    for key, value in reference["options"].items():
+        if other["options"].get(key) != value:
+            return f"option {key!r} is {value} on rank 0 but {other['options'].get(key, '(missing)')} there"
+    for key in other["options"]:
+        if key not in reference["options"]:
+            return f"option {key!r} is set there but not on rank 0"
+    for kind in ("parameters", "buffers"):
+        mine, theirs = reference[kind], other[kind]
+        for a, b in zip(mine, theirs, strict=False):
+            if a != b:
+                return f"{kind[:-1]} {a[0]!r} is {a[1:]} on rank 0 but {b[0]!r} {b[1:]} there"
+        if len(mine) != len(theirs):
+            return f"rank 0 has {len(mine)} {kind}, that rank {len(theirs)}"
+    return "the fingerprints differ"
+
+
+def check_ranks_agree(fingerprint: Mapping[str, Any], group: dist.ProcessGroup | None = None) -> None:
+    """Gather every rank's ``fingerprint`` over ``group`` and raise :class:`RankMismatchError` on all ranks if any
+    differs from rank 0's. Only a digest travels unless they differ. A no-op without an initialised process group.
+
+    Examples:
+        >>> check_ranks_agree(model_fingerprint(nn.Linear(3, 2)))  # one process: nothing to compare
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return
+    world = dist.get_world_size(group)
+    digests: list[Any] = [None] * world
+    dist.all_gather_object(digests, _digest(fingerprint), group=group)
+    if len(set(digests)) == 1:
+        return
+    everything: list[Any] = [None] * world
+    dist.all_gather_object(everything, dict(fingerprint), group=group)
+    lines = [
+        f"  rank {rank}: {_first_difference(everything[0], fp)}"
+        for rank, fp in enumerate(everything)
+        if digests[rank] != digests[0]
+    ]
+    raise RankMismatchError(
+        "The ranks do not agree on the model or the strategy options, so training would hang or silently corrupt "
+        "the parameters:\n"
+        + "\n".join(lines)
+        + "\nEvery rank must run the same code with the same configuration: build the model the same way on every "
+        "rank (no rank-dependent layers or sizes), pass the same strategy and Trainer options, and make sure every "
+        "node runs the same version of your code."
+    )
