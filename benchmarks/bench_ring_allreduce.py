@@ -5,11 +5,14 @@
     (bytes * 2(N-1)/N / time, the figure NCCL's tests report).
 (b) Trainer step time of ``"ring_allreduce"`` vs ``"ddp"`` on the same ~20 M parameter MLP, 2 processes, steady state
     (the first steps are warm-up), runs alternated ring/ddp/ring/ddp; prints the ratio of the median step times.
+(c) The same Trainer run with each reducer and compression wrapper (``ring``, ``native``, ``bf16_compress``,
+    ``fp16_compress``, ``PowerSGD(rank=4)``): bytes sent per step and step time, each relative to plain ``ring``.
 
 Usage::
 
     python benchmarks/bench_ring_allreduce.py            # both parts
     python benchmarks/bench_ring_allreduce.py --part a   # collectives only
+    python benchmarks/bench_ring_allreduce.py --part c   # reducers and compression
 """
 
 from __future__ import annotations
@@ -97,6 +100,9 @@ import json, sys, time
 import lightning as L, torch
 from torch import nn
 import lightning_dp_strategies
+from lightning_dp_strategies import PowerSGD, RingAllReduceStrategy, bf16_compress, fp16_compress
+REDUCERS = {"ring": "ring", "native": "native", "bf16": lambda: bf16_compress("ring"),
+            "fp16": lambda: fp16_compress("ring"), "powersgd": lambda: PowerSGD("ring", rank=4)}
 
 class Timer(L.Callback):
     def __init__(self): self.t = []; self.start = 0.0
@@ -120,6 +126,10 @@ g = torch.Generator().manual_seed(0)
 data = torch.utils.data.TensorDataset(torch.randn(64 * steps, width, generator=g), torch.randint(0, 10, (64 * steps,)))
 timer = Timer()
 model = MLP(width, depth)
+if "+" in strategy:  # ring_allreduce+<reducer>
+    name = strategy.split("+", 1)[1]
+    reducer = REDUCERS[name] if isinstance(REDUCERS[name], str) else REDUCERS[name]()
+    strategy = RingAllReduceStrategy(reducer=reducer)
 trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=steps, logger=False,
                     enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
                     callbacks=[timer])
@@ -131,8 +141,11 @@ if trainer.global_rank == 0:
 """
 
 
-def part_b(steps: int, width: int, depth: int, rounds: int) -> float:
-    times: dict[str, list[float]] = {"ring_allreduce": [], "ddp": []}
+def _train_runs(
+    strategies: list[str], steps: int, width: int, depth: int, rounds: int
+) -> tuple[dict[str, float], dict[str, dict]]:
+    """Median steady-state step time and the last run's result per strategy; runs alternate within each round."""
+    times: dict[str, list[float]] = {s: [] for s in strategies}
     info = {}
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "train.py"
@@ -147,12 +160,16 @@ def part_b(steps: int, width: int, depth: int, rounds: int) -> float:
                 result = json.loads(out.read_text())
                 times[strategy].extend(result["times"][steps // 3 :])  # drop warm-up
                 info[strategy] = result
-    med = {k: statistics.median(v) for k, v in times.items()}
+    return {k: statistics.median(v) for k, v in times.items()}, info
+
+
+def part_b(steps: int, width: int, depth: int, rounds: int) -> float:
+    med, info = _train_runs(["ring_allreduce", "ddp"], steps, width, depth, rounds)
     ratio = med["ring_allreduce"] / med["ddp"]
     params = info["ddp"]["params"]
     print(f"\n(b) Trainer step time, 2 processes on CPU/gloo, MLP with {params / 1e6:.1f} M parameters, batch 32/rank")
     for k, v in med.items():
-        print(f"  {k:<15} {v * 1e3:8.1f} ms/step (median of {len(times[k])} steady-state steps)")
+        print(f"  {k:<15} {v * 1e3:8.1f} ms/step (median of {rounds} x {steps - steps // 3} steady-state steps)")
     stats = info["ring_allreduce"]["stats"]
     if stats:
         print(
@@ -164,9 +181,32 @@ def part_b(steps: int, width: int, depth: int, rounds: int) -> float:
     return ratio
 
 
+def part_c(steps: int, width: int, depth: int, rounds: int) -> None:
+    names = ["ring", "native", "bf16", "fp16", "powersgd"]
+    med, info = _train_runs([f"ring_allreduce+{n}" for n in names], steps, width, depth, rounds)
+    base_time, base_bytes = med["ring_allreduce+ring"], info["ring_allreduce+ring"]["stats"]["bytes_sent"]
+    params = info["ring_allreduce+ring"]["params"]
+    print(f"\n(c) reducers and compression in ring_allreduce, 2 processes, {params / 1e6:.1f} M parameters")
+    print(f"  {'reducer':<22} {'MB/step':>8} {'bytes/ring':>10} {'ms/step':>8} {'time/ring':>9}")
+    labels = {
+        "ring": "ring",
+        "native": "native",
+        "bf16": "bf16_compress(ring)",
+        "fp16": "fp16_compress(ring)",
+        "powersgd": "PowerSGD(ring, rank=4)",
+    }
+    for name in names:
+        key = f"ring_allreduce+{name}"
+        sent = info[key]["stats"]["bytes_sent"]
+        print(
+            f"  {labels[name]:<22} {sent / 1e6:8.1f} {sent / base_bytes:10.3f} {med[key] * 1e3:8.1f}"
+            f" {med[key] / base_time:9.3f}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=["a", "b", "both"], default="both")
+    parser.add_argument("--part", choices=["a", "b", "c", "both", "all"], default="both", help="both: a and b")
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--steps", type=int, default=30)
@@ -179,6 +219,8 @@ def main() -> None:
         part_a(args.world, args.repeats)
     if args.part in ("b", "both"):
         part_b(args.steps, args.width, args.depth, args.rounds)
+    if args.part in ("c", "all"):
+        part_c(args.steps, args.width, args.depth, args.rounds)
 
 
 if __name__ == "__main__":

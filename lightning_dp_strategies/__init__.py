@@ -6,16 +6,20 @@
 True
 """
 
-from lightning_dp_strategies.bucketing import (
-    CommStats,
-    GradientBuckets,
-    GradReducer,
-    RingReducer,
-    assign_buckets,
-    ring_reducer,
-)
+from lightning_dp_strategies.bucketing import CommStats, GradientBuckets, assign_buckets
+from lightning_dp_strategies.checkpoint_io import AtomicCheckpointIO
 from lightning_dp_strategies.comm import CommCounter, reference_all_reduce, ring_all_reduce
+from lightning_dp_strategies.compression import CastCompression, PowerSGD, bf16_compress, fp16_compress
 from lightning_dp_strategies.data_parallel import gather, parallel_apply, replicate, scatter
+from lightning_dp_strategies.reducers import (
+    REDUCERS,
+    GradBucket,
+    NativeReducer,
+    PerTensorReducer,
+    Reducer,
+    RingReducer,
+    resolve_reducer,
+)
 from lightning_dp_strategies.strategies import (
     HybridPipelineStrategy,
     RingAllReduceStrategy,
@@ -26,22 +30,31 @@ from lightning_dp_strategies.strategies import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "REDUCERS",
+    "AtomicCheckpointIO",
+    "CastCompression",
     "CommCounter",
     "CommStats",
-    "GradReducer",
+    "GradBucket",
     "GradientBuckets",
     "HybridPipelineStrategy",
+    "NativeReducer",
+    "PerTensorReducer",
+    "PowerSGD",
+    "Reducer",
     "RingAllReduceStrategy",
     "RingReducer",
     "ScatterGatherStrategy",
     "assign_buckets",
+    "bf16_compress",
+    "fp16_compress",
     "gather",
     "parallel_apply",
     "reference_all_reduce",
     "register_all",
     "replicate",
+    "resolve_reducer",
     "ring_all_reduce",
-    "ring_reducer",
     "scatter",
 ]
 

@@ -5,7 +5,8 @@ How one synchronised backward pass goes (DDP's reducer, rebuilt on post-accumula
 1. ``arm()`` before backward. Parameters were assigned to buckets in reverse registration order (gradients of the last
    layers are ready first), each bucket a flat buffer of one dtype and device, capped in size, the first one small.
 2. Each parameter's hook copies its ``.grad`` into its slot. When every slot of bucket ``i`` is filled and buckets
-   ``0..i-1`` are launched, bucket ``i`` is handed to the reducer on the communication thread while backward goes on.
+   ``0..i-1`` are launched, bucket ``i`` is handed to the reducer (:mod:`lightning_dp_strategies.reducers`), which
+   returns a future at once; the default ring reducer works on its own communication thread while backward goes on.
    Buckets launch strictly in index order, so every rank issues the same sequence of collectives.
 3. ``finish()`` after backward. Slots whose hook never fired (a parameter unused on this rank) are filled with the
    local ``.grad`` if one exists, else zeros, and the remaining buckets launch. Then it waits for all of them and
@@ -22,68 +23,33 @@ from __future__ import annotations
 import functools
 import time
 import warnings
-from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.nn import Parameter
 
-from lightning_dp_strategies.comm import CommCounter, ring_all_reduce
+from lightning_dp_strategies.comm import CommCounter
+from lightning_dp_strategies.reducers import GradBucket, Reducer, resolve_reducer
 
 __all__ = [
     "Bucket",
     "CommStats",
-    "GradReducer",
     "GradientBuckets",
-    "RingReducer",
     "assign_buckets",
-    "ring_reducer",
 ]
 
 MiB = 1024 * 1024
 
-GradReducer = Callable[[Tensor, "dist.ProcessGroup | None", CommCounter], None]
-"""The reduction contract: average a flat buffer in place over a process group, counting what was sent."""
-
-
-def ring_reducer(buffer: Tensor, group: dist.ProcessGroup | None, counter: CommCounter) -> None:
-    """The default :data:`GradReducer`: this package's ring all-reduce, averaging.
-
-    Examples:
-        >>> # on every rank of an initialised 2-process group
-        >>> buffer, counter = torch.full((4,), float(dist.get_rank())), CommCounter()  # doctest: +SKIP
-        >>> ring_reducer(buffer, None, counter)  # doctest: +SKIP
-        >>> buffer, counter.operations  # doctest: +SKIP
-        (tensor([0.5000, 0.5000, 0.5000, 0.5000]), 1)
-    """
-    ring_all_reduce(buffer, "avg", group=group, counter=counter)
-
-
-class RingReducer:
-    """The default :data:`GradReducer`: the ring all-reduce (average), with one reused scratch workspace.
-
-    Allocating a fresh half-bucket scratch buffer for every reduction costs page faults on large buckets; this keeps
-    one per dtype and device. Give each :class:`GradientBuckets` its own instance (its buckets are reduced one at a
-    time, on one thread); ``GradientBuckets(reducer=None)`` does.
-
-    Examples:
-        >>> reducer = RingReducer()
-        >>> reducer(torch.ones(4), None, CommCounter())  # on every rank of a process group  # doctest: +SKIP
-    """
-
-    def __init__(self) -> None:
-        self._workspaces: dict[tuple[torch.dtype, torch.device], Tensor] = {}
-
-    def __call__(self, buffer: Tensor, group: dist.ProcessGroup | None, counter: CommCounter) -> None:
-        needed = -(-buffer.numel() // dist.get_world_size(group))
-        key = (buffer.dtype, buffer.device)
-        workspace = self._workspaces.get(key)
-        if workspace is None or workspace.numel() < needed:
-            workspace = self._workspaces[key] = torch.empty(needed, dtype=buffer.dtype, device=buffer.device)
-        ring_all_reduce(buffer, "avg", group=group, counter=counter, workspace=workspace)
+PEER_FAILURE_HINT = (
+    "Another rank most likely died or stopped responding (a crash, an out-of-memory kill, a lost node) or the "
+    "collective timed out (the strategy's `timeout`). Look for the first error in the other ranks' logs; checkpoints "
+    "already written are complete, so resume from the last one with `trainer.fit(..., ckpt_path='last')`."
+)
+"""What a failed collective most likely means, and what to do; appended to the strategies' errors."""
 
 
 def assign_buckets(
@@ -181,7 +147,7 @@ class Bucket:
     # runtime state of the current synchronised backward
     ready: list[bool] = field(default_factory=list)
     pending: int = 0
-    future: Future[None] | None = None
+    future: torch.futures.Future[Any] | None = None
     counter: CommCounter = field(default_factory=CommCounter)
 
     @property
@@ -208,18 +174,6 @@ class Bucket:
         self.counter = CommCounter()
 
 
-def _init_comm_thread(device: torch.device, intra_op_threads: int) -> None:
-    """Give the communication thread its creator's device and intra-op thread count.
-
-    OpenMP keeps the thread count per thread: without this, a process limited to one intra-op thread
-    (``torch.set_num_threads(1)``) would still start a full OpenMP team for every ``add_`` of the ring, whose
-    spinning threads compete with autograd for the same cores.
-    """
-    torch.set_num_threads(intra_op_threads)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-
-
 class GradientBuckets:
     """Averages the gradients of ``named_params`` over ``group`` during every armed backward pass.
 
@@ -227,14 +181,15 @@ class GradientBuckets:
         named_params: ``(name, parameter)`` pairs in registration order (``module.named_parameters()``). Parameters
             that do not require grad are left out, and the buckets are rebuilt when that set changes (unfreezing).
         group: the process group to average over (``None``: the world).
-        reducer: the reduction, run on a dedicated communication thread (default ``None``: a new
-            :class:`RingReducer`, the ring all-reduce).
+        reducer: how a bucket is averaged: a name in :data:`~lightning_dp_strategies.reducers.REDUCERS`
+            (``"ring"``, ``"native"``, ``"per_tensor"``), or a callable ``reducer(bucket) -> Future`` (see
+            :class:`~lightning_dp_strategies.reducers.Reducer`); default ``None``, a new ring reducer.
         bucket_cap_mb: cap of every bucket but the first, in MiB.
         first_bucket_cap_mb: cap of the first bucket, small so communication starts early in backward.
 
     Examples:
         >>> model = torch.nn.Linear(3, 2)
-        >>> buckets = GradientBuckets(model.named_parameters(), reducer=lambda buffer, group, counter: None)  # 1 rank
+        >>> buckets = GradientBuckets(model.named_parameters(), reducer="ring")  # one process
         >>> buckets.layout()
         [[('bias', (2,), 'torch.float32'), ('weight', (2, 3), 'torch.float32')]]
         >>> buckets.arm(); model(torch.ones(4, 3)).sum().backward(); buckets.finish(); buckets.close()
@@ -246,14 +201,14 @@ class GradientBuckets:
         self,
         named_params: Iterable[tuple[str, Parameter]],
         group: dist.ProcessGroup | None = None,
-        reducer: GradReducer | None = None,
+        reducer: str | Reducer | None = None,
         bucket_cap_mb: float = 25.0,
         first_bucket_cap_mb: float = 1.0,
     ) -> None:
         # configuration
         self.named_params = list(named_params)
         self.group = group
-        self.reducer: GradReducer = reducer if reducer is not None else RingReducer()
+        self.reducer: Reducer = resolve_reducer(reducer)
         self.bucket_cap_mb = bucket_cap_mb
         self.first_bucket_cap_mb = first_bucket_cap_mb
         # runtime state
@@ -262,7 +217,6 @@ class GradientBuckets:
         self._built_for: tuple[bool, ...] = ()
         self._armed = False
         self._next_launch = 0
-        self._executor: ThreadPoolExecutor | None = None
         self.sync_blocked = False
         """Set while the owner deliberately skips communication (accumulation, ``no_sync``)."""
         self._warned_unarmed = False
@@ -314,9 +268,6 @@ class GradientBuckets:
         """Reduce the gradients of the next backward pass (call right before it)."""
         if self._trainable_signature() != self._built_for:
             self._build()
-        if self._executor is None:
-            init = functools.partial(_init_comm_thread, self.buckets[0].buffer.device, torch.get_num_threads())
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="ldps-grad-comm", initializer=init)
         for bucket in self.buckets:
             bucket.reset()
         self._next_launch = 0
@@ -375,8 +326,16 @@ class GradientBuckets:
     def _launch_in_order(self) -> None:
         while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].pending == 0:
             bucket = self.buckets[self._next_launch]
-            assert self._executor is not None
-            bucket.future = self._executor.submit(self.reducer, bucket.buffer, self.group, bucket.counter)
+            bucket.future = self.reducer(
+                GradBucket(
+                    bucket.buffer,
+                    self.group,
+                    bucket.counter,
+                    bucket.index,
+                    [p.shape for p in bucket.params],
+                    num_flags=len(bucket.params),
+                )
+            )
             self._next_launch += 1
 
     def finish(self) -> None:
@@ -395,7 +354,10 @@ class GradientBuckets:
         waited = time.perf_counter()
         for bucket in self.buckets:
             assert bucket.future is not None
-            bucket.future.result()
+            try:
+                bucket.future.wait()
+            except Exception as error:
+                raise RuntimeError(self._failure_message(bucket, error)) from error
         self.totals.exposed_seconds += time.perf_counter() - waited
         for bucket, flags in zip(self.buckets, self._reduced_flags(), strict=True):
             for slot, param in enumerate(bucket.params):
@@ -408,6 +370,14 @@ class GradientBuckets:
             self.totals.ring_operations += bucket.counter.operations
             self.totals.comm_seconds += bucket.counter.seconds
         self.totals.synced_backwards += 1
+
+    def _failure_message(self, bucket: Bucket, error: BaseException) -> str:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        world = dist.get_world_size(self.group) if dist.is_initialized() else 1
+        return (
+            f"Reducing gradient bucket {bucket.index} ({len(bucket.params)} parameters from {bucket.names[0]!r}) "
+            f"over {world} ranks failed on rank {rank}: {type(error).__name__}: {error}\n" + PEER_FAILURE_HINT
+        )
 
     def _reduced_flags(self) -> list[list[float]]:
         """Every bucket's reduced presence flags, in one device-to-host transfer when the buckets share a device."""
@@ -434,6 +404,6 @@ class GradientBuckets:
         """Remove the hooks and stop the communication thread."""
         self._remove_hooks()
         self._armed = False
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
+        close = getattr(self.reducer, "close", None)
+        if callable(close):
+            close()

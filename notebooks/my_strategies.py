@@ -1,25 +1,24 @@
-"""A bf16-compressed ring all-reduce strategy: subclass, choose a reducer, register a name."""
-import torch
-import torch.distributed as dist
+"""Two strategies in a few lines each: a bf16-compressed ring, and buckets reduced by the backend's all-reduce."""
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_dp_strategies import CommCounter, RingAllReduceStrategy, ring_all_reduce
-
-
-def bf16_ring_reducer(buffer: torch.Tensor, group: dist.ProcessGroup | None, counter: CommCounter) -> None:
-    compressed = buffer.div(dist.get_world_size(group)).to(torch.bfloat16)  # divide first: no overflow in the sum
-    ring_all_reduce(compressed, "sum", group=group, counter=counter)
-    buffer.copy_(compressed)
+from lightning_dp_strategies import NativeReducer, Reducer, RingAllReduceStrategy, bf16_compress
 
 
 class BF16RingAllReduceStrategy(RingAllReduceStrategy):
     """Ring all-reduce on bf16 copies of the gradients: half the bytes, bf16 rounding."""
 
     def __init__(self, **kwargs):
-        super().__init__(reducer=bf16_ring_reducer, **kwargs)
+        super().__init__(reducer=bf16_compress("ring"), **kwargs)
 
 
-StrategyRegistry.register("ring_allreduce_bf16", BF16RingAllReduceStrategy, description=BF16RingAllReduceStrategy.__doc__,
-                          override=True)
-StrategyRegistry.register("ring_allreduce_bf16_notebook", BF16RingAllReduceStrategy, override=True,
-                          description="bf16 ring all-reduce, fork launcher (Jupyter)", start_method="fork")
+class NativeAllReduceStrategy(RingAllReduceStrategy):
+    """The same buckets and overlap; each bucket goes to gloo's (or NCCL's) own all-reduce."""
+
+    def configure_reducer(self) -> Reducer:
+        return NativeReducer()
+
+
+for name, cls in (("ring_allreduce_bf16", BF16RingAllReduceStrategy), ("native_allreduce", NativeAllReduceStrategy)):
+    StrategyRegistry.register(name, cls, description=cls.__doc__, override=True)
+    StrategyRegistry.register(f"{name}_notebook", cls, description=f"{cls.__doc__} (fork launcher, Jupyter)",
+                              override=True, start_method="fork")

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from lightning_dp_strategies.bucketing import GradientBuckets, MiB, assign_buckets
-from lightning_dp_strategies.comm import CommCounter
+from lightning_dp_strategies.reducers import GradBucket, completed
 from tests.helpers.distributed import run_distributed
 
 
@@ -153,17 +153,24 @@ def test_accumulation_unfreezing_and_unsynchronised_backward_warning() -> None:
 
 
 def test_custom_reducer_receives_every_bucket_in_order() -> None:
-    seen: list[int] = []
+    seen: list[GradBucket] = []
 
-    def record(buffer: torch.Tensor, group: object, counter: CommCounter) -> None:
-        seen.append(buffer.numel())
+    def record(bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+        seen.append(bucket)
+        return completed(bucket.buffer)
 
     model = Branchy()
     buckets = GradientBuckets(model.named_parameters(), reducer=record, bucket_cap_mb=200 / MiB)
     buckets.arm()
     model(torch.randn(2, 6), ("a", "b")).backward()
     buckets.finish()
-    assert seen == [b.buffer.numel() for b in buckets.buckets]
+    assert [s.index for s in seen] == list(range(len(buckets.buckets)))
+    for bucket, given in zip(buckets.buckets, seen, strict=True):
+        assert given.buffer is bucket.buffer and given.op == "avg"
+        assert given.shapes == [p.shape for p in bucket.params] and given.num_flags == len(bucket.params)
+        assert [g.data_ptr() for g in given.gradients()] == [
+            bucket.grad_view(i).data_ptr() for i in range(len(bucket.params))
+        ]
     buckets.close()
 
 

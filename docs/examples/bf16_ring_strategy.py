@@ -4,25 +4,17 @@ Run it: ``python docs/examples/bf16_ring_strategy.py`` trains the built-in demo 
 and with ``ring_allreduce``, and checks that it sent half the bytes and stayed close to the uncompressed result.
 """
 
-import torch
-import torch.distributed as dist
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_dp_strategies import CommCounter, RingAllReduceStrategy, ring_all_reduce
-
-
-def bf16_ring_reducer(buffer: torch.Tensor, group: dist.ProcessGroup | None, counter: CommCounter) -> None:
-    """Average ``buffer`` in place: divide first (the sum cannot overflow), reduce in bf16, cast back."""
-    compressed = buffer.div(dist.get_world_size(group)).to(torch.bfloat16)
-    ring_all_reduce(compressed, "sum", group=group, counter=counter)
-    buffer.copy_(compressed)
+from lightning_dp_strategies import RingAllReduceStrategy, bf16_compress
 
 
 class BF16RingAllReduceStrategy(RingAllReduceStrategy):
     """``ring_allreduce`` that sends bf16 gradients: half the bytes, bf16 rounding (about 4e-3 relative)."""
 
     def __init__(self, **kwargs: object) -> None:
-        super().__init__(reducer=bf16_ring_reducer, **kwargs)  # type: ignore[arg-type]
+        # the wrapper divides by N in fp32, casts to bf16, ring-sums, casts back into the bucket
+        super().__init__(reducer=bf16_compress("ring"), **kwargs)  # type: ignore[arg-type]
 
 
 StrategyRegistry.register(

@@ -26,6 +26,11 @@ __all__ = [
 def _check_enough_blocks(num_blocks: int, stages: int) -> None:
     if stages < 1:
         raise ValueError(f"`pipeline_stages` must be >= 1, got {stages}.")
+    if num_blocks == 0:
+        raise ValueError(
+            f"The pipeline body has no blocks, so there is nothing to split into {stages} pipeline stage(s). Put the "
+            f"model's layers into its nn.Sequential, at least {stages} of them (one or more per stage)."
+        )
     if num_blocks < stages:
         raise ValueError(
             f"Cannot split {num_blocks} blocks into {stages} pipeline stages: every stage needs at least one block. "

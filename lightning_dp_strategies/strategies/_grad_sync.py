@@ -12,6 +12,9 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_dp_strategies.bucketing import CommStats, GradientBuckets
+from lightning_dp_strategies.fingerprint import check_ranks_agree, model_fingerprint
+from lightning_dp_strategies.reducers import Reducer, resolve_reducer
+from lightning_dp_strategies.strategies._nonfinite import NonfiniteGuard, NonfiniteMode
 
 
 class BucketedGradSync(ParallelStrategy):
@@ -22,10 +25,47 @@ class BucketedGradSync(ParallelStrategy):
     """
 
     buckets: GradientBuckets | None
+    reducer: str | Reducer | None
+    """The ``reducer=`` option: a name in ``REDUCERS``, a reducer, or ``None`` (the ring)."""
     step_stats: CommStats
     """Communication of the last optimizer step (all backward passes since the previous step)."""
 
-    def _init_grad_sync(self) -> None:
+    def configure_reducer(self) -> Reducer:
+        """The reducer of the gradient buckets, called once at setup: override it to reduce another way.
+
+        The default resolves the ``reducer=`` option (see :mod:`lightning_dp_strategies.reducers`).
+
+        Examples:
+            >>> from lightning_dp_strategies import NativeReducer, RingAllReduceStrategy
+            >>> class NativeStrategy(RingAllReduceStrategy):
+            ...     def configure_reducer(self) -> Reducer:
+            ...         return NativeReducer()
+            >>> type(NativeStrategy().configure_reducer()).__name__
+            'NativeReducer'
+        """
+        return resolve_reducer(self.reducer)
+
+    def _fingerprint_options(self) -> dict[str, Any]:
+        """What every rank must agree on besides the model; subclasses add their own options."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        reducer = self.reducer if isinstance(self.reducer, str) or self.reducer is None else type(self.reducer)
+        return {
+            "strategy": type(self).__qualname__,
+            "reducer": getattr(reducer, "__qualname__", reducer),
+            "precision": getattr(self.precision_plugin, "precision", type(self.precision_plugin).__name__),
+            "accumulate_grad_batches": getattr(trainer, "accumulate_grad_batches", None),
+            "gradient_clip_val": getattr(trainer, "gradient_clip_val", None),
+            "world_size": self.world_size,
+        }
+
+    def _check_ranks_agree(self) -> None:
+        """Fail on every rank, before anything else is communicated, if the ranks' models or options differ."""
+        module = self.lightning_module
+        assert module is not None
+        check_ranks_agree(model_fingerprint(module, self._fingerprint_options()))
+
+    def _init_grad_sync(self, nonfinite_grads: NonfiniteMode = None) -> None:
+        self.nonfinite = NonfiniteGuard(nonfinite_grads)
         self.buckets = None
         self.step_stats = CommStats()
         self._sync_blocked = False
@@ -65,6 +105,9 @@ class BucketedGradSync(ParallelStrategy):
         model: pl.LightningModule | Any | None = None,
         **kwargs: Any,
     ) -> Any:
+        module = self.lightning_module
+        if module is not None:
+            closure = self.nonfinite.wrap(closure, optimizer, module.named_parameters(), self.root_device)
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.buckets is not None:
             self.step_stats = self.buckets.totals - self._step_start

@@ -6,6 +6,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from lightning_dp_strategies.reducers import resolve_reducer
+
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 CPU_DEFAULT_TIMEOUT = timedelta(minutes=5)
 """Default collective timeout on gloo: a dead rank makes the others fail within five minutes instead of hanging."""
@@ -37,8 +39,23 @@ def check_backend(backend: object) -> str | None:
             f"Unknown `process_group_backend` {backend!r}: use one of {known} (or 'cpu:gloo,cuda:nccl'), or leave it "
             "as None to pick gloo on CPU and nccl on CUDA."
         )
+    missing = [p.lower() for p in parts if isinstance(p, str) and not dist.is_backend_available(p.lower())]
+    if missing:
+        available = [b for b in known if dist.is_backend_available(b)]
+        raise ValueError(
+            f"`process_group_backend` {backend!r} needs {missing}, which this PyTorch build does not have (it has "
+            f"{available}). Use one of {available} (gloo on CPU), install a PyTorch build with {missing[0]}, or "
+            "leave it as None to pick gloo on CPU and nccl on CUDA."
+        )
     assert isinstance(backend, str)
     return backend
+
+
+def check_flag(name: str, value: object) -> bool:
+    """``value`` itself when it is a bool; a clear error otherwise (``"no"`` would silently mean True)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"`{name}` must be True or False, got {value!r}.")
+    return value
 
 
 def check_timeout(timeout: object) -> timedelta | None:
@@ -63,6 +80,5 @@ def check_start_method(start_method: object) -> str:
 
 
 def check_reducer(reducer: object) -> None:
-    """``None`` (the default ring reducer) or a callable ``reducer(buffer, group, counter)``."""
-    if reducer is not None and not callable(reducer):
-        raise TypeError(f"`reducer` must be callable as reducer(buffer, group, counter), got {reducer!r}.")
+    """``None`` (the ring), a name in ``REDUCERS``, or a callable ``reducer(bucket) -> Future``; else a clear error."""
+    resolve_reducer(reducer)  # type: ignore[arg-type]  # raises ValueError / TypeError naming the allowed values

@@ -29,6 +29,7 @@ wants ``training_step`` to return a loss that it then backpropagates, after zero
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -50,7 +51,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_dp_strategies.bucketing import GradientBuckets, GradReducer
+from lightning_dp_strategies.bucketing import PEER_FAILURE_HINT, GradientBuckets
+from lightning_dp_strategies.checkpoint_io import with_atomic_default
 from lightning_dp_strategies.pipeline import (
     SCHEDULES,
     PipelineRunner,
@@ -66,9 +68,12 @@ from lightning_dp_strategies.pipeline import (
     select_optimizer_state,
     stage_ranges,
 )
+from lightning_dp_strategies.reducers import Reducer
 from lightning_dp_strategies.strategies._grad_sync import BucketedGradSync
+from lightning_dp_strategies.strategies._nonfinite import check_nonfinite_mode
 from lightning_dp_strategies.strategies._options import (
     check_backend,
+    check_flag,
     check_positive,
     check_reducer,
     check_start_method,
@@ -76,6 +81,7 @@ from lightning_dp_strategies.strategies._options import (
     default_timeout,
 )
 from lightning_dp_strategies.strategies._registry import register_name
+from lightning_dp_strategies.strategies._resume import with_resumed_sampler_epoch
 
 __all__ = ["HybridPipelineStrategy", "PipelineStats"]
 
@@ -226,9 +232,13 @@ class HybridPipelineStrategy(BucketedGradSync, DDPStrategy):
             ``"time"`` (even measured forward+backward time on ``module.example_input_array``, measured on rank 0).
         bucket_cap_mb: gradient bucket cap in MiB, as ``"ring_allreduce"``.
         first_bucket_cap_mb: cap of the first bucket in MiB.
-        reducer: how a bucket is averaged over the data-parallel group (default ``None``: a ``RingReducer``).
+        reducer: how a bucket is averaged over the data-parallel group, as in ``"ring_allreduce"`` (default
+            ``"ring"``; ``"native"``, ``"per_tensor"`` or a callable ``reducer(bucket) -> Future``).
         log_pipeline_stats: log ``pipeline/bubble`` (rank 0's) and the communication counters every
             ``log_every_n_steps``.
+        nonfinite_grads: check the reduced gradients for NaN/Inf before each optimizer step: ``None`` (no check,
+            the default), ``"skip"`` (skip the step on every rank alike, counted in ``nonfinite.skipped_steps``) or
+            ``"raise"`` (``FloatingPointError`` on every rank).
         process_group_backend: ``"gloo"``, ``"nccl"``, ...; ``None`` picks by device.
         timeout: collective timeout (``timedelta`` or seconds); ``None`` is 5 minutes on gloo, 30 on NCCL.
         start_method: ``"popen"`` (default), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
@@ -253,8 +263,9 @@ class HybridPipelineStrategy(BucketedGradSync, DDPStrategy):
         precision_plugin: Precision | None = None,
         bucket_cap_mb: float = 25.0,
         first_bucket_cap_mb: float = 1.0,
-        reducer: GradReducer | None = None,
+        reducer: str | Reducer | None = None,
         log_pipeline_stats: bool = False,
+        nonfinite_grads: Literal["skip", "raise"] | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -270,8 +281,16 @@ class HybridPipelineStrategy(BucketedGradSync, DDPStrategy):
                     f"Unknown `balance` {balance!r}: use 'parameters', 'time', or a list of blocks per stage."
                 )
             balance_value: tuple[int, ...] | str = balance
+        elif isinstance(balance, Sequence):
+            # the body's block count is known at setup; here: one entry >= 1 per stage
+            entries: list[Any] = list(balance)
+            counted = sum(b for b in entries if isinstance(b, int) and not isinstance(b, bool) and b > 0)
+            balance_value = tuple(check_balance(entries, max(counted, pipeline_stages), pipeline_stages))
         else:
-            balance_value = tuple(check_balance(balance, sum(int(b) for b in balance), pipeline_stages))
+            raise ValueError(
+                f"`balance` must be 'parameters', 'time', or a list of blocks per stage (e.g. "
+                f"{[1] * pipeline_stages} for pipeline_stages={pipeline_stages}), got {balance!r}."
+            )
         check_start_method(start_method)
         check_reducer(reducer)
         super().__init__(
@@ -292,12 +311,13 @@ class HybridPipelineStrategy(BucketedGradSync, DDPStrategy):
             balance=balance_value,
             bucket_cap_mb=check_positive("bucket_cap_mb", bucket_cap_mb),
             first_bucket_cap_mb=check_positive("first_bucket_cap_mb", first_bucket_cap_mb),
-            log_pipeline_stats=bool(log_pipeline_stats),
+            log_pipeline_stats=check_flag("log_pipeline_stats", log_pipeline_stats),
         )
         self.reducer = reducer
         # runtime state (and step_stats: gradient communication over this stage's data-parallel group)
-        self._init_grad_sync()
+        self._init_grad_sync(check_nonfinite_mode(nonfinite_grads))
         self.layout: _Layout | None = None
+        self._optimizers_layout: _Layout | None = None  # what the optimizers hold; kept after teardown, for checkpoints
         self.runner: PipelineRunner | None = None
         self._mesh: Any = None
         self._grad_groups: list[dist.ProcessGroup] = []
@@ -317,25 +337,35 @@ class HybridPipelineStrategy(BucketedGradSync, DDPStrategy):
         """Replicas of the pipeline: ``world_size // pipeline_stages``."""
         return max(1, self.world_size // self.config.pipeline_stages)
 
-    def _check_world(self, world_size: int) -> None:
-        stages = self.config.pipeline_stages
+    def _check_world(self) -> None:
+        stages, nodes, devices = self.config.pipeline_stages, self.num_nodes, self.num_processes
+        world_size = nodes * devices
         if world_size % stages:
             fits = [d for d in range(1, world_size + 1) if world_size % d == 0]
-            lower, upper = stages * max(1, world_size // stages), stages * (world_size // stages + 1)
+            step = stages // math.gcd(stages, nodes)  # devices per node must be a multiple of it
+            options = sorted({step * max(1, devices // step), step * (devices // step + 1)})
+            per_node = f" per node ({nodes} nodes)" if nodes > 1 else ""
             raise ValueError(
                 f"The world size {world_size} (devices x nodes) is not divisible by pipeline_stages={stages}: the "
-                f"ranks form a pipeline_stages x data_parallel grid. Use devices={lower} or {upper}, or "
-                f"pipeline_stages in {fits}."
+                f"ranks form a pipeline_stages x data_parallel grid. Use devices={' or '.join(map(str, options))}"
+                f"{per_node}, or pipeline_stages in {fits}."
             )
 
     @override
     def _configure_launcher(self) -> None:
-        self._check_world(self.num_nodes * self.num_processes)
+        self._check_world()
+        if self._layer_sync is not None:
+            raise ValueError(
+                f"`sync_batchnorm=True` is not supported by {type(self).__name__}: a stage's BatchNorm layers run "
+                "micro-batch by micro-batch inside the pipeline schedule, with no synchronisation across replicas. "
+                "Drop `sync_batchnorm=True` (each micro-batch then uses its own statistics), or use "
+                "strategy='ring_allreduce'."
+            )
         super()._configure_launcher()
 
     @override
     def setup_distributed(self) -> None:
-        self._check_world(self.num_nodes * self.num_processes)
+        self._check_world()
         if self._timeout is None:
             self._timeout = default_timeout(self._get_process_group_backend())
         super().setup_distributed()
@@ -372,12 +402,20 @@ class HybridPipelineStrategy(BucketedGradSync, DDPStrategy):
                 "`self.automatic_optimization = False` (Lightning then clips and steps), or use "
                 "strategy='ring_allreduce'."
             )
+        body_blocks = len(getattr(module, body_name))  # an empty body gets its own error from the partition
+        if fitting and body_blocks and not any(p.requires_grad for p in module.parameters()):
+            raise ValueError(
+                f"{type(module).__name__} has no parameter that requires grad, so {type(self).__name__} has nothing "
+                "to train. Unfreeze at least one parameter before `trainer.fit`, or use `trainer.validate` / "
+                "`trainer.predict` to run the frozen model."
+            )
         if isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.scaler is not None:
             raise ValueError(
                 f"{type(self).__name__} does not support precision='16-mixed': its loss scaling would have to run "
                 "inside the pipeline schedule. Use precision='bf16-mixed' or '32-true'."
             )
         self._batch_checked = self._trained = self._failed = False
+        self._check_ranks_agree()  # the whole model, before it is partitioned and rank 0's weights broadcast
         self._partition(module, body_name)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -400,15 +438,20 @@ class HybridPipelineStrategy(BucketedGradSync, DDPStrategy):
                 self.buckets = GradientBuckets(
                     self._owned_parameters(),
                     group=self._grad_groups[layout.stage],
-                    reducer=self.reducer,
+                    reducer=self.configure_reducer(),
                     bucket_cap_mb=self.config.bucket_cap_mb,
                     first_bucket_cap_mb=self.config.first_bucket_cap_mb,
                 )
             self.setup_optimizers(trainer)
+        self._optimizers_layout = self.layout if fitting else None
         self.setup_precision_plugin()
         self._install_global_norm_clipping()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def _fingerprint_options(self) -> dict[str, Any]:
+        return {**super()._fingerprint_options(), **vars(self.config)}
 
     def _partition(self, module: pl.LightningModule, body_name: str) -> None:
         """Work out the balance, then remove every other stage's blocks from this rank's module."""
@@ -537,6 +580,13 @@ class HybridPipelineStrategy(BucketedGradSync, DDPStrategy):
         try:
             loss_fn: Callable[[Tensor, Tensor], Tensor] = getattr(module, "pipeline_loss")  # noqa: B009
             result = runner.train_step(inputs, target, loss_fn, scale)
+        except (RuntimeError, dist.DistBackendError) as error:
+            if "Connection" not in str(error) and "Timed out" not in str(error) and "timeout" not in str(error):
+                raise
+            raise RuntimeError(
+                f"The pipeline schedule failed on rank {self.global_rank} "
+                f"while exchanging activations or gradients with a neighbouring stage: {error}\n{PEER_FAILURE_HINT}"
+            ) from error
         finally:
             self._pending = {p: p.grad for p in params}
             for p, grad in before.items():
@@ -633,10 +683,27 @@ class HybridPipelineStrategy(BucketedGradSync, DDPStrategy):
             group = self.layout.data_group
         return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
+    # ------------------------------------------------------------------ checkpoints and resuming
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        """The ``checkpoint_io`` given, else an :class:`~lightning_dp_strategies.checkpoint_io.AtomicCheckpointIO`."""
+        self._checkpoint_io = with_atomic_default(self._checkpoint_io)
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO) -> None:
+        self._checkpoint_io = io
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """The loader as Lightning prepared it; the train sampler already set to the epoch that is resumed."""
+        return with_resumed_sampler_epoch(self, super().process_dataloader(dataloader))
+
     # ------------------------------------------------------------------ checkpoints: the whole model
-    def _gather_to_stage_zero(self, local: Any) -> list[Any] | None:
+    def _gather_to_stage_zero(self, local: Any, layout: _Layout | None = None) -> list[Any] | None:
         """Gather ``local`` from every stage of replica 0 onto rank 0 (other ranks: ``None``)."""
-        layout = self.layout
+        layout = layout or self.layout
         assert layout is not None
         if layout.replica != 0:
             return None
@@ -677,15 +744,20 @@ class HybridPipelineStrategy(BucketedGradSync, DDPStrategy):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """The whole model's optimizer state on rank 0, numbered as a single-device optimizer over the module."""
-        layout = self.layout
+        """The whole model's optimizer state on rank 0, numbered as a single-device optimizer over the module.
+
+        Also after ``fit``, when the module is whole again but each stage's optimizer still holds only its own
+        parameters: ``trainer.save_checkpoint`` then gathers the stages' states too, so it must run on every rank (as
+        Lightning requires of it anyway).
+        """
+        layout = self.layout or (self._optimizers_layout if dist.is_initialized() else None)
         optimizer = getattr(optimizer, "_optimizer", optimizer)
-        if layout is None or self.config.pipeline_stages == 1:
+        module = self.lightning_module
+        if layout is None or module is None or self.config.pipeline_stages == 1:
             return optimizer.state_dict()
-        named = name_optimizer_state(
-            optimizer.state_dict(), self._group_names(optimizer), {n for n, _ in self._owned_parameters()}
-        )
-        parts = self._gather_to_stage_zero(named)
+        owned = {n for n, _ in module.named_parameters() if layout.owns(n)}
+        named = name_optimizer_state(optimizer.state_dict(), self._group_names(optimizer), owned)
+        parts = self._gather_to_stage_zero(named, layout)
         if parts is None:
             return optimizer.state_dict()
         return merge_optimizer_states(parts, layout.param_order)

@@ -18,10 +18,14 @@ from torch import Tensor
 from torch.distributed.distributed_c10d import _get_default_group
 from typing_extensions import override
 
-from lightning_dp_strategies.bucketing import GradientBuckets, GradReducer
+from lightning_dp_strategies.bucketing import GradientBuckets
+from lightning_dp_strategies.checkpoint_io import with_atomic_default
+from lightning_dp_strategies.reducers import Reducer
 from lightning_dp_strategies.strategies._grad_sync import BucketedGradSync
+from lightning_dp_strategies.strategies._nonfinite import check_nonfinite_mode
 from lightning_dp_strategies.strategies._options import (
     check_backend,
+    check_flag,
     check_positive,
     check_reducer,
     check_start_method,
@@ -29,6 +33,7 @@ from lightning_dp_strategies.strategies._options import (
     default_timeout,
 )
 from lightning_dp_strategies.strategies._registry import register_name
+from lightning_dp_strategies.strategies._resume import with_resumed_sampler_epoch
 
 __all__ = ["RingAllReduceStrategy"]
 
@@ -44,12 +49,16 @@ class RingAllReduceStrategy(BucketedGradSync, DDPStrategy):
     Args:
         bucket_cap_mb: cap of each gradient bucket in MiB (default 25, as torch DDP).
         first_bucket_cap_mb: cap of the first bucket in MiB (default 1), so communication starts early in backward.
-        reducer: how a bucket is averaged (default ``None``: a ``RingReducer``, the ring all-reduce); see
-            :data:`~lightning_dp_strategies.bucketing.GradReducer`.
+        reducer: how a bucket is averaged: ``"ring"`` (default, this package's ring all-reduce), ``"native"`` (the
+            backend's ``all_reduce``), ``"per_tensor"`` (naive reference), or any callable ``reducer(bucket) ->
+            Future``, e.g. a compression wrapper; see :mod:`lightning_dp_strategies.reducers`.
         broadcast_buffers: broadcast module buffers (BatchNorm statistics) from rank 0 before every training step,
             as torch DDP does.
         log_comm_stats: log the per-step communication statistics (``comm/bytes_sent``, ...) to the
             LightningModule's logger every ``log_every_n_steps`` steps.
+        nonfinite_grads: check the reduced gradients for NaN/Inf before each optimizer step: ``None`` (no check,
+            the default), ``"skip"`` (skip the step on every rank alike, counted in ``nonfinite.skipped_steps``) or
+            ``"raise"`` (``FloatingPointError`` on every rank).
         process_group_backend: ``"gloo"``, ``"nccl"``, ...; ``None`` picks by device.
         timeout: collective timeout (``timedelta`` or seconds); ``None`` is 5 minutes on gloo, 30 on NCCL.
         start_method: ``"popen"`` (scripts, the default), ``"spawn"``, ``"fork"`` (notebooks) or ``"forkserver"``.
@@ -70,9 +79,10 @@ class RingAllReduceStrategy(BucketedGradSync, DDPStrategy):
         precision_plugin: Precision | None = None,
         bucket_cap_mb: float = 25.0,
         first_bucket_cap_mb: float = 1.0,
-        reducer: GradReducer | None = None,
+        reducer: str | Reducer | None = None,
         broadcast_buffers: bool = True,
         log_comm_stats: bool = False,
+        nonfinite_grads: Literal["skip", "raise"] | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -93,11 +103,28 @@ class RingAllReduceStrategy(BucketedGradSync, DDPStrategy):
         self.bucket_cap_mb = check_positive("bucket_cap_mb", bucket_cap_mb)
         self.first_bucket_cap_mb = check_positive("first_bucket_cap_mb", first_bucket_cap_mb)
         self.reducer = reducer
-        self.broadcast_buffers = bool(broadcast_buffers)
-        self.log_comm_stats = bool(log_comm_stats)
+        self.broadcast_buffers = check_flag("broadcast_buffers", broadcast_buffers)
+        self.log_comm_stats = check_flag("log_comm_stats", log_comm_stats)
         # runtime state and statistics (buckets, no-sync flag, step_stats)
-        self._init_grad_sync()
+        self._init_grad_sync(check_nonfinite_mode(nonfinite_grads))
         self._grad_group: dist.ProcessGroup | None = None
+
+    # ------------------------------------------------------------------ checkpoints and resuming
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        """The ``checkpoint_io`` given, else an :class:`~lightning_dp_strategies.checkpoint_io.AtomicCheckpointIO`."""
+        self._checkpoint_io = with_atomic_default(self._checkpoint_io)
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO) -> None:
+        self._checkpoint_io = io
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """The loader as Lightning prepared it; the train sampler already set to the epoch that is resumed."""
+        return with_resumed_sampler_epoch(self, super().process_dataloader(dataloader))
 
     # ------------------------------------------------------------------ setup
     @override
@@ -127,6 +154,7 @@ class RingAllReduceStrategy(BucketedGradSync, DDPStrategy):
                 "gradient to average. Unfreeze at least one parameter before `trainer.fit`, or train with "
                 "`strategy='auto'`."
             )
+        self._check_ranks_agree()  # before the broadcast below, which mismatched shapes would hang
         _sync_module_states(module)
         # a dedicated group: the communication thread never interleaves with collectives the main thread issues
         # (self.log(sync_dist=True), SyncBatchNorm, barriers) on the default group
@@ -134,10 +162,19 @@ class RingAllReduceStrategy(BucketedGradSync, DDPStrategy):
         self.buckets = GradientBuckets(
             module.named_parameters(),
             group=self._grad_group,
-            reducer=self.reducer,
+            reducer=self.configure_reducer(),
             bucket_cap_mb=self.bucket_cap_mb,
             first_bucket_cap_mb=self.first_bucket_cap_mb,
         )
+
+    @override
+    def _fingerprint_options(self) -> dict[str, Any]:
+        return {
+            **super()._fingerprint_options(),
+            "bucket_cap_mb": self.bucket_cap_mb,
+            "first_bucket_cap_mb": self.first_bucket_cap_mb,
+            "broadcast_buffers": self.broadcast_buffers,
+        }
 
     # ------------------------------------------------------------------ one step
     @override

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -15,13 +15,18 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, Strategy
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from torch.nn import Module
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_dp_strategies import data_parallel
+from lightning_dp_strategies.checkpoint_io import with_atomic_default
+from lightning_dp_strategies.strategies._nonfinite import NonfiniteGuard, check_nonfinite_mode
 from lightning_dp_strategies.strategies._registry import register_name
+from lightning_dp_strategies.strategies._resume import with_resumed_sampler_epoch
 
 __all__ = ["ScatterGatherStats", "ScatterGatherStrategy"]
 
@@ -58,7 +63,10 @@ class ScatterGatherStrategy(ParallelStrategy):
     parameters and checkpoints hold the plain ``state_dict``.
 
     With ``accelerator="cuda"`` there is one replica per GPU (``torch.nn.parallel`` primitives); with
-    ``accelerator="cpu"``, ``devices=N`` gives N logical replicas on the CPU that share the parameters.
+    ``accelerator="cpu"``, ``devices=N`` gives N logical replicas on the CPU that share the parameters. The
+    replicas' gradients are summed in replica order, so runs with the same seed are bitwise identical; logical CPU
+    replicas that draw random numbers (dropout) draw them in a fixed order only with ``Trainer(deterministic=True)``,
+    which runs them one after another.
 
     Args:
         accelerator: set by the Trainer.
@@ -66,6 +74,9 @@ class ScatterGatherStrategy(ParallelStrategy):
         checkpoint_io: set by the Trainer.
         precision_plugin: set by the Trainer; autocast (``precision="bf16-mixed"``) applies inside every replica.
         dim: the batch dimension that inputs are split and outputs concatenated along.
+        nonfinite_grads: check the gradients for NaN/Inf before each optimizer step: ``None`` (no check, the
+            default), ``"skip"`` (skip the step, counted in ``nonfinite.skipped_steps``) or ``"raise"``
+            (``FloatingPointError``).
 
     Examples:
         >>> import lightning as L
@@ -81,6 +92,7 @@ class ScatterGatherStrategy(ParallelStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
         dim: int = 0,
+        nonfinite_grads: Literal["skip", "raise"] | None = None,
     ) -> None:
         if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
             raise ValueError(f"`dim` must be a non-negative int (the batch dimension, default 0), got {dim!r}.")
@@ -97,6 +109,24 @@ class ScatterGatherStrategy(ParallelStrategy):
         self._step = _StepState()
         # statistics
         self.stats = ScatterGatherStats()
+        self.nonfinite = NonfiniteGuard(check_nonfinite_mode(nonfinite_grads))
+
+    # ------------------------------------------------------------------ checkpoints and resuming
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        """The ``checkpoint_io`` given, else an :class:`~lightning_dp_strategies.checkpoint_io.AtomicCheckpointIO`."""
+        self._checkpoint_io = with_atomic_default(self._checkpoint_io)
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO) -> None:
+        self._checkpoint_io = io
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """The loader as Lightning prepared it; the train sampler already set to the epoch that is resumed."""
+        return with_resumed_sampler_epoch(self, super().process_dataloader(dataloader))
 
     # ------------------------------------------------------------------ devices and ranks: one process
     @property
@@ -137,6 +167,20 @@ class ScatterGatherStrategy(ParallelStrategy):
     @override
     def world_size(self) -> int:
         return 1
+
+    @property
+    def num_nodes(self) -> int:
+        """Always 1: the replicas are threads of one process on one machine."""
+        return 1
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        if num_nodes != 1:
+            raise ValueError(
+                f"{type(self).__name__} runs in one process on one machine, so `num_nodes={num_nodes}` cannot be "
+                "honoured. Drop `num_nodes` (or pass num_nodes=1), or use strategy='ring_allreduce' to train across "
+                "several machines."
+            )
 
     @property
     @override
@@ -188,6 +232,18 @@ class ScatterGatherStrategy(ParallelStrategy):
                 f"`sync_batchnorm=True` is not supported by {type(self).__name__}: its replicas are threads of one "
                 "process, with no process group to synchronise over. Drop `sync_batchnorm=True` (BatchNorm keeps the "
                 "first replica's running statistics, as in torch.nn.DataParallel) or use strategy='ddp'."
+            )
+        module = self.lightning_module
+        if (
+            trainer.state.fn == TrainerFn.FITTING
+            and module is not None
+            and module.automatic_optimization
+            and not any(p.requires_grad for p in module.parameters())
+        ):
+            raise ValueError(
+                f"{type(module).__name__} has no parameter that requires grad, so {type(self).__name__} has nothing "
+                "to train (the first backward would fail). Unfreeze at least one parameter before `trainer.fit`, or "
+                "use `trainer.validate` / `trainer.predict` to run the frozen model."
             )
         super().setup(trainer)
 
@@ -251,6 +307,19 @@ class ScatterGatherStrategy(ParallelStrategy):
     def gather(self, outputs: Sequence[Any], device: torch.device) -> Any:
         """Merge the replicas' outputs on the root device (see :func:`~.data_parallel.gather`)."""
         return data_parallel.gather(outputs, device, dim=self.dim)
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        module = self.lightning_module
+        if module is not None:
+            closure = self.nonfinite.wrap(closure, optimizer, module.named_parameters(), self.root_device)
+        return super().optimizer_step(optimizer, closure, model, **kwargs)
 
     # ------------------------------------------------------------------ steps
     @contextmanager
