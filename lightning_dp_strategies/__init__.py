@@ -11,6 +11,7 @@ from lightning_dp_strategies.checkpoint_io import AtomicCheckpointIO
 from lightning_dp_strategies.comm import CommCounter, reference_all_reduce, ring_all_reduce
 from lightning_dp_strategies.compression import CastCompression, PowerSGD, bf16_compress, fp16_compress
 from lightning_dp_strategies.data_parallel import gather, parallel_apply, replicate, scatter
+from lightning_dp_strategies.plan import Link, Prediction, Workload, predict
 from lightning_dp_strategies.reducers import (
     REDUCERS,
     GradBucket,
@@ -38,18 +39,22 @@ __all__ = [
     "GradBucket",
     "GradientBuckets",
     "HybridPipelineStrategy",
+    "Link",
     "NativeReducer",
     "PerTensorReducer",
     "PowerSGD",
+    "Prediction",
     "Reducer",
     "RingAllReduceStrategy",
     "RingReducer",
     "ScatterGatherStrategy",
+    "Workload",
     "assign_buckets",
     "bf16_compress",
     "fp16_compress",
     "gather",
     "parallel_apply",
+    "predict",
     "reference_all_reduce",
     "register_all",
     "replicate",

@@ -17,6 +17,7 @@ PUBLIC_MODULES = [
     "lightning_dp_strategies.reducers",
     "lightning_dp_strategies.compression",
     "lightning_dp_strategies.fingerprint",
+    "lightning_dp_strategies.plan",
     "lightning_dp_strategies.data_parallel",
     "lightning_dp_strategies.checkpoint_io",
     "lightning_dp_strategies.compare",
