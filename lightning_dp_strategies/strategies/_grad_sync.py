@@ -7,6 +7,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.strategies import ParallelStrategy
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -56,6 +57,8 @@ class BucketedGradSync(ParallelStrategy):
             "accumulate_grad_batches": getattr(trainer, "accumulate_grad_batches", None),
             "gradient_clip_val": getattr(trainer, "gradient_clip_val", None),
             "world_size": self.world_size,
+            "torch": torch.__version__,
+            "lightning": pl.__version__,
         }
 
     def _check_ranks_agree(self) -> None:

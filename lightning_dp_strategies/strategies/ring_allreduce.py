@@ -18,7 +18,7 @@ from torch import Tensor
 from torch.distributed.distributed_c10d import _get_default_group
 from typing_extensions import override
 
-from lightning_dp_strategies.bucketing import GradientBuckets
+from lightning_dp_strategies.bucketing import GradientBuckets, assign_buckets
 from lightning_dp_strategies.checkpoint_io import with_atomic_default
 from lightning_dp_strategies.reducers import Reducer
 from lightning_dp_strategies.strategies._grad_sync import BucketedGradSync
@@ -174,7 +174,12 @@ class RingAllReduceStrategy(BucketedGradSync, DDPStrategy):
             "bucket_cap_mb": self.bucket_cap_mb,
             "first_bucket_cap_mb": self.first_bucket_cap_mb,
             "broadcast_buffers": self.broadcast_buffers,
+            "bucket_layout": assign_buckets(self._trainable_parameters(), self.bucket_cap_mb, self.first_bucket_cap_mb),
         }
+
+    def _trainable_parameters(self) -> list[Tensor]:
+        module = self.lightning_module
+        return [p for p in module.parameters() if p.requires_grad] if module is not None else []
 
     # ------------------------------------------------------------------ one step
     @override
