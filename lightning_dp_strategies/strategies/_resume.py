@@ -1,9 +1,13 @@
-"""Mid-epoch resume: the training sampler gets its epoch before the resumed epoch's loader is first iterated."""
+"""Checkpoints and resuming, shared by the three strategies: atomic files by default, the resumed epoch's order."""
 
 from __future__ import annotations
 
+from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.pytorch.strategies import Strategy
+from typing_extensions import override
+
+from lightning_dp_strategies.checkpoint_io import with_atomic_default
 
 
 def with_resumed_sampler_epoch(strategy: Strategy, dataloader: object) -> object:
@@ -22,3 +26,24 @@ def with_resumed_sampler_epoch(strategy: Strategy, dataloader: object) -> object
         epoch = trainer.fit_loop.epoch_progress.current.processed  # type: ignore[attr-defined]  # as Lightning
         _set_sampler_epoch(dataloader, epoch)
     return dataloader
+
+
+class CheckpointAndResume(Strategy):
+    """Mixed in first: an :class:`~lightning_dp_strategies.checkpoint_io.AtomicCheckpointIO` unless one was given,
+    and the training sampler set to the resumed epoch before its loader is first iterated."""
+
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        """The ``checkpoint_io`` given, else an :class:`~lightning_dp_strategies.checkpoint_io.AtomicCheckpointIO`."""
+        self._checkpoint_io = with_atomic_default(self._checkpoint_io)
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO) -> None:
+        self._checkpoint_io = io
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """The loader as Lightning prepared it; the train sampler already set to the epoch that is resumed."""
+        return with_resumed_sampler_epoch(self, super().process_dataloader(dataloader))

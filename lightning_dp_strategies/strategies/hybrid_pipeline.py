@@ -52,7 +52,6 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_dp_strategies.bucketing import PEER_FAILURE_HINT, GradientBuckets
-from lightning_dp_strategies.checkpoint_io import with_atomic_default
 from lightning_dp_strategies.pipeline import (
     SCHEDULES,
     PipelineRunner,
@@ -81,7 +80,7 @@ from lightning_dp_strategies.strategies._options import (
     default_timeout,
 )
 from lightning_dp_strategies.strategies._registry import register_name
-from lightning_dp_strategies.strategies._resume import with_resumed_sampler_epoch
+from lightning_dp_strategies.strategies._resume import CheckpointAndResume
 
 __all__ = ["HybridPipelineStrategy", "PipelineStats"]
 
@@ -203,7 +202,7 @@ def _describe(x: object) -> str:
     return f"a tensor of shape {tuple(x.shape)}" if isinstance(x, Tensor) else f"a {type(x).__name__}"
 
 
-class HybridPipelineStrategy(BucketedGradSync, DDPStrategy):
+class HybridPipelineStrategy(CheckpointAndResume, BucketedGradSync, DDPStrategy):
     """The body of the model split into pipeline stages across ranks, micro-batched, and replicated.
 
     ``world = pipeline_stages x data_parallel`` processes, one device each. Stage ``s`` holds only its own blocks
@@ -682,23 +681,6 @@ class HybridPipelineStrategy(BucketedGradSync, DDPStrategy):
         if group is None and self.layout is not None:
             group = self.layout.data_group
         return super().reduce(tensor, group=group, reduce_op=reduce_op)
-
-    # ------------------------------------------------------------------ checkpoints and resuming
-    @property
-    @override
-    def checkpoint_io(self) -> CheckpointIO:
-        """The ``checkpoint_io`` given, else an :class:`~lightning_dp_strategies.checkpoint_io.AtomicCheckpointIO`."""
-        self._checkpoint_io = with_atomic_default(self._checkpoint_io)
-        return self._checkpoint_io
-
-    @checkpoint_io.setter
-    def checkpoint_io(self, io: CheckpointIO) -> None:
-        self._checkpoint_io = io
-
-    @override
-    def process_dataloader(self, dataloader: object) -> object:
-        """The loader as Lightning prepared it; the train sampler already set to the epoch that is resumed."""
-        return with_resumed_sampler_epoch(self, super().process_dataloader(dataloader))
 
     # ------------------------------------------------------------------ checkpoints: the whole model
     def _gather_to_stage_zero(self, local: Any, layout: _Layout | None = None) -> list[Any] | None:

@@ -19,7 +19,6 @@ from torch.distributed.distributed_c10d import _get_default_group
 from typing_extensions import override
 
 from lightning_dp_strategies.bucketing import GradientBuckets, assign_buckets
-from lightning_dp_strategies.checkpoint_io import with_atomic_default
 from lightning_dp_strategies.reducers import Reducer
 from lightning_dp_strategies.strategies._grad_sync import BucketedGradSync
 from lightning_dp_strategies.strategies._nonfinite import check_nonfinite_mode
@@ -33,12 +32,12 @@ from lightning_dp_strategies.strategies._options import (
     default_timeout,
 )
 from lightning_dp_strategies.strategies._registry import register_name
-from lightning_dp_strategies.strategies._resume import with_resumed_sampler_epoch
+from lightning_dp_strategies.strategies._resume import CheckpointAndResume
 
 __all__ = ["RingAllReduceStrategy"]
 
 
-class RingAllReduceStrategy(BucketedGradSync, DDPStrategy):
+class RingAllReduceStrategy(CheckpointAndResume, BucketedGradSync, DDPStrategy):
     """One process per device; gradients averaged by this package's bucketed ring all-reduce during backward.
 
     Lightning's launchers, cluster environments (torchrun, SLURM, ...) and process-group setup are reused from
@@ -108,23 +107,6 @@ class RingAllReduceStrategy(BucketedGradSync, DDPStrategy):
         # runtime state and statistics (buckets, no-sync flag, step_stats)
         self._init_grad_sync(check_nonfinite_mode(nonfinite_grads))
         self._grad_group: dist.ProcessGroup | None = None
-
-    # ------------------------------------------------------------------ checkpoints and resuming
-    @property
-    @override
-    def checkpoint_io(self) -> CheckpointIO:
-        """The ``checkpoint_io`` given, else an :class:`~lightning_dp_strategies.checkpoint_io.AtomicCheckpointIO`."""
-        self._checkpoint_io = with_atomic_default(self._checkpoint_io)
-        return self._checkpoint_io
-
-    @checkpoint_io.setter
-    def checkpoint_io(self, io: CheckpointIO) -> None:
-        self._checkpoint_io = io
-
-    @override
-    def process_dataloader(self, dataloader: object) -> object:
-        """The loader as Lightning prepared it; the train sampler already set to the epoch that is resumed."""
-        return with_resumed_sampler_epoch(self, super().process_dataloader(dataloader))
 
     # ------------------------------------------------------------------ setup
     @override

@@ -23,10 +23,9 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_dp_strategies import data_parallel
-from lightning_dp_strategies.checkpoint_io import with_atomic_default
 from lightning_dp_strategies.strategies._nonfinite import NonfiniteGuard, check_nonfinite_mode
 from lightning_dp_strategies.strategies._registry import register_name
-from lightning_dp_strategies.strategies._resume import with_resumed_sampler_epoch
+from lightning_dp_strategies.strategies._resume import CheckpointAndResume
 
 __all__ = ["ScatterGatherStats", "ScatterGatherStrategy"]
 
@@ -52,7 +51,7 @@ class _StepState:
     warned: set[str] = field(default_factory=set)  # hooks already warned about (never called forward)
 
 
-class ScatterGatherStrategy(ParallelStrategy):
+class ScatterGatherStrategy(CheckpointAndResume, ParallelStrategy):
     """One process, several devices: the ``torch.nn.DataParallel`` data flow, with Lightning around it.
 
     Each training/validation/test/predict step runs once on the root device (the first of ``parallel_devices``).
@@ -110,23 +109,6 @@ class ScatterGatherStrategy(ParallelStrategy):
         # statistics
         self.stats = ScatterGatherStats()
         self.nonfinite = NonfiniteGuard(check_nonfinite_mode(nonfinite_grads))
-
-    # ------------------------------------------------------------------ checkpoints and resuming
-    @property
-    @override
-    def checkpoint_io(self) -> CheckpointIO:
-        """The ``checkpoint_io`` given, else an :class:`~lightning_dp_strategies.checkpoint_io.AtomicCheckpointIO`."""
-        self._checkpoint_io = with_atomic_default(self._checkpoint_io)
-        return self._checkpoint_io
-
-    @checkpoint_io.setter
-    def checkpoint_io(self, io: CheckpointIO) -> None:
-        self._checkpoint_io = io
-
-    @override
-    def process_dataloader(self, dataloader: object) -> object:
-        """The loader as Lightning prepared it; the train sampler already set to the epoch that is resumed."""
-        return with_resumed_sampler_epoch(self, super().process_dataloader(dataloader))
 
     # ------------------------------------------------------------------ devices and ranks: one process
     @property
