@@ -213,14 +213,19 @@ class NativeReducer:
         start = time.perf_counter()
         work = dist.all_reduce(bucket.buffer, dist.ReduceOp.SUM, group=bucket.group, async_op=True)
         assert work is not None
+        # The callback runs, and is released, on the backend's thread. It must not hold the process group (nor the
+        # bucket, which does): if that released the group's last reference, the group would join that very thread
+        # ("terminate called after throwing std::system_error: Resource deadlock avoided", seen after teardown).
+        buffer, counter, average = bucket.buffer, bucket.counter, bucket.op == "avg"
+        nbytes = _ring_estimate(buffer.numel() * buffer.element_size(), world)
 
         def done(_: Future[Any]) -> Tensor:
-            if bucket.op == "avg":
-                bucket.buffer.div_(world)
-            bucket.counter.bytes_sent += _ring_estimate(bucket.buffer.numel() * bucket.buffer.element_size(), world)
-            bucket.counter.operations += 1
-            bucket.counter.seconds += time.perf_counter() - start
-            return bucket.buffer
+            if average:
+                buffer.div_(world)
+            counter.bytes_sent += nbytes
+            counter.operations += 1
+            counter.seconds += time.perf_counter() - start
+            return buffer
 
         return work.get_future().then(done)
 
