@@ -18,15 +18,15 @@ none                  the fp32 bucket                                  yes (to s
 
 from __future__ import annotations
 
+import functools
 import math
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.futures import Future
 
-from lightning_dp_strategies.reducers import GradBucket, Reducer, resolve_reducer
+from lightning_dp_strategies.reducers import CommThread, GradBucket, Reducer, resolve_reducer
 
 __all__ = ["CastCompression", "PowerSGD", "bf16_compress", "fp16_compress"]
 
@@ -162,7 +162,7 @@ class PowerSGD:
         # runtime state, per (bucket index, slot): the warm-start Q and the error feedback
         self.q: dict[tuple[int, int], Tensor] = {}
         self.error: dict[tuple[int, int], Tensor] = {}
-        self._executor: ThreadPoolExecutor | None = None
+        self._thread = CommThread("ldps-powersgd")
 
     def compresses(self, shape: torch.Size) -> bool:
         """Whether a gradient of ``shape`` is sent as low-rank factors (a matrix the factors make smaller).
@@ -179,22 +179,9 @@ class PowerSGD:
     def __call__(self, bucket: GradBucket) -> Future[Tensor]:
         if not bucket.shapes:
             return self.inner(bucket)  # no layout: nothing to factor
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="ldps-powersgd")
-        future: Future[Tensor] = Future()
+        return self._thread.submit(functools.partial(self._reduce, bucket), bucket.buffer.device)
 
-        def run() -> None:
-            try:
-                self._reduce(bucket)
-            except BaseException as error:  # handed to whoever waits
-                future.set_exception(error)  # type: ignore[arg-type]  # the stub wants the result type
-            else:
-                future.set_result(bucket.buffer)
-
-        self._executor.submit(run)
-        return future
-
-    def _reduce(self, bucket: GradBucket) -> None:
+    def _reduce(self, bucket: GradBucket) -> Tensor:
         grads = bucket.gradients()
         slots = [i for i, g in enumerate(grads) if self.compresses(g.shape)]
         plain = [i for i in range(len(grads)) if i not in set(slots)]
@@ -220,7 +207,7 @@ class PowerSGD:
             p.copy_(first[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
         if not slots:
-            return
+            return bucket.buffer
         # round 2: Q = M^T P with P orthonormalised, averaged; the gradient becomes P Q^T
         for p in ps:
             _orthonormalize(p)
@@ -236,6 +223,7 @@ class PowerSGD:
             self.error[key] = matrix - approx  # what this rank's M lost to the approximation
             self.q[key] = q
             matrix.copy_(approx)
+        return bucket.buffer
 
     def _inner(self, bucket: GradBucket, buffer: Tensor) -> None:
         if buffer.numel():
@@ -243,7 +231,5 @@ class PowerSGD:
 
     def close(self) -> None:
         """Stop the PowerSGD thread and close the inner reducer (the error feedback and ``Q`` are kept)."""
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
+        self._thread.close()
         _close(self.inner)

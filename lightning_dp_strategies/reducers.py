@@ -100,6 +100,10 @@ class Reducer(Protocol):
 
     Optional: a ``close()`` method, called when the buckets are torn down (stop threads, free state).
 
+    A callback chained on a backend's future (``work.get_future().then(...)``) runs, and is released, on the
+    backend's own thread: let it capture the buffer and counter, never ``bucket`` or its ``group``. Releasing a
+    process group's last reference there makes the group join that very thread, and the process aborts.
+
     Examples:
         >>> def doubling(bucket: GradBucket) -> Future[Tensor]:  # a toy reducer: synchronous, then done
         ...     bucket.buffer.mul_(2)
@@ -140,6 +144,40 @@ def _init_comm_thread(device: torch.device, intra_op_threads: int) -> None:
         torch.cuda.set_device(device)
 
 
+class CommThread:
+    """One worker thread, started on first use with its creator's device and intra-op thread count; runs work in
+    submission order and hands each result (or exception) to a future. Reducers that work in the background use one.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._executor: ThreadPoolExecutor | None = None
+
+    def submit(self, work: Callable[[], Tensor], device: torch.device) -> Future[Tensor]:
+        """Run ``work()`` on the thread after everything submitted before; its result completes the future."""
+        if self._executor is None:
+            init = functools.partial(_init_comm_thread, device, torch.get_num_threads())
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix=self.name, initializer=init)
+        future: Future[Tensor] = Future()
+
+        def run() -> None:
+            try:
+                value = work()
+            except BaseException as error:  # handed to whoever waits
+                future.set_exception(error)  # type: ignore[arg-type]  # the stub wants the result type
+            else:
+                future.set_result(value)
+
+        self._executor.submit(run)
+        return future
+
+    def close(self) -> None:
+        """Stop the thread after the work already submitted."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+
 class RingReducer:
     """The default reducer (``"ring"``): :func:`~lightning_dp_strategies.comm.ring_all_reduce` on its own thread.
 
@@ -156,41 +194,26 @@ class RingReducer:
 
     def __init__(self) -> None:
         self._workspaces: dict[tuple[torch.dtype, torch.device], Tensor] = {}
-        self._executor: ThreadPoolExecutor | None = None
+        self._thread = CommThread("ldps-grad-comm")
 
     def __call__(self, bucket: GradBucket) -> Future[Tensor]:
-        if self._executor is None:
-            init = functools.partial(_init_comm_thread, bucket.buffer.device, torch.get_num_threads())
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="ldps-grad-comm", initializer=init)
-        future: Future[Tensor] = Future()
-        self._executor.submit(self._run, bucket, future)
-        return future
+        return self._thread.submit(functools.partial(self.reduce, bucket), bucket.buffer.device)
 
-    def _run(self, bucket: GradBucket, future: Future[Tensor]) -> None:
-        try:
-            self.reduce(bucket)
-        except BaseException as error:  # handed to whoever waits
-            future.set_exception(error)  # type: ignore[arg-type]  # the stub wants the result type
-        else:
-            future.set_result(bucket.buffer)
-
-    def reduce(self, bucket: GradBucket) -> None:
-        """Reduce ``bucket`` now, in the calling thread."""
-        if bucket.world_size == 1:
-            return
+    def reduce(self, bucket: GradBucket) -> Tensor:
+        """Reduce ``bucket`` now, in the calling thread; returns its buffer."""
         buffer = bucket.buffer
+        if bucket.world_size == 1:
+            return buffer
         needed = -(-buffer.numel() // bucket.world_size)
         key = (buffer.dtype, buffer.device)
         workspace = self._workspaces.get(key)
         if workspace is None or workspace.numel() < needed:
             workspace = self._workspaces[key] = torch.empty(needed, dtype=buffer.dtype, device=buffer.device)
-        ring_all_reduce(buffer, bucket.op, group=bucket.group, counter=bucket.counter, workspace=workspace)
+        return ring_all_reduce(buffer, bucket.op, group=bucket.group, counter=bucket.counter, workspace=workspace)
 
     def close(self) -> None:
         """Stop the communication thread (after the reductions already queued) and drop the workspaces."""
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
+        self._thread.close()
         self._workspaces.clear()
 
 

@@ -15,10 +15,10 @@ from typing_extensions import override
 from lightning_dp_strategies.bucketing import CommStats, GradientBuckets
 from lightning_dp_strategies.fingerprint import check_ranks_agree, model_fingerprint
 from lightning_dp_strategies.reducers import Reducer, resolve_reducer
-from lightning_dp_strategies.strategies._nonfinite import NonfiniteGuard, NonfiniteMode
+from lightning_dp_strategies.strategies._nonfinite import NonfiniteCheck
 
 
-class BucketedGradSync(ParallelStrategy):
+class BucketedGradSync(NonfiniteCheck, ParallelStrategy):
     """Mixed in ahead of ``DDPStrategy``: ``self.buckets`` average the gradients; this keeps the books.
 
     Subclasses call :meth:`_init_grad_sync` in ``__init__``, create ``self.buckets`` at setup, call
@@ -67,8 +67,8 @@ class BucketedGradSync(ParallelStrategy):
         assert module is not None
         check_ranks_agree(model_fingerprint(module, self._fingerprint_options()))
 
-    def _init_grad_sync(self, nonfinite_grads: NonfiniteMode = None) -> None:
-        self.nonfinite = NonfiniteGuard(nonfinite_grads)
+    def _init_grad_sync(self, nonfinite_grads: object = None) -> None:
+        self._init_nonfinite(nonfinite_grads)
         self.buckets = None
         self.step_stats = CommStats()
         self._sync_blocked = False
@@ -108,9 +108,6 @@ class BucketedGradSync(ParallelStrategy):
         model: pl.LightningModule | Any | None = None,
         **kwargs: Any,
     ) -> Any:
-        module = self.lightning_module
-        if module is not None:
-            closure = self.nonfinite.wrap(closure, optimizer, module.named_parameters(), self.root_device)
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.buckets is not None:
             self.step_stats = self.buckets.totals - self._step_start

@@ -7,8 +7,10 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.strategies import Strategy
 from torch import nn
 from torch.optim import Optimizer
+from typing_extensions import override
 
 NonfiniteMode = Literal["skip", "raise"] | None
 NONFINITE_MODES = (None, "skip", "raise")
@@ -86,3 +88,19 @@ class NonfiniteGuard:
             return result
 
         return guarded
+
+
+class NonfiniteCheck(Strategy):
+    """Mixed in ahead of the Lightning base: every optimizer step's closure goes through ``self.nonfinite``."""
+
+    nonfinite: NonfiniteGuard
+
+    def _init_nonfinite(self, mode: object) -> None:
+        self.nonfinite = NonfiniteGuard(check_nonfinite_mode(mode))
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        module = self.lightning_module
+        if module is not None:
+            closure = self.nonfinite.wrap(closure, optimizer, module.named_parameters(), self.root_device)
+        return super().optimizer_step(optimizer, closure, model, **kwargs)

@@ -69,7 +69,6 @@ from lightning_dp_strategies.pipeline import (
 )
 from lightning_dp_strategies.reducers import Reducer
 from lightning_dp_strategies.strategies._grad_sync import BucketedGradSync
-from lightning_dp_strategies.strategies._nonfinite import check_nonfinite_mode
 from lightning_dp_strategies.strategies._options import (
     check_backend,
     check_flag,
@@ -314,7 +313,7 @@ class HybridPipelineStrategy(CheckpointAndResume, BucketedGradSync, DDPStrategy)
         )
         self.reducer = reducer
         # runtime state (and step_stats: gradient communication over this stage's data-parallel group)
-        self._init_grad_sync(check_nonfinite_mode(nonfinite_grads))
+        self._init_grad_sync(nonfinite_grads)
         self.layout: _Layout | None = None
         self._optimizers_layout: _Layout | None = None  # what the optimizers hold; kept after teardown, for checkpoints
         self.runner: PipelineRunner | None = None

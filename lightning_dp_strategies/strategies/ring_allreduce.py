@@ -21,7 +21,6 @@ from typing_extensions import override
 from lightning_dp_strategies.bucketing import GradientBuckets, assign_buckets
 from lightning_dp_strategies.reducers import Reducer
 from lightning_dp_strategies.strategies._grad_sync import BucketedGradSync
-from lightning_dp_strategies.strategies._nonfinite import check_nonfinite_mode
 from lightning_dp_strategies.strategies._options import (
     check_backend,
     check_flag,
@@ -105,7 +104,7 @@ class RingAllReduceStrategy(CheckpointAndResume, BucketedGradSync, DDPStrategy):
         self.broadcast_buffers = check_flag("broadcast_buffers", broadcast_buffers)
         self.log_comm_stats = check_flag("log_comm_stats", log_comm_stats)
         # runtime state and statistics (buckets, no-sync flag, step_stats)
-        self._init_grad_sync(check_nonfinite_mode(nonfinite_grads))
+        self._init_grad_sync(nonfinite_grads)
         self._grad_group: dist.ProcessGroup | None = None
 
     # ------------------------------------------------------------------ setup

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Generator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -19,11 +19,10 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from torch.nn import Module
-from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_dp_strategies import data_parallel
-from lightning_dp_strategies.strategies._nonfinite import NonfiniteGuard, check_nonfinite_mode
+from lightning_dp_strategies.strategies._nonfinite import NonfiniteCheck
 from lightning_dp_strategies.strategies._registry import register_name
 from lightning_dp_strategies.strategies._resume import CheckpointAndResume
 
@@ -51,7 +50,7 @@ class _StepState:
     warned: set[str] = field(default_factory=set)  # hooks already warned about (never called forward)
 
 
-class ScatterGatherStrategy(CheckpointAndResume, ParallelStrategy):
+class ScatterGatherStrategy(CheckpointAndResume, NonfiniteCheck, ParallelStrategy):
     """One process, several devices: the ``torch.nn.DataParallel`` data flow, with Lightning around it.
 
     Each training/validation/test/predict step runs once on the root device (the first of ``parallel_devices``).
@@ -108,7 +107,7 @@ class ScatterGatherStrategy(CheckpointAndResume, ParallelStrategy):
         self._step = _StepState()
         # statistics
         self.stats = ScatterGatherStats()
-        self.nonfinite = NonfiniteGuard(check_nonfinite_mode(nonfinite_grads))
+        self._init_nonfinite(nonfinite_grads)
 
     # ------------------------------------------------------------------ devices and ranks: one process
     @property
@@ -289,19 +288,6 @@ class ScatterGatherStrategy(CheckpointAndResume, ParallelStrategy):
     def gather(self, outputs: Sequence[Any], device: torch.device) -> Any:
         """Merge the replicas' outputs on the root device (see :func:`~.data_parallel.gather`)."""
         return data_parallel.gather(outputs, device, dim=self.dim)
-
-    @override
-    def optimizer_step(
-        self,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        model: pl.LightningModule | Module | None = None,
-        **kwargs: Any,
-    ) -> Any:
-        module = self.lightning_module
-        if module is not None:
-            closure = self.nonfinite.wrap(closure, optimizer, module.named_parameters(), self.root_device)
-        return super().optimizer_step(optimizer, closure, model, **kwargs)
 
     # ------------------------------------------------------------------ steps
     @contextmanager

@@ -43,6 +43,7 @@ def test_survivors_exit_nonzero_in_bounded_time_and_the_checkpoint_loads(
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "MASTER_PORT": str(free_port())}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "tests.reliability.dead_rank_scenario", strategy, str(victim), str(tmp_path)]
+    # not run_commands: it kills the process group when the command ends, which would hide a rank left running
     start = time.monotonic()
     proc = subprocess.Popen(
         [*cmd, str(TIMEOUT_S)],
