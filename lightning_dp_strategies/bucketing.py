@@ -4,14 +4,17 @@ How one synchronised backward pass goes (DDP's reducer, rebuilt on post-accumula
 
 1. ``arm()`` before backward. Parameters were assigned to buckets in reverse registration order (gradients of the last
    layers are ready first), each bucket a flat buffer of one dtype and device, capped in size, the first one small.
-2. Each parameter's hook copies its ``.grad`` into its slot. When every slot of bucket ``i`` is filled and buckets
-   ``0..i-1`` are launched, bucket ``i`` is handed to the reducer (:mod:`lightning_dp_strategies.reducers`), which
+2. Each parameter's hook divides its ``.grad`` by the world size into its slot (one pass: the division is fused
+   into the copy, as torch DDP does) and points ``.grad`` at that slot at once (DDP's ``gradient_as_bucket_view``), so
+   the gradient autograd just allocated is freed while backward goes on and its memory is reused by the next one.
+   When every slot of bucket ``i`` is filled and buckets ``0..i-1`` are launched, bucket ``i`` is handed to the
+   reducer (:mod:`lightning_dp_strategies.reducers`) to be summed (``op="sum"``: it is already divided), which
    returns a future at once; the default ring reducer works on its own communication thread while backward goes on.
    Buckets launch strictly in index order, so every rank issues the same sequence of collectives.
-3. ``finish()`` after backward. Slots whose hook never fired (a parameter unused on this rank) are filled with the
-   local ``.grad`` if one exists, else zeros, and the remaining buckets launch. Then it waits for all of them and
-   points each ``.grad`` at its averaged slice of the bucket (torch DDP's ``gradient_as_bucket_view``: no copy back;
-   a gradient that still is that view next step, e.g. after ``zero_grad(set_to_none=False)``, is not copied in).
+3. ``finish()`` after backward. Slots whose hook never fired (a parameter unused on this rank) are filled the same way
+   from the local ``.grad`` if one exists, else with zeros, and the remaining buckets launch. Then it waits for all of
+   them; every ``.grad`` some rank produced is now its averaged slice of the bucket (no copy back; a gradient that
+   still is that view next step, e.g. after ``zero_grad(set_to_none=False)``, is divided in place, not copied).
 
 Unused parameters need no flag: each bucket carries one presence flag per parameter (1 where this rank has a
 gradient), reduced with the gradients. A parameter no rank has a gradient for keeps ``.grad is None``, exactly as in
@@ -217,6 +220,7 @@ class GradientBuckets:
         self._built_for: tuple[bool, ...] = ()
         self._armed = False
         self._next_launch = 0
+        self._world_size = 1
         self.sync_blocked = False
         """Set while the owner deliberately skips communication (accumulation, ``no_sync``)."""
         self._warned_unarmed = False
@@ -271,6 +275,7 @@ class GradientBuckets:
         for bucket in self.buckets:
             bucket.reset()
         self._next_launch = 0
+        self._world_size = dist.get_world_size(self.group) if dist.is_available() and dist.is_initialized() else 1
         self._armed = True
 
     def skip(self) -> None:
@@ -301,15 +306,15 @@ class GradientBuckets:
                 "Call backward once per step (sum the losses first), or run the extra backward inside "
                 "`strategy.no_backward_sync()`."
             )
-        self._fill(bucket, slot, param.grad)
+        self._fill(bucket, slot, param)
         bucket.ready[slot] = True
         bucket.pending -= 1
         if bucket.pending == 0:
             self._launch_in_order()
 
-    @staticmethod
-    def _fill(bucket: Bucket, slot: int, grad: Tensor | None) -> None:
-        view = bucket.grad_view(slot)
+    def _fill(self, bucket: Bucket, slot: int, param: Tensor) -> None:
+        """Put ``param.grad / world_size`` into its slot and make ``.grad`` that slot; zeros and flag 0 without one."""
+        view, grad = bucket.grad_view(slot), param.grad
         if grad is None:
             view.zero_()
             bucket.flags[slot] = 0
@@ -319,8 +324,19 @@ class GradientBuckets:
                 f"Parameter {bucket.names[slot]!r} has a sparse gradient, which bucketed all-reduce cannot average. "
                 "Use dense gradients (for example `nn.Embedding(..., sparse=False)`)."
             )
-        if grad.data_ptr() != view.data_ptr():  # already in place when .grad is the bucket view from last step
-            view.copy_(grad)
+        world = self._world_size
+        if grad.data_ptr() == view.data_ptr():  # .grad still is the slot (accumulation, set_to_none=False)
+            if world > 1:
+                view.div_(world)
+        else:
+            if world > 1:
+                torch.div(grad, world, out=view)
+            else:
+                view.copy_(grad)
+            # Free autograd's fresh gradient now, not at finish(): with all of them alive until the end of backward,
+            # the allocator hands their memory back to the OS and the next backward pays page faults on all of it
+            # (measured: a third of the backward time of a 21 M parameter MLP on CPU).
+            param.grad = view
         bucket.flags[slot] = 1
 
     def _launch_in_order(self) -> None:
@@ -334,6 +350,7 @@ class GradientBuckets:
                     bucket.index,
                     [p.shape for p in bucket.params],
                     num_flags=len(bucket.params),
+                    op="sum",  # every gradient was divided by the world size on its way into the bucket
                 )
             )
             self._next_launch += 1
@@ -347,7 +364,7 @@ class GradientBuckets:
         for bucket in self.buckets[self._next_launch :]:
             for slot, param in enumerate(bucket.params):
                 if not bucket.ready[slot]:
-                    self._fill(bucket, slot, param.grad)
+                    self._fill(bucket, slot, param)
                     bucket.ready[slot] = True
             bucket.pending = 0
         self._launch_in_order()

@@ -4,7 +4,9 @@ A reducer is any callable ``reducer(bucket) -> torch.futures.Future`` (the shape
 It must leave ``bucket.buffer`` holding the average (``bucket.op == "avg"``) or the sum (``"sum"``) of every rank's
 buffer over ``bucket.group`` by the time the future completes, add what it sent to ``bucket.counter``, and be called
 in the same order on every rank (:class:`~lightning_dp_strategies.bucketing.GradientBuckets` guarantees that: buckets
-launch strictly in index order). Compression wraps a reducer (:mod:`lightning_dp_strategies.compression`).
+launch strictly in index order). The strategies' buckets ask for ``"sum"``: every gradient is divided by the world
+size on its way into the bucket (fused into that copy, as torch DDP does), so the sum is the average; ``"avg"`` is
+for direct callers. Compression wraps a reducer (:mod:`lightning_dp_strategies.compression`).
 
 ==============  ==============================================================  ==========================
 name            what it does                                                    runs on

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from lightning_dp_strategies.bucketing import GradientBuckets, MiB, assign_buckets
-from lightning_dp_strategies.reducers import GradBucket, completed
+from lightning_dp_strategies.reducers import GradBucket, RingReducer, completed
 from tests.helpers.distributed import run_distributed
 
 
@@ -152,6 +152,75 @@ def test_accumulation_unfreezing_and_unsynchronised_backward_warning() -> None:
     run_distributed(_check_accumulation_unfreeze_and_warning, 2)
 
 
+def test_grad_points_at_its_bucket_slot_as_soon_as_its_hook_fires() -> None:
+    """Autograd's fresh gradient is dropped during backward, not at finish(): holding all of them until the end of
+    backward made the allocator return their memory to the OS and the next backward page-fault on all of it."""
+    model = Branchy()
+    buckets = GradientBuckets(model.named_parameters(), bucket_cap_mb=200 / MiB)
+    buckets.arm()
+    model(torch.randn(2, 6), ("a", "b")).backward()
+    for bucket in buckets.buckets:  # before finish(): every gradient that exists already lives in its bucket
+        for slot, param in enumerate(bucket.params):
+            if param.grad is not None:
+                assert param.grad.data_ptr() == bucket.grad_view(slot).data_ptr(), bucket.names[slot]
+    assert model.a.weight.grad is not None and model.never.weight.grad is None
+    buckets.finish()
+    buckets.close()
+
+
+def _check_prescaled_buckets_and_gradients_already_in_place(rank: int, world_size: int) -> None:
+    model = Branchy()
+    handed: list[torch.Tensor] = []
+    ring = RingReducer()
+
+    def record_then_ring(bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+        assert bucket.op == "sum"
+        handed.append(bucket.buffer.clone())
+        return ring(bucket)
+
+    buckets = GradientBuckets(model.named_parameters(), reducer=record_then_ring)
+    x = [torch.randn(2, 6, generator=torch.Generator().manual_seed(10 * r)) for r in range(world_size)]
+    y = [torch.randn(2, 6, generator=torch.Generator().manual_seed(10 * r + 1)) for r in range(world_size)]
+
+    def oracle(*batches: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        reference = Branchy()
+        for r in range(world_size):
+            for batch in batches:
+                reference(batch[r], ("a", "b")).backward()
+        return {n: p.grad / world_size for n, p in reference.named_parameters() if p.grad is not None}
+
+    buckets.arm()
+    model(x[rank], ("a", "b")).backward()
+    buckets.finish()
+    local = Branchy()
+    local(x[rank], ("a", "b")).backward()
+    bucket = buckets.buckets[0]
+    for slot, param in enumerate(bucket.params):  # what the reducer was handed: this rank's gradient / world size
+        grad = local.get_parameter(bucket.names[slot]).grad
+        expected = torch.zeros_like(param) if grad is None else grad / world_size
+        torch.testing.assert_close(handed[0][bucket.offsets[slot] :][: param.numel()].view(param.shape), expected)
+    # zero_grad(set_to_none=False), then a no-sync backward and a synced one: .grad is the bucket slot throughout,
+    # so it is divided in place rather than copied; the result is the average of both batches' gradients
+    for param in model.parameters():
+        if param.grad is not None:
+            param.grad.zero_()
+    buckets.sync_blocked = True
+    buckets.skip()
+    model(x[rank], ("a", "b")).backward()
+    buckets.sync_blocked = False
+    buckets.arm()
+    model(y[rank], ("a", "b")).backward()
+    buckets.finish()
+    for name, expected in oracle(x, y).items():
+        torch.testing.assert_close(model.get_parameter(name).grad, expected, rtol=1e-6, atol=1e-7, msg=name)
+    buckets.close()
+
+
+@pytest.mark.timeout(120)
+def test_buckets_arrive_divided_and_gradients_already_in_the_bucket_are_divided_in_place() -> None:
+    run_distributed(_check_prescaled_buckets_and_gradients_already_in_place, 2)
+
+
 def test_custom_reducer_receives_every_bucket_in_order() -> None:
     seen: list[GradBucket] = []
 
@@ -166,7 +235,7 @@ def test_custom_reducer_receives_every_bucket_in_order() -> None:
     buckets.finish()
     assert [s.index for s in seen] == list(range(len(buckets.buckets)))
     for bucket, given in zip(buckets.buckets, seen, strict=True):
-        assert given.buffer is bucket.buffer and given.op == "avg"
+        assert given.buffer is bucket.buffer and given.op == "sum", "gradients arrive divided, to be summed"
         assert given.shapes == [p.shape for p in bucket.params] and given.num_flags == len(bucket.params)
         assert [g.data_ptr() for g in given.gradients()] == [
             bucket.grad_view(i).data_ptr() for i in range(len(bucket.params))
