@@ -3,8 +3,9 @@
 (a) ``ring_all_reduce`` vs ``torch.distributed.all_reduce`` for 64 KiB to 64 MiB (fp32, average), 2 processes,
     interleaved in one run; prints median times, their ratio (ours / torch's) and bus bandwidth
     (bytes * 2(N-1)/N / time, the figure NCCL's tests report).
-(b) Trainer step time of ``"ring_allreduce"`` vs ``"ddp"`` on the same ~20 M parameter MLP, 2 processes, steady state
-    (the first steps are warm-up), runs alternated ring/ddp/ring/ddp; prints the ratio of the median step times.
+(b) Trainer step time of ``"ring_allreduce"`` vs ``"ddp"`` on the same ~20 M parameter MLP, 2 processes (one
+    ``torchrun`` launch; inside it the two strategies take turns, one ``Trainer.fit`` each per round, the order flipped
+    every round), steady state (the first third of each fit is warm-up); prints the median of the per-round ratios.
 (c) The same Trainer run with each reducer and compression wrapper (``ring``, ``native``, ``bf16_compress``,
     ``fp16_compress``, ``PowerSGD(rank=4)``): bytes sent per step and step time, each relative to plain ``ring``.
 
@@ -27,6 +28,7 @@ import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -96,7 +98,7 @@ def part_a(world: int, repeats: int) -> list[dict[str, float]]:
 
 
 TRAIN_SCRIPT = """
-import json, sys, time
+import json, statistics, sys, time
 import lightning as L, torch
 from torch import nn
 import lightning_dp_strategies
@@ -120,74 +122,97 @@ class MLP(L.LightningModule):
         return nn.functional.cross_entropy(self.net(x), y)
     def configure_optimizers(self): return torch.optim.SGD(self.parameters(), lr=1e-3)
 
-strategy, steps, width, depth, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+def make(strategy):
+    if "+" not in strategy:
+        return strategy
+    reducer = REDUCERS[strategy.split("+", 1)[1]]  # ring_allreduce+<reducer>
+    return RingAllReduceStrategy(reducer=reducer if isinstance(reducer, str) else reducer())
+
+strategies, rounds, steps = sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3])
+width, depth, out = int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
 torch.set_num_threads(1)
 g = torch.Generator().manual_seed(0)
 data = torch.utils.data.TensorDataset(torch.randn(64 * steps, width, generator=g), torch.randint(0, 10, (64 * steps,)))
-timer = Timer()
-model = MLP(width, depth)
-if "+" in strategy:  # ring_allreduce+<reducer>
-    name = strategy.split("+", 1)[1]
-    reducer = REDUCERS[name] if isinstance(REDUCERS[name], str) else REDUCERS[name]()
-    strategy = RingAllReduceStrategy(reducer=reducer)
-trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=steps, logger=False,
-                    enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
-                    callbacks=[timer])
-trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=32))
+fits = {s: [] for s in strategies}
+stats, params = {}, 0
+for r in range(rounds):  # both in the same two processes, the order flipped every round
+    for strategy in strategies if r % 2 == 0 else strategies[::-1]:
+        timer, model = Timer(), MLP(width, depth)
+        trainer = L.Trainer(strategy=make(strategy), accelerator="cpu", devices=2, max_steps=steps, logger=False,
+                            enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+                            callbacks=[timer])
+        trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=32))
+        fits[strategy].append(statistics.median(timer.t[steps // 3 :]))  # the first third is warm-up
+        step_stats = getattr(trainer.strategy, "step_stats", None)
+        stats[strategy] = step_stats.as_dict() if step_stats else None
+        params = sum(p.numel() for p in model.parameters())
 if trainer.global_rank == 0:
-    n = sum(p.numel() for p in model.parameters())
-    stats = getattr(trainer.strategy, "step_stats", None)
-    json.dump({"times": timer.t, "params": n, "stats": stats.as_dict() if stats else None}, open(out, "w"))
+    json.dump({"fits": fits, "params": params, "stats": stats}, open(out, "w"))
 """
 
 
-def _train_runs(
-    strategies: list[str], steps: int, width: int, depth: int, rounds: int
-) -> tuple[dict[str, float], dict[str, dict]]:
-    """Median steady-state step time and the last run's result per strategy; runs alternate within each round."""
-    times: dict[str, list[float]] = {s: [] for s in strategies}
-    info = {}
+def _train_runs(strategies: list[str], steps: int, width: int, depth: int, rounds: int) -> dict[str, Any]:
+    """Per strategy, the median steady-state step time of each of ``rounds`` Trainer fits, all in one launch.
+
+    ``torchrun`` starts the two processes once; inside them the strategies take turns, one fit each per round, the
+    order flipped every round. So every round compares the strategies on the same processes, cores and moment, and
+    the per-round ratios show how much of a single comparison is noise (a shared 2-core VM drifts by 30% and more).
+    """
     with tempfile.TemporaryDirectory() as tmp:
-        script = Path(tmp) / "train.py"
+        script, out = Path(tmp) / "train.py", Path(tmp) / "fits.json"
         script.write_text(TRAIN_SCRIPT)
         env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
-        for _ in range(rounds):
-            for strategy in times:
-                out = Path(tmp) / f"{strategy}.json"
-                env["MASTER_PORT"] = str(_free_port())
-                cmd = [sys.executable, str(script), strategy, str(steps), str(width), str(depth), str(out)]
-                subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=600)
-                result = json.loads(out.read_text())
-                times[strategy].extend(result["times"][steps // 3 :])  # drop warm-up
-                info[strategy] = result
-    return {k: statistics.median(v) for k, v in times.items()}, info
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
+        cmd += [",".join(strategies), str(rounds), str(steps), str(width), str(depth), str(out)]
+        subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=3600)
+        return json.loads(out.read_text())
+
+
+def _paired(result: dict[str, Any], name: str, base: str) -> tuple[float, float, float, float]:
+    """(median step time of ``name``, of ``base``, median per-round ratio, its spread as the IQR)."""
+    ratios = [a / b for a, b in zip(result["fits"][name], result["fits"][base], strict=True)]
+    q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
+    med = statistics.median
+    return med(result["fits"][name]), med(result["fits"][base]), med(ratios), q3 - q1
 
 
 def part_b(steps: int, width: int, depth: int, rounds: int) -> float:
-    med, info = _train_runs(["ring_allreduce", "ddp"], steps, width, depth, rounds)
-    ratio = med["ring_allreduce"] / med["ddp"]
-    params = info["ddp"]["params"]
-    print(f"\n(b) Trainer step time, 2 processes on CPU/gloo, MLP with {params / 1e6:.1f} M parameters, batch 32/rank")
-    for k, v in med.items():
-        print(f"  {k:<15} {v * 1e3:8.1f} ms/step (median of {rounds} x {steps - steps // 3} steady-state steps)")
-    stats = info["ring_allreduce"]["stats"]
+    result = _train_runs(["ring_allreduce", "ddp"], steps, width, depth, rounds)
+    ring, ddp, ratio, spread = _paired(result, "ring_allreduce", "ddp")
+    steady = steps - steps // 3
+    print(
+        f"\n(b) Trainer step time, 2 processes on CPU/gloo, MLP with {result['params'] / 1e6:.1f} M parameters, "
+        f"batch 32/rank; {rounds} rounds of one fit each, alternating in one launch"
+    )
+    print(f"  ring_allreduce  {ring * 1e3:8.1f} ms/step (median over fits of the median of {steady} steady steps)")
+    print(f"  ddp             {ddp * 1e3:8.1f} ms/step")
+    print(
+        "  per-round ratios "
+        + " ".join(f"{a / b:.2f}" for a, b in zip(*(result["fits"][k] for k in ("ring_allreduce", "ddp")), strict=True))
+    )
+    stats = result["stats"]["ring_allreduce"]
     if stats:
         print(
             f"  ring_allreduce per step: {stats['bytes_sent'] / 1e6:.1f} MB sent, {stats['ring_operations']:.0f} "
             f"buckets ({stats['overlapped_buckets']:.0f} started during backward), "
             f"{stats['exposed_seconds'] * 1e3:.1f} ms exposed"
         )
-    print(f"  ratio ring_allreduce / ddp = {ratio:.3f}  (target <= 1.05)")
+    print(
+        f"  ratio ring_allreduce / ddp = {ratio:.3f} (median of the per-round ratios, IQR {spread:.3f}; target <= 1.05)"
+    )
     return ratio
 
 
 def part_c(steps: int, width: int, depth: int, rounds: int) -> None:
     names = ["ring", "native", "bf16", "fp16", "powersgd"]
-    med, info = _train_runs([f"ring_allreduce+{n}" for n in names], steps, width, depth, rounds)
-    base_time, base_bytes = med["ring_allreduce+ring"], info["ring_allreduce+ring"]["stats"]["bytes_sent"]
-    params = info["ring_allreduce+ring"]["params"]
-    print(f"\n(c) reducers and compression in ring_allreduce, 2 processes, {params / 1e6:.1f} M parameters")
-    print(f"  {'reducer':<22} {'MB/step':>8} {'bytes/ring':>10} {'ms/step':>8} {'time/ring':>9}")
+    result = _train_runs([f"ring_allreduce+{n}" for n in names], steps, width, depth, rounds)
+    base = "ring_allreduce+ring"
+    base_bytes = result["stats"][base]["bytes_sent"]
+    print(
+        f"\n(c) reducers and compression in ring_allreduce, 2 processes, {result['params'] / 1e6:.1f} M parameters, "
+        f"{rounds} alternating rounds in one launch"
+    )
+    print(f"  {'reducer':<22} {'MB/step':>8} {'bytes/ring':>10} {'ms/step':>8} {'time/ring':>9} {'IQR':>6}")
     labels = {
         "ring": "ring",
         "native": "native",
@@ -197,10 +222,11 @@ def part_c(steps: int, width: int, depth: int, rounds: int) -> None:
     }
     for name in names:
         key = f"ring_allreduce+{name}"
-        sent = info[key]["stats"]["bytes_sent"]
+        sent = result["stats"][key]["bytes_sent"]
+        ms, _, ratio, spread = _paired(result, key, base)
         print(
-            f"  {labels[name]:<22} {sent / 1e6:8.1f} {sent / base_bytes:10.3f} {med[key] * 1e3:8.1f}"
-            f" {med[key] / base_time:9.3f}"
+            f"  {labels[name]:<22} {sent / 1e6:8.1f} {sent / base_bytes:10.3f} {ms * 1e3:8.1f}"
+            f" {ratio:9.3f} {spread:6.3f}"
         )
 
 
@@ -209,10 +235,10 @@ def main() -> None:
     parser.add_argument("--part", choices=["a", "b", "c", "both", "all"], default="both", help="both: a and b")
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=15, help="Trainer steps per fit; the first third is warm-up")
     parser.add_argument("--width", type=int, default=1536, help="MLP width (default: ~21 M parameters at depth 9)")
     parser.add_argument("--depth", type=int, default=9)
-    parser.add_argument("--rounds", type=int, default=2, help="alternating ring/ddp runs per strategy")
+    parser.add_argument("--rounds", type=int, default=10, help="fits per strategy, alternating in one launch")
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {os.cpu_count()} CPU cores")
     if args.part in ("a", "both"):

@@ -1,0 +1,40 @@
+"""The benchmark scripts still run end to end (on a tiny model) and print the ratios the docs quote.
+
+Nothing here asserts on speed: the figures themselves are measured by running the scripts (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+TINY = ["--width", "32", "--depth", "1"]
+
+
+def _run(script: str, *args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True, timeout=240, check=False
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+@pytest.mark.timeout(300)
+def test_strategy_benchmark_pairs_rounds_in_one_launch_and_prints_the_ratio() -> None:
+    out = _run("bench_ring_allreduce.py", "--part", "b", "--rounds", "2", "--steps", "3", *TINY)
+    rounds = re.search(r"per-round ratios ((?:\d+\.\d+ ?)+)", out)
+    assert rounds is not None and len(rounds.group(1).split()) == 2, out
+    assert re.search(r"ratio ring_allreduce / ddp = \d+\.\d{3} \(median of the per-round ratios, IQR", out), out
+    assert "MB sent" in out, out
+
+
+@pytest.mark.timeout(300)
+def test_step_phase_benchmark_prints_every_contender_against_ddp() -> None:
+    out = _run("bench_step_phases.py", "--steps", "5", "--contenders", "buckets+noop,buckets+ring,ddp", *TINY)
+    for name in ("buckets+noop", "buckets+ring", "ddp"):
+        assert re.search(rf"^\s+{re.escape(name)}\s+(\d+\.\d\s+){{5}}\s*\d+\.\d{{3}}$", out, re.M), out
