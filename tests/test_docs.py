@@ -65,6 +65,17 @@ def test_a_new_strategy_takes_well_under_40_lines(example: str) -> None:
     assert len(body.strip().splitlines()) < 30, body
 
 
+@pytest.mark.timeout(300)
+def test_readme_parity_example_matches_a_plain_single_process_loop() -> None:
+    """`examples/ring_allreduce_parity.py`, which the README points to: 2 ranks, SGD with momentum and weight decay."""
+    import re
+
+    output = run_script(["examples/ring_allreduce_parity.py"], timeout=240)  # also exits non-zero above 1e-5
+    diff = re.search(r"max \|ring_allreduce - single-process loop\| = (\S+) \(tolerance 1e-05\)", output)
+    assert diff is not None, output
+    assert float(diff.group(1)) <= 1e-5, output
+
+
 @pytest.mark.timeout(180)
 def test_quickstart_example_trains_with_ring_allreduce() -> None:
     output = run_script(["docs/examples/quickstart.py"], timeout=150)
