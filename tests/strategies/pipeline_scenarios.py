@@ -37,6 +37,7 @@ class Case:
     clip: float | None = None
     accumulate: int = 1
     balance: tuple[int, ...] | str = "parameters"
+    reducer: str = "ring"
 
     @property
     def replicas(self) -> int:
@@ -51,7 +52,11 @@ PARITY_4 = [
 ]
 SUITES: dict[str, list[Case]] = {
     "world2": [*PARITY_2, Case("s2d1-clip", clip=0.05, micro_batches=2, balance=(2, 3))],
-    "world4": [*PARITY_4, Case("s2d2-accumulate", world=4, accumulate=2, micro_batches=2)],
+    "world4": [
+        *PARITY_4,
+        Case("s2d2-accumulate", world=4, accumulate=2, micro_batches=2),
+        Case("s2d2-native", world=4, micro_batches=2, reducer="native"),  # the replicas average with gloo's all-reduce
+    ],
 }
 CKPT = Case("ckpt", world=4, micro_batches=2, schedule="gpipe")
 VAL_SAMPLES = 16
@@ -119,6 +124,7 @@ class Recorder(L.Callback):
                 "steps": strategy.pipeline_stats.steps,
                 "ring_operations": strategy.comm_stats.ring_operations,
                 "skipped": strategy.comm_stats.skipped_backwards,
+                "reducer": type(strategy.buckets.reducer).__name__ if strategy.buckets is not None else None,
             },
             f"{self.prefix}-rank{trainer.global_rank}.pt",
         )
@@ -136,7 +142,11 @@ class SaveAtEpochEnd(L.Callback):
 def trainer_for(case: Case, outdir: Path, callbacks: list[L.Callback], epochs: int | None = None) -> L.Trainer:
     return L.Trainer(
         strategy=HybridPipelineStrategy(
-            pipeline_stages=case.stages, micro_batches=case.micro_batches, schedule=case.schedule, balance=case.balance
+            pipeline_stages=case.stages,
+            micro_batches=case.micro_batches,
+            schedule=case.schedule,
+            balance=case.balance,
+            reducer=case.reducer,
         ),  # type: ignore[arg-type]
         accelerator="cpu",
         devices=case.world,

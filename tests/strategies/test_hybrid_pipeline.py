@@ -1,7 +1,7 @@
 """HybridPipelineStrategy: parity with single-device training is the specification.
 
 Two launches carry the parity matrix: 2 stages x 1 replica and 2 stages x 2 replicas, each with both schedules at 1
-and 4 micro-batches, plus clipping, gradient accumulation, checkpoints, validate and predict (see
+and 4 micro-batches, plus clipping, gradient accumulation, the "native" reducer, checkpoints, validate and predict (see
 ``tests/strategies/pipeline_scenarios.py``). Tolerance: max absolute parameter difference <= 1e-5 (observed ~1e-7).
 """
 
@@ -112,6 +112,9 @@ def test_parity_two_stages_two_replicas_accumulation_checkpoints_validate(tmp_pa
     # gradient accumulation (2): per epoch of 5 batches, batches 0 and 2 accumulate locally, 1, 3 and 4 average
     for result in load_ranks(out, "s2d2-accumulate", 4):
         assert (result["ring_operations"], result["skipped"]) == (6, 4)
+    # the replicas of each stage averaged through the reducer asked for (gloo's own all-reduce), to parity above
+    assert {r["reducer"] for r in load_ranks(out, "s2d2-native", 4)} == {"NativeReducer"}
+    assert all(r["ring_operations"] > 0 for r in load_ranks(out, "s2d2-native", 4))
 
     # the checkpoint saved under hybrid_pipeline after epoch 1 holds the whole model, in the single-device format
     checkpoint = torch.load(out / "hybrid.ckpt", weights_only=False)
