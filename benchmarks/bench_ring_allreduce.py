@@ -60,7 +60,7 @@ def _collectives(rank: int, world: int, port: int, repeats: int, out: str) -> No
             ring_all_reduce(data, "avg", workspace=workspace)
             dist.all_reduce(data)
         times: dict[str, list[float]] = {"ring": [], "torch": []}
-        reps = max(5, min(repeats, (64 * 1024 * 1024 * 8) // nbytes))
+        reps = max(5, min(repeats, (1024 * 1024 * 1024) // nbytes))  # 100 pairs up to 4 MiB, 16 at 64 MiB
         for _ in range(reps):  # interleaved so drift hits both alike
             for name in ("ring", "torch"):
                 dist.barrier()
@@ -234,7 +234,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--part", choices=["a", "b", "c", "both", "all"], default="both", help="both: a and b")
     parser.add_argument("--world", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=100, help="(a): interleaved call pairs per size, at most")
     parser.add_argument("--steps", type=int, default=15, help="Trainer steps per fit; the first third is warm-up")
     parser.add_argument("--width", type=int, default=1536, help="MLP width (default: ~21 M parameters at depth 9)")
     parser.add_argument("--depth", type=int, default=9)
