@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
@@ -132,9 +131,9 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=1536)
     parser.add_argument("--depth", type=int, default=9)
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from tests.helpers.distributed import free_port
+
+    port = free_port()
     names = args.contenders.split(",")
     mp.start_processes(_worker, args=(port, names, args.steps, args.width, args.depth), nprocs=2, start_method="spawn")
 

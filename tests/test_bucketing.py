@@ -170,12 +170,12 @@ def test_grad_points_at_its_bucket_slot_as_soon_as_its_hook_fires() -> None:
 
 def _check_prescaled_buckets_and_gradients_already_in_place(rank: int, world_size: int) -> None:
     model = Branchy()
-    handed: list[torch.Tensor] = []
+    handed: list[list[torch.Tensor]] = []
     ring = RingReducer()
 
     def record_then_ring(bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
         assert bucket.op == "sum"
-        handed.append(bucket.buffer.clone())
+        handed.append([g.clone() for g in bucket.gradients()])
         return ring(bucket)
 
     buckets = GradientBuckets(model.named_parameters(), reducer=record_then_ring)
@@ -194,11 +194,11 @@ def _check_prescaled_buckets_and_gradients_already_in_place(rank: int, world_siz
     buckets.finish()
     local = Branchy()
     local(x[rank], ("a", "b")).backward()
-    bucket = buckets.buckets[0]
-    for slot, param in enumerate(bucket.params):  # what the reducer was handed: this rank's gradient / world size
-        grad = local.get_parameter(bucket.names[slot]).grad
-        expected = torch.zeros_like(param) if grad is None else grad / world_size
-        torch.testing.assert_close(handed[0][bucket.offsets[slot] :][: param.numel()].view(param.shape), expected)
+    assert len(buckets.buckets) == len(handed) == 1
+    for name, given in zip(buckets.buckets[0].names, handed[0], strict=True):  # this rank's gradient / world size
+        grad = local.get_parameter(name).grad
+        expected = torch.zeros_like(given) if grad is None else grad / world_size
+        torch.testing.assert_close(given, expected, msg=name)
     # zero_grad(set_to_none=False), then a no-sync backward and a synced one: .grad is the bucket slot throughout,
     # so it is divided in place rather than copied; the result is the average of both batches' gradients
     for param in model.parameters():
