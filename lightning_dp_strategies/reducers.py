@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
-from lightning_dp_strategies.comm import CommCounter, ring_all_reduce
+from lightning_dp_strategies.comm import CommCounter, ring_all_reduce, ring_workspace_numel
 
 __all__ = [
     "REDUCERS",
@@ -206,7 +206,7 @@ class RingReducer:
         buffer = bucket.buffer
         if bucket.world_size == 1:
             return buffer
-        needed = -(-buffer.numel() // bucket.world_size)
+        needed = ring_workspace_numel(buffer.numel(), bucket.world_size)
         key = (buffer.dtype, buffer.device)
         workspace = self._workspaces.get(key)
         if workspace is None or workspace.numel() < needed:

@@ -8,6 +8,7 @@ from lightning_dp_strategies.comm.ring import (
     ring_all_gather,
     ring_all_reduce,
     ring_reduce_scatter,
+    ring_workspace_numel,
 )
 
 __all__ = [
@@ -18,4 +19,5 @@ __all__ = [
     "ring_all_gather",
     "ring_all_reduce",
     "ring_reduce_scatter",
+    "ring_workspace_numel",
 ]

@@ -37,6 +37,7 @@ __all__ = [
     "ring_all_gather",
     "ring_all_reduce",
     "ring_reduce_scatter",
+    "ring_workspace_numel",
 ]
 
 ReduceOpLike = dist.ReduceOp.RedOpType | str
@@ -141,8 +142,17 @@ PIPELINE_PIECE_BYTES = 512 * 1024
 MAX_PIECES = 8
 
 
+def _piece_count(chunk_numel: int, element_size: int) -> int:
+    return max(1, min(MAX_PIECES, chunk_numel * element_size // PIPELINE_PIECE_BYTES))
+
+
 def _pieces(chunk: Tensor) -> int:
-    return max(1, min(MAX_PIECES, chunk.numel() * chunk.element_size() // PIPELINE_PIECE_BYTES))
+    return _piece_count(chunk.numel(), chunk.element_size())
+
+
+def _real_view(flat: Tensor) -> Tensor:
+    """Complex tensors travel as their real and imaginary parts (as ``dist.isend`` sends them); sums are unchanged."""
+    return torch.view_as_real(flat).view(-1) if flat.is_complex() else flat
 
 
 def _exchange_and_add(
@@ -238,6 +248,105 @@ def ring_all_gather(
         _exchange(chunks[(rank + 1 - step) % size], chunks[(rank - step) % size], nxt, prv, group, counter)
 
 
+def ring_workspace_numel(numel: int, world_size: int) -> int:
+    """Elements of scratch :func:`ring_all_reduce` needs for a tensor of ``numel`` elements over ``world_size`` ranks.
+
+    Pass a buffer at least this long as ``workspace`` to reuse it across calls (a fresh one per call costs page
+    faults on large tensors). It is two chunks' worth on gloo, where reduce-scatter steps are received double-buffered.
+
+    Examples:
+        >>> ring_workspace_numel(1000, 4), ring_workspace_numel(1000, 2), ring_workspace_numel(1000, 1)
+        (514, 507, 0)
+    """
+    if world_size <= 1 or numel == 0:
+        return 0
+    largest = -(-numel // world_size)
+    return min(2, world_size - 1) * (largest + MAX_PIECES - 1)  # pieces * ceil(largest / pieces), for any piece count
+
+
+def _streamed_ring_all_reduce(
+    flat: Tensor,
+    average: bool,
+    group: dist.ProcessGroup | None,
+    counter: CommCounter | None,
+    workspace: Tensor | None,
+) -> None:
+    """The ring as one stream of messages (gloo): all receives posted up front, each send issued once its data is.
+
+    The same chunks move as in :func:`ring_reduce_scatter` then :func:`ring_all_gather`, but no step waits for the
+    whole previous one: piece k of reduce-scatter step s+1 leaves as soon as piece k of step s is added in, the
+    reduced pieces go straight on into the all-gather, and every all-gather receive lands in place, already posted.
+    Fewer hand-offs between this thread and gloo's I/O thread, and no round trip to announce a receive on the
+    critical path. Tags keep the messages apart: reduce-scatter step s piece k is ``s * P + k``, all-gather step s is
+    ``(N - 1 + s) * P + k``. Reduce-scatter receives are double-buffered in the scratch (step s in slot ``s % 2``).
+
+    Overwriting a chunk with its all-gather copy is safe although that receive is posted before this rank has sent
+    the chunk on: the reduced copy can only exist once this rank's contribution has been received downstream.
+    """
+    pg = group if group is not None else dist.group.WORLD
+    assert pg is not None
+    size, rank = pg.size(), pg.rank()
+    nxt, prv = (rank + 1) % size, (rank - 1) % size  # group ranks: ProcessGroup.send/recv address peers by them
+    steps = size - 1
+    chunks = flat.tensor_split(size)
+    pieces = _piece_count(chunks[0].numel(), flat.element_size())  # chunk 0 is the largest: the same on every rank
+    split = [c.tensor_split(pieces) for c in chunks]
+    stride = -(-chunks[0].numel() // pieces)  # scratch row per piece, so re-posting row k never touches row k+1
+    slots = min(2, steps)
+    needed = slots * pieces * stride
+    if workspace is not None and workspace.numel() >= needed and workspace.dtype == flat.dtype:
+        scratch = workspace.view(-1)[:needed].view(slots, pieces, stride)
+    else:
+        scratch = torch.empty(slots, pieces, stride, dtype=flat.dtype, device=flat.device)
+    sends: list[dist.Work] = []
+
+    def send(piece: Tensor, tag: int) -> None:
+        if piece.numel():
+            sends.append(pg.send([piece], nxt, tag))
+            if counter is not None:
+                counter.bytes_sent += piece.numel() * piece.element_size()
+                counter.messages += 1
+
+    def recv(piece: Tensor, tag: int) -> dist.Work | None:
+        return pg.recv([piece], prv, tag) if piece.numel() else None
+
+    def post_reduce_scatter(step: int, k: int) -> tuple[dist.Work | None, Tensor]:
+        into = scratch[step % 2, k, : split[(rank - step - 1) % size][k].numel()]
+        return recv(into, step * pieces + k), into
+
+    gathered = [
+        [recv(p, (steps + s) * pieces + k) for k, p in enumerate(split[(rank - s) % size])] for s in range(steps)
+    ]  # all-gather step s brings chunk (rank - s) % size, in place
+    incoming = [[post_reduce_scatter(s, k) for k in range(pieces)] for s in range(slots)]
+    for k, piece in enumerate(split[rank]):
+        send(piece, k)
+    for step in range(steps):
+        target = split[(rank - step - 1) % size]
+        for k in range(pieces):
+            work, received = incoming[step][k]
+            if work is not None:
+                work.wait()
+                target[k].add_(received)
+            if step + 2 < steps:  # row k of this slot is free again
+                if len(incoming) == step + 2:
+                    incoming.append([])
+                incoming[step + 2].append(post_reduce_scatter(step + 2, k))
+            if step + 1 < steps:
+                send(target[k], (step + 1) * pieces + k)
+            else:  # fully reduced: this rank's chunk, straight into the all-gather
+                if average:
+                    target[k].div_(size)
+                send(target[k], steps * pieces + k)
+    for step in range(steps):
+        for k, work in enumerate(gathered[step]):
+            if work is not None:
+                work.wait()
+            if step + 1 < steps:
+                send(split[(rank - step) % size][k], (steps + step + 1) * pieces + k)
+    for work in sends:
+        work.wait()
+
+
 def ring_all_reduce(
     tensor: Tensor,
     op: ReduceOpLike = "avg",
@@ -253,8 +362,9 @@ def ring_all_reduce(
             summed chunk once, after the reduce-scatter.
         group: the process group (a sub-group works: peers are addressed by global rank); ``None`` is the world.
         counter: optional :class:`CommCounter` that receives the bytes and messages this rank sent.
-        workspace: optional scratch buffer of the tensor's dtype and device, at least ``ceil(numel / world_size)``
-            elements, reused instead of allocating one per call (large fresh buffers cost page faults).
+        workspace: optional scratch buffer of the tensor's dtype and device, at least
+            :func:`ring_workspace_numel` elements, reused instead of allocating one per call (large fresh buffers
+            cost page faults).
 
     Returns:
         ``tensor``, now holding the reduction.
@@ -271,11 +381,14 @@ def ring_all_reduce(
     start = time.perf_counter()
     if size > 1 and tensor.numel() > 0:
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
-        chunks = list(flat.tensor_split(size))
-        owned = ring_reduce_scatter(chunks, group, counter, workspace)
-        if average:
-            chunks[owned].div_(size)
-        ring_all_gather(chunks, group, counter)
+        if dist.get_backend(group) == "gloo":
+            _streamed_ring_all_reduce(_real_view(flat), average, group, counter, workspace)
+        else:  # NCCL: one grouped exchange per step (see _post)
+            chunks = list(flat.tensor_split(size))
+            owned = ring_reduce_scatter(chunks, group, counter, workspace)
+            if average:
+                chunks[owned].div_(size)
+            ring_all_gather(chunks, group, counter)
         if flat.data_ptr() != tensor.data_ptr():
             tensor.copy_(flat.view_as(tensor))
     if counter is not None:

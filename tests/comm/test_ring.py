@@ -110,3 +110,36 @@ def _check_pipelined_pieces(rank: int, world_size: int) -> None:
 @pytest.mark.timeout(120)
 def test_pipelined_reduce_scatter_matches_oracle() -> None:
     run_distributed(_check_pipelined_pieces, 3)
+
+
+def _check_streamed_pieces_and_slots(rank: int, world_size: int) -> None:
+    from lightning_dp_strategies.comm import ring, ring_workspace_numel
+
+    ring.PIPELINE_PIECE_BYTES = 64  # tiny pieces: several per chunk, so every piece/slot/tag path runs
+    length = 1003  # chunks of 251/251/251/250 elements: pieces of unequal length
+    for dtype, tol in ((torch.float32, 1e-6), (torch.float16, 1e-2)):
+        for op in ("sum", "avg"):
+            data = torch.randn(length, generator=torch.Generator().manual_seed(rank)).to(dtype)
+            expected = reference_all_reduce(data.clone().double(), op)
+            workspace = torch.full((ring_workspace_numel(length, world_size),), float("nan"), dtype=dtype)
+            counter = CommCounter()
+            ring_all_reduce(data, op, counter=counter, workspace=workspace)
+            torch.testing.assert_close(data.double(), expected, rtol=tol, atol=tol, msg=f"{dtype} {op}")
+            pieces = ring._pieces(data[:251])
+            assert pieces > 1, pieces
+            # every hop of every piece is its own message: 2(N-1) steps x P pieces, the bytes unchanged
+            assert counter.messages == 2 * (world_size - 1) * pieces, counter
+            assert abs(counter.bytes_sent - 2 * (world_size - 1) / world_size * length * data.element_size()) < (
+                world_size * data.element_size()
+            )
+            assert not workspace.isnan().all(), "the workspace passed in was not used"
+    # a workspace too small (or of another dtype) is not used: a fresh scratch instead, same result
+    data = torch.full((length,), float(rank))
+    ring_all_reduce(data, "sum", workspace=torch.empty(3))
+    assert torch.equal(data, torch.full((length,), float(sum(range(world_size)))))
+
+
+@pytest.mark.timeout(120)
+def test_streamed_ring_with_many_pieces_and_reused_scratch_slots() -> None:
+    # world 4: three reduce-scatter steps, so the double-buffered scratch slots are re-posted
+    run_distributed(_check_streamed_pieces_and_slots, 4)
