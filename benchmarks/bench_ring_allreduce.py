@@ -1,7 +1,8 @@
 """Benchmark the ring all-reduce against the backend's own all-reduce, and the strategy against Lightning's DDP.
 
 (a) ``ring_all_reduce`` vs ``torch.distributed.all_reduce`` for 64 KiB to 64 MiB (fp32, average), 2 processes,
-    interleaved in one run; prints median times, their ratio (ours / torch's) and bus bandwidth
+    interleaved with a transport floor (the ring's messages without arithmetic), in several fresh launches; prints
+    median times, the median over launches of the ratio (ours / torch's) with its range, and bus bandwidth
     (bytes * 2(N-1)/N / time, the figure NCCL's tests report).
 (b) Trainer step time of ``"ring_allreduce"`` vs ``"ddp"`` on the same ~20 M parameter MLP, 2 processes (one
     ``torchrun`` launch; inside it the two strategies take turns, one ``Trainer.fit`` each per round, the order flipped
@@ -19,6 +20,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -26,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -46,55 +49,97 @@ def _free_port() -> int:
     return free_port()
 
 
-def _collectives(rank: int, world: int, port: int, repeats: int, out: str) -> None:
-    from lightning_dp_strategies.comm import ring_all_reduce
+def _transport_floor(data: torch.Tensor, scratch: torch.Tensor) -> None:
+    """The ring's messages and nothing else: 2(N-1) exchanges of one chunk, straight on the process group.
+
+    No reduction, no bookkeeping: what point-to-point operations on this backend cost by themselves, so a gap
+    between the ring and ``all_reduce`` can be split into the transport's share and ours.
+    """
+    pg = dist.group.WORLD
+    assert pg is not None
+    size, rank = pg.size(), pg.rank()
+    chunk = -(-data.numel() // size)
+    for _ in range(2 * (size - 1)):
+        recv = pg.recv([scratch[:chunk]], (rank - 1) % size, 0)
+        send = pg.send([data[:chunk]], (rank + 1) % size, 0)
+        recv.wait()
+        send.wait()
+
+
+def _torch_average(data: torch.Tensor, world: int) -> None:
+    dist.all_reduce(data)
+    data.div_(world)
+
+
+def _collectives(rank: int, world: int, port: int, repeats: int, sizes: list[int], out: str) -> None:
+    from lightning_dp_strategies.comm import ring_all_reduce, ring_workspace_numel
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(minutes=2))
     torch.set_num_threads(1)
     results = []
-    for nbytes in SIZES:
+    for nbytes in sizes:
         data = torch.randn(nbytes // 4)
-        workspace = torch.empty(-(-data.numel() // world))  # reused, as the strategy's RingReducer does
-        for _ in range(3):  # warm-up both
-            ring_all_reduce(data, "avg", workspace=workspace)
-            dist.all_reduce(data)
-        times: dict[str, list[float]] = {"ring": [], "torch": []}
-        reps = max(5, min(repeats, (1024 * 1024 * 1024) // nbytes))  # 100 pairs up to 4 MiB, 16 at 64 MiB
-        for _ in range(reps):  # interleaved so drift hits both alike
-            for name in ("ring", "torch"):
+        workspace = torch.empty(ring_workspace_numel(data.numel(), world))  # reused, as the RingReducer does
+        calls: dict[str, Callable[[], object]] = {
+            "ring": functools.partial(ring_all_reduce, data, "avg", workspace=workspace),
+            "torch": functools.partial(_torch_average, data, world),
+            "floor": functools.partial(_transport_floor, data, workspace),
+        }
+        for call in calls.values():  # warm-up
+            for _ in range(3):
+                call()
+        times: dict[str, list[float]] = {name: [] for name in calls}
+        reps = max(5, min(repeats, (256 * 1024 * 1024) // nbytes))  # 40 rounds up to 4 MiB, 5 at 64 MiB
+        for i in range(reps):  # interleaved, the order rotated every round, so drift hits all alike
+            names = list(calls)[i % 3 :] + list(calls)[: i % 3]
+            for name in names:
                 dist.barrier()
                 start = time.perf_counter()
-                if name == "ring":
-                    ring_all_reduce(data, "avg", workspace=workspace)
-                else:
-                    dist.all_reduce(data)
-                    data.div_(world)
+                calls[name]()
                 times[name].append(time.perf_counter() - start)
-        med = {k: statistics.median(v) for k, v in times.items()}
-        results.append({"bytes": nbytes, **{f"{k}_s": v for k, v in med.items()}})
+        results.append({"bytes": nbytes, **{f"{k}_s": statistics.median(v) for k, v in times.items()}})
     if rank == 0:
         Path(out).write_text(json.dumps(results))
     dist.destroy_process_group()
 
 
-def part_a(world: int, repeats: int) -> list[dict[str, float]]:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = str(Path(tmp) / "a.json")
-        mp.start_processes(_collectives, args=(world, _free_port(), repeats, out), nprocs=world, start_method="spawn")
-        results = json.loads(Path(out).read_text())
-    print(f"\n(a) ring_all_reduce vs torch.distributed.all_reduce (gloo, fp32, average), {world} processes")
-    print(f"{'size':>9} {'ring ms':>9} {'torch ms':>9} {'ratio':>6} {'ring busbw':>11} {'torch busbw':>12}")
+def _size(nbytes: int) -> str:
+    return f"{nbytes // 1024} KiB" if nbytes < 1024 * 1024 else f"{nbytes // 1024 // 1024} MiB"
+
+
+def part_a(world: int, repeats: int, launches: int, sizes: list[int]) -> list[dict[str, float]]:
+    """Each launch is a fresh pair of processes; on a small VM a launch's thread placement moves every figure in it
+    by up to 2x, so the ratio is the median over launches of each launch's ratio (medians of interleaved calls)."""
+    runs = []
+    for _ in range(launches):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = str(Path(tmp) / "a.json")
+            mp.start_processes(
+                _collectives, args=(world, _free_port(), repeats, sizes, out), nprocs=world, start_method="spawn"
+            )
+            runs.append(json.loads(Path(out).read_text()))
+    print(f"\n(a) ring_all_reduce vs torch.distributed.all_reduce (gloo, fp32, average), {world} processes,")
+    print(f"    {launches} launches; ratio = median over launches of ring / torch (min-max across launches);")
+    print("    floor = the ring's messages alone (no arithmetic), i.e. what the transport costs")
+    print(
+        f"{'size':>9} {'ring ms':>9} {'torch ms':>9} {'floor ms':>9} {'ratio':>6} {'range':>11}"
+        f" {'floor/torch':>12} {'ring busbw':>11} {'torch busbw':>12}"
+    )
     factor = 2 * (world - 1) / world
-    for r in results:
-        ratio = r["ring_s"] / r["torch_s"]
-        bus = [r["bytes"] * factor / r[k] / 1e9 for k in ("ring_s", "torch_s")]
-        size = f"{r['bytes'] // 1024} KiB" if r["bytes"] < 1024 * 1024 else f"{r['bytes'] // 1024 // 1024} MiB"
+    summary = []
+    for i, nbytes in enumerate(sizes):
+        rows = [run[i] for run in runs]
+        ms = {k: statistics.median(r[f"{k}_s"] for r in rows) * 1e3 for k in ("ring", "torch", "floor")}
+        ratios = [r["ring_s"] / r["torch_s"] for r in rows]
+        ratio, floor = statistics.median(ratios), statistics.median(r["floor_s"] / r["torch_s"] for r in rows)
+        bus = [nbytes * factor / (ms[k] / 1e3) / 1e9 for k in ("ring", "torch")]
         print(
-            f"{size:>9} {r['ring_s'] * 1e3:9.3f} {r['torch_s'] * 1e3:9.3f} {ratio:6.2f}"
-            f" {bus[0]:8.2f} GB/s {bus[1]:9.2f} GB/s"
+            f"{_size(nbytes):>9} {ms['ring']:9.3f} {ms['torch']:9.3f} {ms['floor']:9.3f} {ratio:6.2f}"
+            f" {min(ratios):5.2f}-{max(ratios):<5.2f} {floor:12.2f} {bus[0]:6.2f} GB/s {bus[1]:7.2f} GB/s"
         )
-    return results
+        summary.append({"bytes": nbytes, "ratio": ratio, "floor_ratio": floor, **ms})
+    return summary
 
 
 TRAIN_SCRIPT = """
@@ -231,7 +276,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--part", choices=["a", "b", "c", "both", "all"], default="both", help="both: a and b")
     parser.add_argument("--world", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=100, help="(a): interleaved call pairs per size, at most")
+    parser.add_argument("--repeats", type=int, default=40, help="(a): interleaved rounds per size and launch, at most")
+    parser.add_argument("--launches", type=int, default=5, help="(a): fresh process pairs; the ratio is their median")
+    parser.add_argument("--sizes-kib", type=int, nargs="+", default=[n // 1024 for n in SIZES], help="(a) sizes")
     parser.add_argument("--steps", type=int, default=15, help="Trainer steps per fit; the first third is warm-up")
     parser.add_argument("--width", type=int, default=1536, help="MLP width (default: ~21 M parameters at depth 9)")
     parser.add_argument("--depth", type=int, default=9)
@@ -239,7 +286,7 @@ def main() -> None:
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {os.cpu_count()} CPU cores")
     if args.part in ("a", "both"):
-        part_a(args.world, args.repeats)
+        part_a(args.world, args.repeats, args.launches, [kib * 1024 for kib in args.sizes_kib])
     if args.part in ("b", "both"):
         part_b(args.steps, args.width, args.depth, args.rounds)
     if args.part in ("c", "all"):

@@ -25,6 +25,18 @@ def _run(script: str, *args: str) -> str:
 
 
 @pytest.mark.timeout(300)
+def test_collective_benchmark_prints_ratio_range_and_transport_floor_per_size() -> None:
+    out = _run("bench_ring_allreduce.py", "--part", "a", "--launches", "2", "--repeats", "3", "--sizes-kib", "4", "64")
+    assert "2 launches" in out, out
+    # ring, torch and floor ms; the median ratio; its min-max across launches; floor/torch; two bus bandwidths
+    ms, ratio, spread = r"(\s+\d+\.\d{3}){3}", r"\s+\d+\.\d\d", r"\s+\d+\.\d\d-\d+\.\d\d"
+    bus = r"(\s+\d+\.\d\d GB/s){2}"
+    for size in ("4 KiB", "64 KiB"):
+        row = rf"^\s+{size}{ms}{ratio}{spread}{ratio}{bus}$"
+        assert re.search(row, out, re.M), out
+
+
+@pytest.mark.timeout(300)
 def test_strategy_benchmark_pairs_rounds_in_one_launch_and_prints_the_ratio() -> None:
     out = _run("bench_ring_allreduce.py", "--part", "b", "--rounds", "2", "--steps", "3", *TINY)
     rounds = re.search(r"per-round ratios ((?:\d+\.\d+ ?)+)", out)
