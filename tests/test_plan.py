@@ -177,7 +177,10 @@ def test_bad_input_names_the_fix(call: object, message: str) -> None:
 
 # ------------------------------------------------------------------------------------------------ vs ring_all_reduce
 def _count(rank: int, world_size: int) -> None:
-    for numel in (world_size * 1000, world_size * 2**18, 1001):  # 2**18 per rank: pieces in the reduce-scatter
+    from lightning_dp_strategies.comm import ring
+
+    piece = ring.PIPELINE_PIECE_BYTES // 4
+    for numel in (world_size * 1000, world_size * 2 * piece, 1001):  # 2 pieces per chunk: every step sends 2 messages
         counter = CommCounter()
         ring_all_reduce(torch.ones(numel), "sum", counter=counter)
         model = predict("ring_allreduce", Workload(gradient_bytes=4 * numel), world_size, UNIT, **ONE_BUCKET)
@@ -186,10 +189,10 @@ def _count(rank: int, world_size: int) -> None:
         total = torch.tensor([counter.bytes_sent], dtype=torch.float64)  # uneven chunks: the ranks' total is exact
         dist.all_reduce(total)
         assert total.item() == pytest.approx(world_size * model.bytes_per_rank, abs=1e-6)
-        if numel * 4 // world_size < 2 * 512 * 1024:  # one piece per step: one message per ring step
-            assert counter.messages == model.messages_per_rank
-        else:  # reduce-scatter steps send pipelined pieces: more messages, the same steps
-            assert counter.messages > model.messages_per_rank
+        # the model counts ring steps; a chunk of P pieces moves as P messages per step
+        pieces = ring._pieces(torch.ones(numel).tensor_split(world_size)[0])
+        assert counter.messages == model.messages_per_rank * pieces, (numel, pieces, counter)
+        assert (pieces > 1) == (numel == world_size * 2 * piece)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

@@ -94,22 +94,28 @@ def test_integer_sum_and_average_needs_floats() -> None:
     run_distributed(_check_integer_sum_and_float_only_average, 2)
 
 
-def _check_pipelined_pieces(rank: int, world_size: int) -> None:
-    from lightning_dp_strategies.comm.ring import PIPELINE_PIECE_BYTES, _pieces
+def _check_step_by_step_ring(rank: int, world_size: int) -> None:
+    # ring_reduce_scatter + ring_all_gather: the public step-by-step form (the path NCCL takes), with pieces
+    from lightning_dp_strategies.comm import ring, ring_all_gather, ring_reduce_scatter
 
-    length = 1_000_003  # chunks of ~1.3 MB: each reduce-scatter step moves several pieces with their own tags
+    ring.PIPELINE_PIECE_BYTES = 256  # each reduce-scatter step moves several pieces with their own tags
+    length = 1003
     data = torch.randn(length, generator=torch.Generator().manual_seed(rank))
-    assert _pieces(data[: length // world_size]) > 1, PIPELINE_PIECE_BYTES
-    expected = reference_all_reduce(data.clone().double(), "avg")
+    expected = reference_all_reduce(data.clone().double(), "sum")
+    chunks = list(data.tensor_split(world_size))
+    assert ring._pieces(chunks[0]) > 1
     counter = CommCounter()
-    ring_all_reduce(data, "avg", counter=counter)
+    owned = ring_reduce_scatter(chunks, counter=counter)
+    assert owned == (rank + 1) % world_size
+    torch.testing.assert_close(chunks[owned].double(), expected.tensor_split(world_size)[owned], rtol=1e-6, atol=1e-6)
+    ring_all_gather(chunks, counter=counter)
     torch.testing.assert_close(data.double(), expected, rtol=1e-6, atol=1e-6)
     assert counter.messages > 2 * (world_size - 1)
 
 
 @pytest.mark.timeout(120)
-def test_pipelined_reduce_scatter_matches_oracle() -> None:
-    run_distributed(_check_pipelined_pieces, 3)
+def test_step_by_step_reduce_scatter_and_all_gather_match_oracle() -> None:
+    run_distributed(_check_step_by_step_ring, 3)
 
 
 def _check_streamed_pieces_and_slots(rank: int, world_size: int) -> None:
