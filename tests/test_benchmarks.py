@@ -25,10 +25,10 @@ def _run(script: str, *args: str) -> str:
 
 
 @pytest.mark.timeout(300)
-def test_collective_benchmark_prints_ratio_range_and_transport_floor_per_size() -> None:
+def test_collective_benchmark_prints_ratio_range_and_plain_p2p_per_size() -> None:
     out = _run("bench_ring_allreduce.py", "--part", "a", "--launches", "2", "--repeats", "3", "--sizes-kib", "4", "64")
     assert "2 launches" in out, out
-    # ring, torch and floor ms; the median ratio; its min-max across launches; floor/torch; two bus bandwidths
+    # ring, torch and p2p ms; the median ratio; its min-max across launches; p2p/torch; two bus bandwidths
     ms, ratio, spread = r"(\s+\d+\.\d{3}){3}", r"\s+\d+\.\d\d", r"\s+\d+\.\d\d-\d+\.\d\d"
     bus = r"(\s+\d+\.\d\d GB/s){2}"
     for size in ("4 KiB", "64 KiB"):
