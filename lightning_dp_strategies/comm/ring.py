@@ -151,11 +151,6 @@ def _pieces(chunk: Tensor) -> int:
     return _piece_count(chunk.numel(), chunk.element_size())
 
 
-def _real_view(flat: Tensor) -> Tensor:
-    """Complex tensors travel as their real and imaginary parts (as ``dist.isend`` sends them); sums are unchanged."""
-    return torch.view_as_real(flat).view(-1) if flat.is_complex() else flat
-
-
 def _exchange_and_add(
     send: Tensor,
     target: Tensor,
@@ -385,7 +380,7 @@ def ring_all_reduce(
     if size > 1 and tensor.numel() > 0:
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
         if dist.get_backend(group) == "gloo":
-            _streamed_ring_all_reduce(_real_view(flat), average, group, counter, workspace)
+            _streamed_ring_all_reduce(flat, average, group, counter, workspace)
         else:  # NCCL: one grouped exchange per step (see _post)
             chunks = list(flat.tensor_split(size))
             owned = ring_reduce_scatter(chunks, group, counter, workspace)

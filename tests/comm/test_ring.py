@@ -87,10 +87,14 @@ def _check_integer_sum_and_float_only_average(rank: int, world_size: int) -> Non
     assert torch.equal(data, torch.arange(7) * 3)
     with pytest.raises(TypeError, match="use op='sum'"):
         ring_all_reduce(torch.ones(3, dtype=torch.int32), "avg")
+    # complex tensors: averaged as complex numbers
+    z = torch.complex(torch.arange(5.0) + rank, torch.full((5,), 2.0 * rank))
+    ring_all_reduce(z, "avg")
+    torch.testing.assert_close(z, torch.complex(torch.arange(5.0) + 0.5, torch.ones(5)), rtol=0, atol=1e-6)
 
 
 @pytest.mark.timeout(120)
-def test_integer_sum_and_average_needs_floats() -> None:
+def test_integer_sum_complex_average_and_average_needs_floats() -> None:
     run_distributed(_check_integer_sum_and_float_only_average, 2)
 
 
