@@ -312,8 +312,10 @@ def _streamed_ring_all_reduce(
         into = scratch[step % 2, k, : split[(rank - step - 1) % size][k].numel()]
         return recv(into, step * pieces + k), into
 
-    incoming = [[post_reduce_scatter(s, k) for k in range(pieces)] for s in range(slots)]
+    incoming: list[list[tuple[dist.Work | None, Tensor]]] = [[] for _ in range(steps)]
     gathered: list[list[dist.Work | None]] = [[] for _ in range(steps)]
+    for s in range(slots):
+        incoming[s] = [post_reduce_scatter(s, k) for k in range(pieces)]
     for k, piece in enumerate(split[rank]):
         send(piece, k)
     for step in range(steps):
@@ -324,8 +326,6 @@ def _streamed_ring_all_reduce(
                 work.wait()
                 target[k].add_(received)
             if step + 2 < steps:  # row k of this slot is free again
-                if len(incoming) == step + 2:
-                    incoming.append([])
                 incoming[step + 2].append(post_reduce_scatter(step + 2, k))
             if step + 1 < steps:
                 send(target[k], (step + 1) * pieces + k)
@@ -358,7 +358,8 @@ def ring_all_reduce(
         tensor: any shape, length and device; floating dtypes for ``"avg"``. Every rank passes the same shape/dtype.
         op: ``"sum"`` or ``"avg"`` (also ``dist.ReduceOp.SUM`` / ``dist.ReduceOp.AVG``). The average divides the
             summed chunk once, after the reduce-scatter.
-        group: the process group (a sub-group works: peers are addressed by global rank); ``None`` is the world.
+        group: the process group (a sub-group works: each rank exchanges with its ring neighbours inside it);
+            ``None`` is the world.
         counter: optional :class:`CommCounter` that receives the bytes and messages this rank sent.
         workspace: optional scratch buffer of the tensor's dtype and device, at least
             :func:`ring_workspace_numel` elements, reused instead of allocating one per call (large fresh buffers
