@@ -68,8 +68,10 @@ def _plain_exchanges(data: torch.Tensor, scratch: torch.Tensor) -> None:
 
 
 def _torch_average(data: torch.Tensor, world: int) -> None:
+    from lightning_dp_strategies.comm import divide_
+
     dist.all_reduce(data)
-    data.div_(world)
+    divide_(data, world)  # the ring's own division (a multiply for a power of two): neither side gains from it
 
 
 def _collectives(rank: int, world: int, port: int, repeats: int, sizes: list[int], out: str) -> None:

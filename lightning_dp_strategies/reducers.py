@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
-from lightning_dp_strategies.comm import CommCounter, ring_all_reduce, ring_workspace_numel
+from lightning_dp_strategies.comm import CommCounter, divide_, ring_all_reduce, ring_workspace_numel
 
 __all__ = [
     "REDUCERS",
@@ -246,7 +246,7 @@ class NativeReducer:
 
         def done(_: Future[Any]) -> Tensor:
             if average:
-                buffer.div_(world)
+                divide_(buffer, world)
             counter.bytes_sent += nbytes
             counter.operations += 1
             counter.seconds += time.perf_counter() - start
@@ -283,7 +283,7 @@ class PerTensorReducer:
             bucket.counter.bytes_sent += _ring_estimate(tensor.numel() * tensor.element_size(), world)
             bucket.counter.operations += 1
         if bucket.op == "avg":
-            bucket.buffer.div_(world)
+            divide_(bucket.buffer, world)
         bucket.counter.seconds += time.perf_counter() - start
         return completed(bucket.buffer)
 

@@ -3,6 +3,8 @@
 from lightning_dp_strategies.comm.ring import (
     CommCounter,
     ReduceOpLike,
+    divide,
+    divide_,
     is_average,
     reference_all_reduce,
     ring_all_gather,
@@ -14,6 +16,8 @@ from lightning_dp_strategies.comm.ring import (
 __all__ = [
     "CommCounter",
     "ReduceOpLike",
+    "divide",
+    "divide_",
     "is_average",
     "reference_all_reduce",
     "ring_all_gather",

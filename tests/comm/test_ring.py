@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_dp_strategies.comm import CommCounter, is_average, reference_all_reduce, ring_all_reduce
+from lightning_dp_strategies.comm import CommCounter, divide, divide_, is_average, reference_all_reduce, ring_all_reduce
 from tests.helpers.distributed import run_distributed
 
 # Lengths: shorter than the world, not divisible by 2, 3 or 4, and a multi-chunk one; empty is a no-op.
@@ -71,6 +71,27 @@ def _check_subgroups(rank: int, world_size: int) -> None:
 @pytest.mark.timeout(120)
 def test_ring_over_subgroups_and_non_contiguous() -> None:
     run_distributed(_check_subgroups, 4)
+
+
+_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_divide_gives_the_bits_of_torch_div(dtype: torch.dtype) -> None:
+    """The average's division: a reciprocal multiply only where it is exact (powers of two), so the ring, the buckets
+    and the native reducer average bit for bit as ``div_`` would, subnormals, infinities and NaN included."""
+    specials = torch.tensor([float("inf"), -float("inf"), float("nan"), 0.0, -0.0, 1e-45, 3e38, 65504.0])
+    values = torch.cat([torch.randn(20000) * 1e3, torch.randn(2000) * 1e-40, specials]).to(dtype)
+    if dtype == torch.float64:
+        values = torch.cat([values, torch.randn(2000, dtype=dtype) * 1e-310])
+    bits = _BITS[values.element_size()]
+    for divisor in (1, 2, 3, 4, 6, 8, 1024):
+        expected = values.div(divisor).view(bits)
+        assert torch.equal(divide(values, divisor).view(bits), expected), divisor
+        out = torch.empty_like(values)
+        assert divide(values, divisor, out=out) is out and torch.equal(out.view(bits), expected), divisor
+        in_place = values.clone()
+        assert divide_(in_place, divisor) is in_place and torch.equal(in_place.view(bits), expected), divisor
 
 
 def test_reduce_op_validation() -> None:
