@@ -174,3 +174,70 @@ def _check_streamed_pieces_and_slots(rank: int, world_size: int) -> None:
 def test_streamed_ring_with_many_pieces_and_reused_scratch_slots() -> None:
     # world 4: three reduce-scatter steps, so the double-buffered scratch slots are re-posted
     run_distributed(_check_streamed_pieces_and_slots, 4)
+
+
+def _spy_on_point_to_point() -> tuple[list[tuple[str, object]], dict[str, object]]:
+    """Record (``"send"``/``"recv"``, group) for every point-to-point call; returns the log and the originals."""
+    calls: list[tuple[str, object]] = []
+    originals = {name: getattr(dist.ProcessGroup, name) for name in ("send", "recv")}
+
+    def spy(name: str) -> object:
+        def call(self: dist.ProcessGroup, *args: object) -> object:
+            calls.append((name, self))
+            return originals[name](self, *args)  # type: ignore[operator]
+
+        return call
+
+    for name in originals:
+        setattr(dist.ProcessGroup, name, spy(name))
+    return calls, originals
+
+
+def _check_duplex(rank: int, world_size: int) -> None:
+    from lightning_dp_strategies.comm import ring, ring_workspace_numel
+
+    world = dist.group.WORLD
+    duplex = dist.new_group(list(range(world_size)))
+    calls, originals = _spy_on_point_to_point()
+    try:
+        for pieces_bytes in (ring.PIPELINE_PIECE_BYTES, 64):  # one piece per chunk, then several
+            ring.PIPELINE_PIECE_BYTES = pieces_bytes
+            for dtype in (torch.float32, torch.bfloat16):
+                for op in ("sum", "avg"):
+                    data = torch.randn(1001, generator=torch.Generator().manual_seed(rank)).to(dtype)
+                    alone = ring_all_reduce(data.clone(), op)  # one group: the reference for the bits
+                    calls.clear()
+                    workspace = torch.empty(ring_workspace_numel(data.numel(), world_size), dtype=dtype)
+                    ring_all_reduce(data, op, workspace=workspace, duplex=duplex)
+                    assert torch.equal(data, alone), f"a second connection changed the result ({dtype} {op})"
+                    sent = {group for name, group in calls if name == "send"}
+                    received = {group for name, group in calls if name == "recv"}
+                    if world_size == 2:  # rank 1 -> rank 0 over the duplex group, rank 0 -> rank 1 over the world
+                        assert sent == {duplex if rank == 1 else world}, (rank, sent)
+                        assert received == {duplex if rank == 0 else world}, (rank, received)
+                    else:  # every neighbour has its own connection already: the duplex group is not used
+                        assert sent == received == {world}, (rank, sent, received)
+    finally:
+        for name, original in originals.items():
+            setattr(dist.ProcessGroup, name, original)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.timeout(120)
+def test_duplex_group_carries_one_direction_at_two_ranks_and_gives_the_same_bits(world_size: int) -> None:
+    run_distributed(_check_duplex, world_size)
+
+
+def _check_bad_duplex(rank: int, world_size: int) -> None:
+    only_rank_0 = dist.new_group([0])  # rank 0: a group over other ranks; rank 1: a placeholder, not a group
+    for duplex in (only_rank_0, "world"):
+        with pytest.raises(ValueError, match=r"dist\.new_group\(ranks\) with the ranks of `group`"):
+            ring_all_reduce(torch.ones(8), "sum", duplex=duplex)  # type: ignore[arg-type]
+    data = torch.ones(8)
+    ring_all_reduce(data, "sum", duplex=dist.group.WORLD)  # the group itself: allowed, nothing changes
+    assert torch.equal(data, torch.full((8,), 2.0))
+
+
+@pytest.mark.timeout(120)
+def test_a_duplex_group_over_other_ranks_is_refused_on_every_rank_before_anything_is_sent() -> None:
+    run_distributed(_check_bad_duplex, 2)
