@@ -189,6 +189,8 @@ class GradientBuckets:
             :class:`~lightning_dp_strategies.reducers.Reducer`); default ``None``, a new ring reducer.
         bucket_cap_mb: cap of every bucket but the first, in MiB.
         first_bucket_cap_mb: cap of the first bucket, small so communication starts early in backward.
+        duplex_group: a second group over ``group``'s ranks, handed to the reducer with every bucket (the ring sends
+            one direction over it at two ranks: see :func:`~lightning_dp_strategies.comm.new_duplex_group`).
 
     Examples:
         >>> model = torch.nn.Linear(3, 2)
@@ -207,10 +209,12 @@ class GradientBuckets:
         reducer: str | Reducer | None = None,
         bucket_cap_mb: float = 25.0,
         first_bucket_cap_mb: float = 1.0,
+        duplex_group: dist.ProcessGroup | None = None,
     ) -> None:
         # configuration
         self.named_params = list(named_params)
         self.group = group
+        self.duplex_group = duplex_group
         self.reducer: Reducer = resolve_reducer(reducer)
         self.bucket_cap_mb = bucket_cap_mb
         self.first_bucket_cap_mb = first_bucket_cap_mb
@@ -346,6 +350,7 @@ class GradientBuckets:
                     [p.shape for p in bucket.params],
                     num_flags=len(bucket.params),
                     op="sum",  # every gradient was divided by the world size on its way into the bucket
+                    duplex=self.duplex_group,
                 )
             )
             self._next_launch += 1

@@ -69,6 +69,9 @@ class GradBucket:
     shapes: list[torch.Size] = field(default_factory=list)
     num_flags: int = 0
     op: ReduceKind = "avg"
+    duplex: dist.ProcessGroup | None = None
+    """A second group over ``group``'s ranks for the ring (see :func:`~lightning_dp_strategies.comm.ring_all_reduce`);
+    reducers that do not use one ignore it."""
 
     @property
     def world_size(self) -> int:
@@ -211,7 +214,9 @@ class RingReducer:
         workspace = self._workspaces.get(key)
         if workspace is None or workspace.numel() < needed:
             workspace = self._workspaces[key] = torch.empty(needed, dtype=buffer.dtype, device=buffer.device)
-        return ring_all_reduce(buffer, bucket.op, group=bucket.group, counter=bucket.counter, workspace=workspace)
+        return ring_all_reduce(
+            buffer, bucket.op, group=bucket.group, counter=bucket.counter, workspace=workspace, duplex=bucket.duplex
+        )
 
     def close(self) -> None:
         """Stop the communication thread (after the reductions already queued) and drop the workspaces."""

@@ -10,8 +10,9 @@ import torch
 from torch import nn
 
 from lightning_dp_strategies.bucketing import GradientBuckets, MiB, assign_buckets
+from lightning_dp_strategies.comm import new_duplex_group
 from lightning_dp_strategies.reducers import GradBucket, RingReducer, completed
-from tests.helpers.distributed import run_distributed
+from tests.helpers.distributed import point_to_point_log, run_distributed
 
 
 def tensors(*numels: int, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
@@ -84,10 +85,25 @@ def rank_grads(rank: int, use: tuple[str, ...]) -> dict[str, torch.Tensor]:
 def _check_reduction(rank: int, world_size: int) -> None:
     uses = [("a", "b"), ("a",), ("b", "a")][:world_size]
     model = Branchy()
+    duplex = new_duplex_group()  # a second group at two ranks (None at three): the ring reducer must use it
+    assert (duplex is not None) == (world_size == 2)
     # tiny caps: several buckets, so some launch while backward is still running
-    buckets = GradientBuckets(model.named_parameters(), bucket_cap_mb=200 / MiB, first_bucket_cap_mb=100 / MiB)
+    buckets = GradientBuckets(
+        model.named_parameters(), bucket_cap_mb=200 / MiB, first_bucket_cap_mb=100 / MiB, duplex_group=duplex
+    )
     assert len(buckets.buckets) >= 3
     assert all("frozen" not in n for b in buckets.buckets for n in b.names), "frozen parameters are excluded"
+    with point_to_point_log() as calls:
+        _train_and_check(model, buckets, rank, world_size, uses)
+    if duplex is not None:  # rank 1 sends over the second group, rank 0 receives over it
+        assert {group for name, group in calls if name == ("send" if rank == 1 else "recv")} == {duplex}
+    _check_stats(buckets, rank, world_size)
+    buckets.close()
+
+
+def _train_and_check(
+    model: nn.Module, buckets: GradientBuckets, rank: int, world_size: int, uses: list[tuple[str, ...]]
+) -> None:
     for _step in range(2):
         for p in model.parameters():
             p.grad = None
@@ -102,6 +118,9 @@ def _check_reduction(rank: int, world_size: int) -> None:
                 continue
             expected = sum(present) / world_size
             torch.testing.assert_close(param.grad, expected, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def _check_stats(buckets: GradientBuckets, rank: int, world_size: int) -> None:
     stats = buckets.totals
     assert stats.synced_backwards == 2 and stats.ring_operations == 2 * len(buckets.buckets)
     if rank == 0:  # rank 0 uses every block but `never`: every bucket before the first holding `never` starts early
@@ -112,7 +131,6 @@ def _check_reduction(rank: int, world_size: int) -> None:
     buffer_bytes = sum(b.buffer.numel() * 4 for b in buckets.buckets)
     ideal = 2 * 2 * (world_size - 1) / world_size * buffer_bytes
     assert abs(stats.bytes_sent - ideal) < 2 * len(buckets.buckets) * world_size * 4, (stats.bytes_sent, ideal)
-    buckets.close()
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

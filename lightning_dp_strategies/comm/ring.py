@@ -35,6 +35,7 @@ __all__ = [
     "ReduceOpLike",
     "divide",
     "divide_",
+    "new_duplex_group",
     "reference_all_reduce",
     "ring_all_gather",
     "ring_all_reduce",
@@ -381,6 +382,26 @@ def _streamed_ring_all_reduce(
         work.wait()
 
 
+def new_duplex_group(ranks: list[int] | None = None, backend: str | None = None) -> dist.ProcessGroup | None:
+    """The second group :func:`ring_all_reduce` can take as ``duplex`` over ``ranks`` (``None``: the world), or
+    ``None`` where the ring would not use one (not two ranks, or not gloo).
+
+    It is a ``dist.new_group`` call: make it on every rank of the world, in the same order as the other groups, with
+    the same ``ranks`` and ``backend`` (``None``: the default group's) as the group it pairs with. A rank outside
+    ``ranks`` gets torch's placeholder back, as from ``dist.new_group``.
+
+    Examples:
+        >>> new_duplex_group([0, 1, 2], backend="gloo") is None  # three ranks: each neighbour has its connection
+        True
+        >>> duplex = new_duplex_group()  # doctest: +SKIP
+        >>> ring_all_reduce(grad, "avg", duplex=duplex)  # doctest: +SKIP
+    """
+    size = len(ranks) if ranks is not None else dist.get_world_size()
+    if size != 2 or (backend if backend is not None else dist.get_backend()) != "gloo":
+        return None
+    return dist.new_group(ranks, backend=backend)
+
+
 def _check_duplex(group: dist.ProcessGroup | None, duplex: object) -> None:
     """A clear error, on every rank, unless ``duplex`` is a group over ``group``'s ranks in the same order."""
     base = group if group is not None else dist.group.WORLD
@@ -422,7 +443,8 @@ def ring_all_reduce(
             each direction gets its own connection (gloo, 2 processes on this project's 2-core CI machine: 4 MiB
             0.95x gloo's all-reduce instead of 1.12x, 1 MiB 1.06x instead of 1.19-1.23x). Used by gloo at two ranks
             only: with more ranks each neighbour already has its own connection (and the extra threads measured
-            slower), and NCCL manages its own channels. The strategies create one for their gradient groups.
+            slower), and NCCL manages its own channels. :func:`new_duplex_group` makes one where it is used; the
+            strategies make one for their gradient groups.
 
     Returns:
         ``tensor``, now holding the reduction.

@@ -52,6 +52,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_dp_strategies.bucketing import PEER_FAILURE_HINT, GradientBuckets
+from lightning_dp_strategies.comm import new_duplex_group
 from lightning_dp_strategies.pipeline import (
     SCHEDULES,
     PipelineRunner,
@@ -319,6 +320,7 @@ class HybridPipelineStrategy(CheckpointAndResume, BucketedGradSync, DDPStrategy)
         self.runner: PipelineRunner | None = None
         self._mesh: Any = None
         self._grad_groups: list[dist.ProcessGroup] = []
+        self._duplex_groups: list[dist.ProcessGroup | None] = []
         self._pending: dict[nn.Parameter, Tensor | None] = {}
         self._batch_checked = False
         self._warned_loss = False
@@ -373,10 +375,10 @@ class HybridPipelineStrategy(CheckpointAndResume, BucketedGradSync, DDPStrategy)
         )
         # a dedicated group per stage for the gradient buckets: the communication thread never interleaves with
         # collectives the main thread issues on the mesh groups (metric syncing, logging with sync_dist)
-        self._grad_groups = [
-            dist.new_group([s * replicas + d for d in range(replicas)], backend=self._process_group_backend)
-            for s in range(stages)
-        ]
+        stage_ranks = [[s * replicas + d for d in range(replicas)] for s in range(stages)]
+        self._grad_groups = [dist.new_group(ranks, backend=self._process_group_backend) for ranks in stage_ranks]
+        # gloo, two replicas: the ring's two directions over two connections (see new_duplex_group)
+        self._duplex_groups = [new_duplex_group(ranks, self._process_group_backend) for ranks in stage_ranks]
 
     @property
     @override
@@ -436,6 +438,7 @@ class HybridPipelineStrategy(CheckpointAndResume, BucketedGradSync, DDPStrategy)
                 self.buckets = GradientBuckets(
                     self._owned_parameters(),
                     group=self._grad_groups[layout.stage],
+                    duplex_group=self._duplex_groups[layout.stage],
                     reducer=self.configure_reducer(),
                     bucket_cap_mb=self.config.bucket_cap_mb,
                     first_bucket_cap_mb=self.config.first_bucket_cap_mb,

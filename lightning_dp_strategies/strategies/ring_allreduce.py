@@ -19,6 +19,7 @@ from torch.distributed.distributed_c10d import _get_default_group
 from typing_extensions import override
 
 from lightning_dp_strategies.bucketing import GradientBuckets, assign_buckets
+from lightning_dp_strategies.comm import new_duplex_group
 from lightning_dp_strategies.reducers import Reducer
 from lightning_dp_strategies.strategies._grad_sync import BucketedGradSync
 from lightning_dp_strategies.strategies._options import (
@@ -106,6 +107,7 @@ class RingAllReduceStrategy(CheckpointAndResume, BucketedGradSync, DDPStrategy):
         # runtime state and statistics (buckets, no-sync flag, step_stats)
         self._init_grad_sync(nonfinite_grads)
         self._grad_group: dist.ProcessGroup | None = None
+        self._duplex_group: dist.ProcessGroup | None = None
 
     # ------------------------------------------------------------------ setup
     @override
@@ -140,9 +142,12 @@ class RingAllReduceStrategy(CheckpointAndResume, BucketedGradSync, DDPStrategy):
         # a dedicated group: the communication thread never interleaves with collectives the main thread issues
         # (self.log(sync_dist=True), SyncBatchNorm, barriers) on the default group
         self._grad_group = dist.new_group(backend=self._process_group_backend)
+        # gloo, two ranks: the ring's two directions over two connections (see new_duplex_group)
+        self._duplex_group = new_duplex_group(backend=self._process_group_backend)
         self.buckets = GradientBuckets(
             module.named_parameters(),
             group=self._grad_group,
+            duplex_group=self._duplex_group,
             reducer=self.configure_reducer(),
             bucket_cap_mb=self.bucket_cap_mb,
             first_bucket_cap_mb=self.first_bucket_cap_mb,
@@ -203,9 +208,10 @@ class RingAllReduceStrategy(CheckpointAndResume, BucketedGradSync, DDPStrategy):
     @override
     def teardown(self) -> None:
         self._close_buckets()
-        if self._grad_group is not None and dist.is_initialized():
-            dist.destroy_process_group(self._grad_group)
-        self._grad_group = None
+        for group in (self._grad_group, self._duplex_group):
+            if group is not None and dist.is_initialized():
+                dist.destroy_process_group(group)
+        self._grad_group = self._duplex_group = None
         super().teardown()
 
     @classmethod

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_dp_strategies.comm import CommCounter, divide, divide_, is_average, reference_all_reduce, ring_all_reduce
-from tests.helpers.distributed import run_distributed
+from tests.helpers.distributed import point_to_point_log, run_distributed
 
 # Lengths: shorter than the world, not divisible by 2, 3 or 4, and a multi-chunk one; empty is a no-op.
 LENGTHS = (0, 1, 3, 7, 1001)
@@ -176,30 +176,12 @@ def test_streamed_ring_with_many_pieces_and_reused_scratch_slots() -> None:
     run_distributed(_check_streamed_pieces_and_slots, 4)
 
 
-def _spy_on_point_to_point() -> tuple[list[tuple[str, object]], dict[str, object]]:
-    """Record (``"send"``/``"recv"``, group) for every point-to-point call; returns the log and the originals."""
-    calls: list[tuple[str, object]] = []
-    originals = {name: getattr(dist.ProcessGroup, name) for name in ("send", "recv")}
-
-    def spy(name: str) -> object:
-        def call(self: dist.ProcessGroup, *args: object) -> object:
-            calls.append((name, self))
-            return originals[name](self, *args)  # type: ignore[operator]
-
-        return call
-
-    for name in originals:
-        setattr(dist.ProcessGroup, name, spy(name))
-    return calls, originals
-
-
 def _check_duplex(rank: int, world_size: int) -> None:
     from lightning_dp_strategies.comm import ring, ring_workspace_numel
 
     world = dist.group.WORLD
     duplex = dist.new_group(list(range(world_size)))
-    calls, originals = _spy_on_point_to_point()
-    try:
+    with point_to_point_log() as calls:
         for pieces_bytes in (ring.PIPELINE_PIECE_BYTES, 64):  # one piece per chunk, then several
             ring.PIPELINE_PIECE_BYTES = pieces_bytes
             for dtype in (torch.float32, torch.bfloat16):
@@ -217,9 +199,6 @@ def _check_duplex(rank: int, world_size: int) -> None:
                         assert received == {duplex if rank == 0 else world}, (rank, received)
                     else:  # every neighbour has its own connection already: the duplex group is not used
                         assert sent == received == {world}, (rank, sent, received)
-    finally:
-        for name, original in originals.items():
-            setattr(dist.ProcessGroup, name, original)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

@@ -8,7 +8,8 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,28 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args:
     except BaseException:
         errors.put((rank, traceback.format_exc()))
         raise
+
+
+@contextmanager
+def point_to_point_log() -> Iterator[list[tuple[str, dist.ProcessGroup]]]:
+    """Within the block, every ``ProcessGroup.send``/``recv`` call of this process is logged as ``(name, group)``."""
+    calls: list[tuple[str, dist.ProcessGroup]] = []
+    originals = {name: getattr(dist.ProcessGroup, name) for name in ("send", "recv")}
+
+    def spy(name: str) -> Callable[..., Any]:
+        def call(self: dist.ProcessGroup, *args: Any) -> Any:
+            calls.append((name, self))
+            return originals[name](self, *args)
+
+        return call
+
+    try:
+        for name in originals:
+            setattr(dist.ProcessGroup, name, spy(name))
+        yield calls
+    finally:
+        for name, original in originals.items():
+            setattr(dist.ProcessGroup, name, original)
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 
 import lightning as L
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.pytorch.loggers import CSVLogger
 from torch import Tensor, nn
@@ -125,6 +126,11 @@ class Recorder(L.Callback):
                 "ring_operations": strategy.comm_stats.ring_operations,
                 "skipped": strategy.comm_stats.skipped_backwards,
                 "reducer": type(strategy.buckets.reducer).__name__ if strategy.buckets is not None else None,
+                "duplex_ranks": (
+                    dist.get_process_group_ranks(strategy.buckets.duplex_group)
+                    if strategy.buckets is not None and strategy.buckets.duplex_group is not None
+                    else None
+                ),
             },
             f"{self.prefix}-rank{trainer.global_rank}.pt",
         )

@@ -115,6 +115,8 @@ def test_parity_two_stages_two_replicas_accumulation_checkpoints_validate(tmp_pa
     # the replicas of each stage averaged through the reducer asked for (gloo's own all-reduce), to parity above
     assert {r["reducer"] for r in load_ranks(out, "s2d2-native", 4)} == {"NativeReducer"}
     assert all(r["ring_operations"] > 0 for r in load_ranks(out, "s2d2-native", 4))
+    # two replicas per stage on gloo: each stage's buckets carry a second group over that stage's two ranks
+    assert [r["duplex_ranks"] for r in load_ranks(out, "s2d2-gpipe-m4", 4)] == [[0, 1], [0, 1], [2, 3], [2, 3]]
 
     # the checkpoint saved under hybrid_pipeline after epoch 1 holds the whole model, in the single-device format
     checkpoint = torch.load(out / "hybrid.ckpt", weights_only=False)

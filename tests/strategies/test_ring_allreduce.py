@@ -55,12 +55,17 @@ def test_parity_world_2_sgd_momentum_weight_decay_and_equal_to_lightning_ddp(tmp
     buffer_bytes = 4 * (sum(p.numel() for p in model.parameters()) + len(list(model.parameters())))
     assert len(sent) == 12 and all(s == buffer_bytes for s in sent), sent  # N = 2: 2(N-1)/N = 1
     assert ring[0]["totals"]["ring_operations"] == 12
+    # two ranks on gloo: the buckets carry a second group over both ranks (each ring direction its own connection)
+    assert [r["duplex_ranks"] for r in ring] == [[0, 1], [0, 1]]
 
 
 @pytest.mark.parametrize("name", ["adam2", "sgd3", "adam3"])
 @pytest.mark.timeout(300)
 def test_parity_other_world_sizes_and_optimizers(tmp_path: Path, name: str) -> None:
-    assert_parity(train(name, tmp_path), name)
+    ranks = train(name, tmp_path)
+    assert_parity(ranks, name)
+    world = SCENARIOS[name].world
+    assert all(r["duplex_ranks"] == ([0, 1] if world == 2 else None) for r in ranks)  # a second group at 2 ranks only
 
 
 @pytest.mark.timeout(300)
