@@ -96,7 +96,7 @@ def _check_reduction(rank: int, world_size: int) -> None:
     with point_to_point_log() as calls:
         _train_and_check(model, buckets, rank, world_size, uses)
     if duplex is not None:  # rank 1 sends over the second group, rank 0 receives over it
-        assert {group for name, group in calls if name == ("send" if rank == 1 else "recv")} == {duplex}
+        assert {group for name, group, _ in calls if name == ("send" if rank == 1 else "recv")} == {duplex}
     _check_stats(buckets, rank, world_size)
     buckets.close()
 

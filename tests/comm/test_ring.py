@@ -176,29 +176,42 @@ def test_streamed_ring_with_many_pieces_and_reused_scratch_slots() -> None:
     run_distributed(_check_streamed_pieces_and_slots, 4)
 
 
+def _all_gather_posting(calls: list[tuple[str, dist.ProcessGroup, int]], first_gather_tag: int) -> str:
+    """``"up front"`` if every all-gather receive was posted before this rank's first send, ``"late"`` if after."""
+    first_send = next(i for i, (name, _, _) in enumerate(calls) if name == "send")
+    gathers = [i for i, (name, _, tag) in enumerate(calls) if name == "recv" and tag >= first_gather_tag]
+    assert gathers, "no all-gather receive was posted"
+    return "up front" if max(gathers) < first_send else "late" if min(gathers) > first_send else "mixed"
+
+
 def _check_duplex(rank: int, world_size: int) -> None:
     from lightning_dp_strategies.comm import ring, ring_workspace_numel
 
     world = dist.group.WORLD
     duplex = dist.new_group(list(range(world_size)))
-    with point_to_point_log() as calls:
-        for pieces_bytes in (ring.PIPELINE_PIECE_BYTES, 64):  # one piece per chunk, then several
-            ring.PIPELINE_PIECE_BYTES = pieces_bytes
-            for dtype in (torch.float32, torch.bfloat16):
-                for op in ("sum", "avg"):
-                    data = torch.randn(1001, generator=torch.Generator().manual_seed(rank)).to(dtype)
+    for pieces_bytes in (ring.PIPELINE_PIECE_BYTES, 64):  # one piece per chunk, then several
+        ring.PIPELINE_PIECE_BYTES = pieces_bytes
+        for dtype in (torch.float32, torch.bfloat16):
+            for op in ("sum", "avg"):
+                data = torch.randn(1001, generator=torch.Generator().manual_seed(rank)).to(dtype)
+                with point_to_point_log() as one:
                     alone = ring_all_reduce(data.clone(), op)  # one group: the reference for the bits
-                    calls.clear()
-                    workspace = torch.empty(ring_workspace_numel(data.numel(), world_size), dtype=dtype)
+                workspace = torch.empty(ring_workspace_numel(data.numel(), world_size), dtype=dtype)
+                with point_to_point_log() as two:
                     ring_all_reduce(data, op, workspace=workspace, duplex=duplex)
-                    assert torch.equal(data, alone), f"a second connection changed the result ({dtype} {op})"
-                    sent = {group for name, group in calls if name == "send"}
-                    received = {group for name, group in calls if name == "recv"}
-                    if world_size == 2:  # rank 1 -> rank 0 over the duplex group, rank 0 -> rank 1 over the world
-                        assert sent == {duplex if rank == 1 else world}, (rank, sent)
-                        assert received == {duplex if rank == 0 else world}, (rank, received)
-                    else:  # every neighbour has its own connection already: the duplex group is not used
-                        assert sent == received == {world}, (rank, sent, received)
+                assert torch.equal(data, alone), f"a second connection changed the result ({dtype} {op})"
+                sent = {group for name, group, _ in two if name == "send"}
+                received = {group for name, group, _ in two if name == "recv"}
+                if world_size == 2:  # rank 1 -> rank 0 over the duplex group, rank 0 -> rank 1 over the world
+                    assert sent == {duplex if rank == 1 else world}, (rank, sent)
+                    assert received == {duplex if rank == 0 else world}, (rank, received)
+                else:  # every neighbour has its own connection already: the duplex group is not used
+                    assert sent == received == {world}, (rank, sent, received)
+                # all-gather receives: up front where sends and receives use two connections, late over one
+                first_gather_tag = (world_size - 1) * ring._pieces(data[: -(-data.numel() // world_size)])
+                assert _all_gather_posting(two, first_gather_tag) == "up front"
+                expected = "late" if world_size == 2 else "up front"
+                assert _all_gather_posting(one, first_gather_tag) == expected, (world_size, rank)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

@@ -41,15 +41,16 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args:
 
 
 @contextmanager
-def point_to_point_log() -> Iterator[list[tuple[str, dist.ProcessGroup]]]:
-    """Within the block, every ``ProcessGroup.send``/``recv`` call of this process is logged as ``(name, group)``."""
-    calls: list[tuple[str, dist.ProcessGroup]] = []
+def point_to_point_log() -> Iterator[list[tuple[str, dist.ProcessGroup, int]]]:
+    """Within the block, every ``ProcessGroup.send``/``recv`` call of this process is logged as ``(name, group, tag)``,
+    in call order."""
+    calls: list[tuple[str, dist.ProcessGroup, int]] = []
     originals = {name: getattr(dist.ProcessGroup, name) for name in ("send", "recv")}
 
     def spy(name: str) -> Callable[..., Any]:
-        def call(self: dist.ProcessGroup, *args: Any) -> Any:
-            calls.append((name, self))
-            return originals[name](self, *args)
+        def call(self: dist.ProcessGroup, tensors: Any, peer: int, tag: int) -> Any:
+            calls.append((name, self, tag))
+            return originals[name](self, tensors, peer, tag)
 
         return call
 
