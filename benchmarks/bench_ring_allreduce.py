@@ -1,9 +1,11 @@
 """Benchmark the ring all-reduce against the backend's own all-reduce, and the strategy against Lightning's DDP.
 
 (a) ``ring_all_reduce`` vs ``torch.distributed.all_reduce`` for 64 KiB to 64 MiB (fp32, average), 2 processes,
-    interleaved with plain exchanges of the ring's messages (no arithmetic), in several fresh launches; prints
-    median times, the median over launches of the ratio (ours / torch's) with its range, and bus bandwidth
-    (bytes * 2(N-1)/N / time, the figure NCCL's tests report).
+    interleaved with the same ring over one connection (``one``: no ``duplex`` group, as it ran before there was
+    one) and with plain exchanges of the ring's messages (no arithmetic), in several fresh launches; prints median
+    times, the median over launches of the ratio (ours / torch's) with its range, and bus bandwidth
+    (bytes * 2(N-1)/N / time, the figure NCCL's tests report). ``ring`` is the ring as the strategies run it: with
+    the second group :func:`~lightning_dp_strategies.comm.new_duplex_group` makes at two ranks.
 (b) Trainer step time of ``"ring_allreduce"`` vs ``"ddp"`` on the same ~20 M parameter MLP, 2 processes (one
     ``torchrun`` launch; inside it the two strategies take turns, one ``Trainer.fit`` each per round, the order flipped
     every round), steady state (the first third of each fit is warm-up); prints the median of the per-round ratios.
@@ -75,17 +77,19 @@ def _torch_average(data: torch.Tensor, world: int) -> None:
 
 
 def _collectives(rank: int, world: int, port: int, repeats: int, sizes: list[int], out: str) -> None:
-    from lightning_dp_strategies.comm import ring_all_reduce, ring_workspace_numel
+    from lightning_dp_strategies.comm import new_duplex_group, ring_all_reduce, ring_workspace_numel
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(minutes=2))
+    duplex = new_duplex_group()  # as the strategies do: a second connection at two ranks, None otherwise
     torch.set_num_threads(1)
     results = []
     for nbytes in sizes:
         data = torch.randn(nbytes // 4)
         workspace = torch.empty(ring_workspace_numel(data.numel(), world))  # reused, as the RingReducer does
         calls: dict[str, Callable[[], object]] = {
-            "ring": functools.partial(ring_all_reduce, data, "avg", workspace=workspace),
+            "ring": functools.partial(ring_all_reduce, data, "avg", workspace=workspace, duplex=duplex),
+            "one": functools.partial(ring_all_reduce, data, "avg", workspace=workspace),
             "torch": functools.partial(_torch_average, data, world),
             "p2p": functools.partial(_plain_exchanges, data, workspace),
         }
@@ -95,7 +99,7 @@ def _collectives(rank: int, world: int, port: int, repeats: int, sizes: list[int
         times: dict[str, list[float]] = {name: [] for name in calls}
         reps = max(5, min(repeats, (256 * 1024 * 1024) // nbytes))  # 40 rounds up to 4 MiB, 5 at 64 MiB
         for i in range(reps):  # interleaved, the order rotated every round, so drift hits all alike
-            names = list(calls)[i % 3 :] + list(calls)[: i % 3]
+            names = list(calls)[i % len(calls) :] + list(calls)[: i % len(calls)]
             for name in names:
                 dist.barrier()
                 start = time.perf_counter()
@@ -124,10 +128,12 @@ def part_a(world: int, repeats: int, launches: int, sizes: list[int]) -> list[di
             runs.append(json.loads(Path(out).read_text()))
     print(f"\n(a) ring_all_reduce vs torch.distributed.all_reduce (gloo, fp32, average), {world} processes,")
     print(f"    {launches} launches; ratio = median over launches of ring / torch (min-max across launches);")
+    print("    ring = as the strategies run it (at 2 processes each direction over its own connection: duplex group);")
+    print("    one = the same ring over one connection (no duplex group), its median ratio to torch;")
     print("    p2p = the ring's messages as plain blocking exchanges, no arithmetic (what the transport alone costs)")
     print(
         f"{'size':>9} {'ring ms':>9} {'torch ms':>9} {'p2p ms':>9} {'ratio':>6} {'range':>11}"
-        f" {'p2p/torch':>10} {'ring busbw':>11} {'torch busbw':>12}"
+        f" {'one/torch':>10} {'p2p/torch':>10} {'ring busbw':>11} {'torch busbw':>12}"
     )
     factor = 2 * (world - 1) / world
     summary = []
@@ -136,12 +142,13 @@ def part_a(world: int, repeats: int, launches: int, sizes: list[int]) -> list[di
         ms = {k: statistics.median(r[f"{k}_s"] for r in rows) * 1e3 for k in ("ring", "torch", "p2p")}
         ratios = [r["ring_s"] / r["torch_s"] for r in rows]
         ratio, p2p = statistics.median(ratios), statistics.median(r["p2p_s"] / r["torch_s"] for r in rows)
+        one = statistics.median(r["one_s"] / r["torch_s"] for r in rows)
         bus = [nbytes * factor / (ms[k] / 1e3) / 1e9 for k in ("ring", "torch")]
         print(
             f"{_size(nbytes):>9} {ms['ring']:9.3f} {ms['torch']:9.3f} {ms['p2p']:9.3f} {ratio:6.2f}"
-            f" {min(ratios):5.2f}-{max(ratios):<5.2f} {p2p:10.2f} {bus[0]:6.2f} GB/s {bus[1]:7.2f} GB/s"
+            f" {min(ratios):5.2f}-{max(ratios):<5.2f} {one:10.2f} {p2p:10.2f} {bus[0]:6.2f} GB/s {bus[1]:7.2f} GB/s"
         )
-        summary.append({"bytes": nbytes, "ratio": ratio, "p2p_ratio": p2p, **ms})
+        summary.append({"bytes": nbytes, "ratio": ratio, "one_ratio": one, "p2p_ratio": p2p, **ms})
     return summary
 
 

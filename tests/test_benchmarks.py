@@ -28,11 +28,11 @@ def _run(script: str, *args: str) -> str:
 def test_collective_benchmark_prints_ratio_range_and_plain_p2p_per_size() -> None:
     out = _run("bench_ring_allreduce.py", "--part", "a", "--launches", "2", "--repeats", "3", "--sizes-kib", "4", "64")
     assert "2 launches" in out, out
-    # ring, torch and p2p ms; the median ratio; its min-max across launches; p2p/torch; two bus bandwidths
+    # ring, torch and p2p ms; the median ratio; its min-max across launches; one/torch; p2p/torch; two bandwidths
     ms, ratio, spread = r"(\s+\d+\.\d{3}){3}", r"\s+\d+\.\d\d", r"\s+\d+\.\d\d-\d+\.\d\d"
     bus = r"(\s+\d+\.\d\d GB/s){2}"
     for size in ("4 KiB", "64 KiB"):
-        row = rf"^\s+{size}{ms}{ratio}{spread}{ratio}{bus}$"
+        row = rf"^\s+{size}{ms}{ratio}{spread}{ratio}{ratio}{bus}$"
         assert re.search(row, out, re.M), out
 
 
