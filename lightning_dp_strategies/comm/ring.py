@@ -453,11 +453,11 @@ def ring_all_reduce(
             ``group``'s ranks). Gloo carries both directions between two ranks over one TCP connection, served by one
             I/O thread per process; in a two-rank ring the next and the previous rank are the same peer, so the
             ring's sends and receives share it. With ``duplex``, rank 1 sends over it and rank 0 receives over it:
-            each direction gets its own connection (gloo, 2 processes on this project's 2-core CI machine: 4 MiB
-            0.95x gloo's all-reduce instead of 1.12x, 1 MiB 1.06x instead of 1.19-1.23x). Used by gloo at two ranks
-            only: with more ranks each neighbour already has its own connection (and the extra threads measured
-            slower), and NCCL manages its own channels. :func:`new_duplex_group` makes one where it is used; the
-            strategies make one for their gradient groups.
+            each direction gets its own connection (gloo, 2 processes on this project's 2-core CI machine, three runs
+            of benchmark (a): 1 MiB 0.89-0.98x gloo's all-reduce instead of 1.25-1.70x, 4 MiB 0.75-0.93x instead of
+            1.08-1.15x). Used by gloo at two ranks only: with more ranks each neighbour already has its own
+            connection (and the extra threads measured slower), and NCCL manages its own channels.
+            :func:`new_duplex_group` makes one where it is used; the strategies make one for their gradient groups.
 
     Returns:
         ``tensor``, now holding the reduction.
