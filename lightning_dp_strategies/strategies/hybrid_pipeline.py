@@ -816,6 +816,26 @@ class HybridPipelineStrategy(CheckpointAndResume, BucketedGradSync, DDPStrategy)
         self.runner = None
         self._pending = {}
         super().teardown()
+        self._destroy_groups()
+
+    def _destroy_groups(self) -> None:
+        """Destroy the groups ``setup_distributed`` made (the mesh's, the gradient groups and their duplex groups).
+
+        Every ``fit``/``validate``/``predict`` makes a fresh set; without this, repeated calls in one process (a
+        notebook, a benchmark) piled up gloo connections and threads, four groups per call. The default group is
+        Lightning's and stays.
+        """
+        groups: list[object] = [*self._grad_groups, *self._duplex_groups]
+        if self._mesh is not None:
+            groups += [self._mesh.get_group(name) for name in ("pipeline", "data_parallel")]
+        self._grad_groups, self._duplex_groups, self._mesh = [], [], None
+        if not dist.is_initialized():
+            return
+        default, destroyed = dist.group.WORLD, set()
+        for group in groups:  # a rank outside a group holds a placeholder, not a ProcessGroup
+            if isinstance(group, dist.ProcessGroup) and group is not default and id(group) not in destroyed:
+                destroyed.add(id(group))
+                dist.destroy_process_group(group)
 
     @classmethod
     @override

@@ -179,9 +179,16 @@ def run_case(case: Case, outdir: Path) -> L.Trainer:
     return trainer
 
 
+def live_groups() -> int:
+    """Process groups this rank belongs to right now (torch's private registry: the count is all a test needs)."""
+    return len(dist.distributed_c10d._world.pg_map)
+
+
 def run_suite(suite: str, outdir: Path) -> None:
+    groups = []  # after each fit/predict/validate (the first one makes the default group): none may pile up
     for case in SUITES[suite]:
         run_case(case, outdir)
+        groups.append(live_groups())
     if suite == "world2":
         # predict runs forward-only through the pipeline; afterwards the module is whole again on every rank
         model = PipeNet()
@@ -191,8 +198,11 @@ def run_suite(suite: str, outdir: Path) -> None:
             {"predictions": torch.cat(predictions), "params": dict(model.state_dict())},  # type: ignore[arg-type]
             outdir / f"predict-rank{trainer.global_rank}.pt",
         )
+        groups.append(live_groups())
     if suite == "world4":
         run_checkpoints(outdir)
+        groups.append(live_groups())
+    torch.save(groups, outdir / f"groups-rank{dist.get_rank()}.pt")
 
 
 def run_checkpoints(outdir: Path) -> None:

@@ -38,6 +38,13 @@ def launch(suite: str, tmp_path: Path, timeout: float = 240) -> Path:
     return out
 
 
+def assert_no_groups_left(out: Path, world: int) -> None:
+    """The process groups each rank belongs to, counted after each call in one process: none piled up."""
+    for rank in range(world):
+        counts = torch.load(out / f"groups-rank{rank}.pt")
+        assert len(counts) > 2 and len(set(counts)) == 1, f"rank {rank}: groups alive after each call {counts}"
+
+
 def load_ranks(out: Path, name: str, world: int) -> list[dict[str, Any]]:
     return [torch.load(out / f"{name}-rank{r}.pt") for r in range(world)]
 
@@ -103,6 +110,7 @@ def test_parity_two_stages_one_replica_both_schedules_1_and_4_micro_batches_clip
         result = torch.load(out / f"predict-rank{rank}.pt")
         assert (result["predictions"] - expected).abs().max().item() <= 1e-6
         assert set(result["params"]) == {n for n, _ in PipeNet().named_parameters()}
+    assert_no_groups_left(out, 2)  # five fits and a predict in one process
 
 
 @pytest.mark.timeout(420)
@@ -117,6 +125,8 @@ def test_parity_two_stages_two_replicas_accumulation_checkpoints_validate(tmp_pa
     assert all(r["ring_operations"] > 0 for r in load_ranks(out, "s2d2-native", 4))
     # two replicas per stage on gloo: each stage's buckets carry a second group over that stage's two ranks
     assert [r["duplex_ranks"] for r in load_ranks(out, "s2d2-gpipe-m4", 4)] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    # 9 fits and a validate in one process: each made its mesh, gradient and duplex groups and destroyed them again
+    assert_no_groups_left(out, 4)
 
     # the checkpoint saved under hybrid_pipeline after epoch 1 holds the whole model, in the single-device format
     checkpoint = torch.load(out / "hybrid.ckpt", weights_only=False)
