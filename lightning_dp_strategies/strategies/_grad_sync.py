@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterable
 from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.pytorch.strategies import ParallelStrategy
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -16,6 +17,18 @@ from lightning_dp_strategies.bucketing import CommStats, GradientBuckets
 from lightning_dp_strategies.fingerprint import check_ranks_agree, model_fingerprint
 from lightning_dp_strategies.reducers import Reducer, resolve_reducer
 from lightning_dp_strategies.strategies._nonfinite import NonfiniteCheck
+
+
+def destroy_groups(groups: Iterable[object]) -> None:
+    """Destroy the process groups a strategy made at setup, once each; ``None``, the placeholder a rank outside a
+    group holds, and the default group (Lightning's) are skipped."""
+    if not dist.is_initialized():
+        return
+    destroyed: set[int] = set()
+    for group in groups:
+        if isinstance(group, dist.ProcessGroup) and group is not dist.group.WORLD and id(group) not in destroyed:
+            destroyed.add(id(group))
+            dist.destroy_process_group(group)
 
 
 class BucketedGradSync(NonfiniteCheck, ParallelStrategy):

@@ -69,7 +69,7 @@ from lightning_dp_strategies.pipeline import (
     stage_ranges,
 )
 from lightning_dp_strategies.reducers import Reducer
-from lightning_dp_strategies.strategies._grad_sync import BucketedGradSync
+from lightning_dp_strategies.strategies._grad_sync import BucketedGradSync, destroy_groups
 from lightning_dp_strategies.strategies._options import (
     check_backend,
     check_flag,
@@ -822,20 +822,13 @@ class HybridPipelineStrategy(CheckpointAndResume, BucketedGradSync, DDPStrategy)
         """Destroy the groups ``setup_distributed`` made (the mesh's, the gradient groups and their duplex groups).
 
         Every ``fit``/``validate``/``predict`` makes a fresh set; without this, repeated calls in one process (a
-        notebook, a benchmark) piled up gloo connections and threads, four groups per call. The default group is
-        Lightning's and stays.
+        notebook, a benchmark) piled up gloo connections and threads, three or four groups per call.
         """
         groups: list[object] = [*self._grad_groups, *self._duplex_groups]
         if self._mesh is not None:
             groups += [self._mesh.get_group(name) for name in ("pipeline", "data_parallel")]
         self._grad_groups, self._duplex_groups, self._mesh = [], [], None
-        if not dist.is_initialized():
-            return
-        default, destroyed = dist.group.WORLD, set()
-        for group in groups:  # a rank outside a group holds a placeholder, not a ProcessGroup
-            if isinstance(group, dist.ProcessGroup) and group is not default and id(group) not in destroyed:
-                destroyed.add(id(group))
-                dist.destroy_process_group(group)
+        destroy_groups(groups)
 
     @classmethod
     @override

@@ -21,7 +21,7 @@ from typing_extensions import override
 from lightning_dp_strategies.bucketing import GradientBuckets, assign_buckets
 from lightning_dp_strategies.comm import new_duplex_group
 from lightning_dp_strategies.reducers import Reducer
-from lightning_dp_strategies.strategies._grad_sync import BucketedGradSync
+from lightning_dp_strategies.strategies._grad_sync import BucketedGradSync, destroy_groups
 from lightning_dp_strategies.strategies._options import (
     check_backend,
     check_flag,
@@ -208,9 +208,7 @@ class RingAllReduceStrategy(CheckpointAndResume, BucketedGradSync, DDPStrategy):
     @override
     def teardown(self) -> None:
         self._close_buckets()
-        for group in (self._grad_group, self._duplex_group):
-            if group is not None and dist.is_initialized():
-                dist.destroy_process_group(group)
+        destroy_groups([self._grad_group, self._duplex_group])
         self._grad_group = self._duplex_group = None
         super().teardown()
 
