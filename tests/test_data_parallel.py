@@ -193,8 +193,10 @@ def test_batchnorm_keeps_the_first_replicas_running_statistics() -> None:
     inputs = scatter(((x,), {}), CPU3)
     parallel_apply([r.forward for r in replicas], inputs, CPU3)
     reference(x[:4])  # the first chunk, alone
-    for name in ("running_mean", "running_var", "num_batches_tracked"):
-        assert torch.equal(getattr(net.norm, name), getattr(reference.norm, name)), name
+    # Tolerance, not bits: replica 0 ran with its share of the intra-op threads, the reference with all of them, and
+    # a mean reduced over other threads may differ in the last place. Replica 1's chunk would be off by ~0.1-1.
+    for name in ("running_mean", "running_var"):
+        torch.testing.assert_close(getattr(net.norm, name), getattr(reference.norm, name), rtol=1e-6, atol=1e-6)
     assert net.norm.num_batches_tracked.item() == 1  # replicas 1 and 2 did not touch the root's buffers
 
 

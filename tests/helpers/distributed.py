@@ -27,8 +27,24 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], errors: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+# Modules the fork server imports once; every rank forked from it starts with them loaded (importing torch and
+# Lightning costs seconds per process, which used to dominate the multi-process tests).
+_PRELOAD = ["torch", "torch.distributed", "lightning_dp_strategies", "tests.helpers.distributed"]
+
+
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    env: dict[str, str],
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    errors: Any,
+) -> None:
+    # a forked rank inherits the fork server's environment (the test session's when the server started): the
+    # caller's current one replaces it, as a spawned process would have it
+    os.environ.clear()
+    os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
         try:
@@ -66,14 +82,19 @@ def point_to_point_log() -> Iterator[list[tuple[str, dist.ProcessGroup, int]]]:
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0) -> None:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes joined in one gloo group.
 
-    ``fn`` must be importable (a module-level function). Raises with the failing rank's traceback; kills every rank
-    and fails if they do not all finish within ``timeout`` seconds, so a deadlocked collective never hangs the suite.
+    ``fn`` must be importable (a module-level function). The ranks are forked from a fork server that has torch and
+    the package imported already (``multiprocessing``'s ``forkserver``: a clean single-threaded process, never the
+    test process itself), and get the caller's environment. Raises with the failing rank's traceback; kills every
+    rank and fails if they do not all finish within ``timeout`` seconds, so a deadlocked collective never hangs the
+    suite.
     """
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)  # no effect once the server runs: it started with the same list
     errors = ctx.SimpleQueue()
     port = free_port()
+    env = dict(os.environ)
     procs = [
-        ctx.Process(target=_worker, args=(rank, world_size, port, fn, args, errors), daemon=True)
+        ctx.Process(target=_worker, args=(rank, world_size, port, env, fn, args, errors), daemon=True)
         for rank in range(world_size)
     ]
     for p in procs:
