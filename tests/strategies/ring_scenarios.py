@@ -1,8 +1,9 @@
 """Trainer runs for the ring_allreduce parity tests, and the single-process reference loop they are checked against.
 
-Run as ``python -m tests.strategies.ring_scenarios NAME OUTDIR [STRATEGY]``; Lightning's popen launcher re-runs the
-same command for the other ranks. Every rank writes ``OUTDIR/rank{r}.pt`` with its final parameters and what it
-recorded along the way; :func:`reference_parameters` replays the same global batches in one process.
+Run as ``python -m tests.strategies.ring_scenarios NAME[@STRATEGY][,NAME...] OUTDIR [STRATEGY]``; Lightning's popen
+launcher re-runs the same command for the other ranks, and the scenarios run one after the other in the same
+processes. Every rank writes ``OUTDIR/{name}-{strategy}/rank{r}.pt`` with its final parameters and what it recorded
+along the way; :func:`reference_parameters` replays the same global batches in one process.
 """
 
 from __future__ import annotations
@@ -221,5 +222,16 @@ def reference_parameters(name: str, per_shard: bool = False) -> dict[str, Tensor
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+def run_all(names: str, outdir: Path, default_strategy: str) -> None:
+    """Run ``NAME[@STRATEGY],...`` one after the other in this process group (a launch costs seconds, a fit does
+    not), each into ``OUTDIR/{name}-{strategy}``. All of them must have the same world size."""
+    runs = [(name, strategy or default_strategy) for name, _, strategy in (s.partition("@") for s in names.split(","))]
+    assert len({SCENARIOS[name].world for name, _ in runs}) == 1, f"{names}: one world size per launch"
+    for name, strategy in runs:
+        out = outdir / f"{name}-{strategy}"
+        out.mkdir(parents=True, exist_ok=True)
+        run(name, out, strategy)
+
+
 if __name__ == "__main__":
-    run(sys.argv[1], Path(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else "ring_allreduce")
+    run_all(sys.argv[1], Path(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else "ring_allreduce")

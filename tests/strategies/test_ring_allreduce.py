@@ -1,7 +1,7 @@
 """RingAllReduceStrategy: parity with single-process training is the specification.
 
-Each test launches a real 2- or 3-process Trainer run on CPU/gloo (Lightning's popen launcher, a timeout on every
-run) and compares the final parameters with :func:`reference_parameters`, a plain single-process loop over the same
+The parity tests read real 2- or 3-process Trainer runs on CPU/gloo (Lightning's popen launcher, a timeout on every
+launch; the scenarios of one world size run one after the other in one launch) and compare the final parameters with :func:`reference_parameters`, a plain single-process loop over the same
 global batches. Tolerance: max absolute parameter difference <= 1e-5 (fp32; observed ~1e-7).
 """
 
@@ -19,13 +19,32 @@ from tests.helpers.distributed import run_script
 from tests.strategies.ring_scenarios import SCENARIOS, ParityNet, reference_parameters
 
 TOLERANCE = 1e-5
+# the scenarios of one world size share one launch (each launch costs seconds of imports, a fit does not)
+WORLD_2 = ["sgd", "sgd@ddp", "adam2", "unused", "accumulate", "clip", "manual", "bf16"]
+WORLD_3 = ["sgd3", "adam3"]
 
 
-def train(name: str, tmp_path: Path, strategy: str = "ring_allreduce", **env: str) -> list[dict[str, Any]]:
-    out = tmp_path / f"{name}-{strategy}"
-    out.mkdir()
-    run_script(["-m", "tests.strategies.ring_scenarios", name, str(out), strategy], timeout=240, env=env)
-    return [torch.load(out / f"rank{r}.pt") for r in range(SCENARIOS[name].world)]
+def launch(names: list[str], out: Path, strategy: str = "ring_allreduce", **env: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    run_script(["-m", "tests.strategies.ring_scenarios", ",".join(names), str(out), strategy], timeout=420, env=env)
+
+
+def results(out: Path, name: str, strategy: str = "ring_allreduce") -> list[dict[str, Any]]:
+    return [torch.load(out / f"{name}-{strategy}" / f"rank{r}.pt") for r in range(SCENARIOS[name].world)]
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("ring-world2")
+    launch(WORLD_2, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def world3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("ring-world3")
+    launch(WORLD_3, out)
+    return out
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -43,13 +62,13 @@ def assert_parity(ranks: list[dict[str, Any]], name: str, per_shard: bool = Fals
 
 
 @pytest.mark.timeout(600)
-def test_parity_world_2_sgd_momentum_weight_decay_and_equal_to_lightning_ddp(tmp_path: Path) -> None:
-    ring = train("sgd", tmp_path)
+def test_parity_world_2_sgd_momentum_weight_decay_and_equal_to_lightning_ddp(world2: Path) -> None:
+    ring = results(world2, "sgd")
     assert_parity(ring, "sgd")
-    ddp = train("sgd", tmp_path, strategy="ddp")
+    ddp = results(world2, "sgd", strategy="ddp")
     assert max_diff(ring[0]["params"], ddp[0]["params"]) <= 1e-6
     # the per-step statistics reached the logger (log_comm_stats=True): every step sent 2(N-1)/N of the buffer
-    rows = list(csv.DictReader(open(tmp_path / "sgd-ring_allreduce" / "logs" / "version_0" / "metrics.csv")))
+    rows = list(csv.DictReader(open(world2 / "sgd-ring_allreduce" / "logs" / "version_0" / "metrics.csv")))
     sent = [float(r["comm/bytes_sent"]) for r in rows if r.get("comm/bytes_sent")]
     model = ParityNet(SCENARIOS["sgd"])
     buffer_bytes = 4 * (sum(p.numel() for p in model.parameters()) + len(list(model.parameters())))
@@ -60,17 +79,17 @@ def test_parity_world_2_sgd_momentum_weight_decay_and_equal_to_lightning_ddp(tmp
 
 
 @pytest.mark.parametrize("name", ["adam2", "sgd3", "adam3"])
-@pytest.mark.timeout(300)
-def test_parity_other_world_sizes_and_optimizers(tmp_path: Path, name: str) -> None:
-    ranks = train(name, tmp_path)
+@pytest.mark.timeout(600)
+def test_parity_other_world_sizes_and_optimizers(request: pytest.FixtureRequest, name: str) -> None:
+    ranks = results(request.getfixturevalue("world2" if SCENARIOS[name].world == 2 else "world3"), name)
     assert_parity(ranks, name)
     world = SCENARIOS[name].world
     assert all(r["duplex_ranks"] == ([0, 1] if world == 2 else None) for r in ranks)  # a second group at 2 ranks only
 
 
-@pytest.mark.timeout(300)
-def test_unused_parameters_need_no_flag(tmp_path: Path) -> None:
-    ranks = train("unused", tmp_path)
+@pytest.mark.timeout(600)
+def test_unused_parameters_need_no_flag(world2: Path) -> None:
+    ranks = results(world2, "unused")
     # only rank 0 uses `rank0_only`; the reference averages the per-rank losses, each on its own shard
     assert_parity(ranks, "unused", per_shard=True)
     for result in ranks:
@@ -82,9 +101,9 @@ def test_unused_parameters_need_no_flag(tmp_path: Path) -> None:
         assert not any(g["rank0_only.weight"] for g in grads)
 
 
-@pytest.mark.timeout(300)
-def test_gradient_accumulation_does_not_communicate(tmp_path: Path) -> None:
-    ranks = train("accumulate", tmp_path)
+@pytest.mark.timeout(600)
+def test_gradient_accumulation_does_not_communicate(world2: Path) -> None:
+    ranks = results(world2, "accumulate")
     assert_parity(ranks, "accumulate")
     counters = [r for r in ranks[0]["records"] if "ops" in r]
     ops = [c["ops"] for c in counters]
@@ -95,14 +114,14 @@ def test_gradient_accumulation_does_not_communicate(tmp_path: Path) -> None:
     assert counters[-1]["skipped"] == 6
 
 
-@pytest.mark.timeout(300)
-def test_gradient_clipping_sees_averaged_gradients(tmp_path: Path) -> None:
-    assert_parity(train("clip", tmp_path), "clip")
+@pytest.mark.timeout(600)
+def test_gradient_clipping_sees_averaged_gradients(world2: Path) -> None:
+    assert_parity(results(world2, "clip"), "clip")
 
 
-@pytest.mark.timeout(300)
-def test_manual_optimization_with_no_backward_sync(tmp_path: Path) -> None:
-    ranks = train("manual", tmp_path)
+@pytest.mark.timeout(600)
+def test_manual_optimization_with_no_backward_sync(world2: Path) -> None:
+    ranks = results(world2, "manual")
     assert_parity(ranks, "manual")
     steps = [r for r in ranks[0]["records"] if "local_ops" in r]
     assert len(steps) == 12
@@ -110,18 +129,18 @@ def test_manual_optimization_with_no_backward_sync(tmp_path: Path) -> None:
     assert [s["sync_ops"] for s in steps] == list(range(1, 13))
 
 
-@pytest.mark.timeout(300)
-def test_bf16_mixed_precision(tmp_path: Path) -> None:
+@pytest.mark.timeout(600)
+def test_bf16_mixed_precision(world2: Path) -> None:
     # bf16 rounding depends on the batch shape, so the reference runs each rank's shard under autocast
-    assert_parity(train("bf16", tmp_path), "bf16", per_shard=True)
+    assert_parity(results(world2, "bf16"), "bf16", per_shard=True)
 
 
 @pytest.mark.timeout(300)
 def test_notebook_form_trains_where_popen_is_refused(tmp_path: Path) -> None:
     with pytest.raises(AssertionError, match="ring_allreduce_notebook"):
-        train("sgd", tmp_path, strategy="ring_allreduce_spawn", LDPS_SIMULATE_NOTEBOOK="1")
-    ranks = train("sgd", tmp_path, strategy="ring_allreduce_notebook", LDPS_SIMULATE_NOTEBOOK="1")
-    assert_parity(ranks, "sgd")
+        launch(["sgd"], tmp_path, strategy="ring_allreduce_spawn", LDPS_SIMULATE_NOTEBOOK="1")
+    launch(["sgd"], tmp_path, strategy="ring_allreduce_notebook", LDPS_SIMULATE_NOTEBOOK="1")
+    assert_parity(results(tmp_path, "sgd", strategy="ring_allreduce_notebook"), "sgd")
 
 
 # ---------------------------------------------------------------------------------------------- bad input, set-up
@@ -244,5 +263,4 @@ def test_two_nodes_through_torchrun_keep_parity(tmp_path: Path) -> None:
         timeout=240,
         env={"LDPS_NUM_NODES": "2"},
     )
-    ranks = [torch.load(out / f"rank{r}.pt") for r in range(2)]
-    assert_parity(ranks, "sgd")
+    assert_parity(results(out, "sgd"), "sgd")
