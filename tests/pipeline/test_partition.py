@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 
 import pytest
 import torch
@@ -57,10 +58,24 @@ def test_balance_by_parameters_puts_the_big_block_alone() -> None:
     assert balance_by_parameters(blocks, 4) == [1, 1, 1, 1]
 
 
+class Sleepy(nn.Linear):
+    """A block whose forward takes at least ``seconds``: a cost no CPU load can make smaller."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(8, 8)
+        self.seconds = seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.seconds)
+        return super().forward(x)
+
+
 def test_balance_by_time_puts_the_slow_block_alone() -> None:
+    # the slow block sleeps 0.2 s, the others compute an 8x8 layer: only a measurement that tells them apart gives
+    # [3, 1] (a 60-layer block timed against single layers gave [2, 2] on a loaded machine: timing noise, not cost)
     torch.manual_seed(0)
-    blocks = [nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64), nn.Sequential(*[nn.Linear(64, 64)] * 60)]
-    balance = balance_by_time(blocks, torch.randn(256, 64), 2)
+    blocks = [Sleepy(0.0), Sleepy(0.0), Sleepy(0.0), Sleepy(0.2)]
+    balance = balance_by_time(blocks, torch.randn(4, 8), 2)
     assert balance == [3, 1]
     assert all(p.grad is None for p in nn.ModuleList(blocks).parameters()), "timing must not leave gradients"
 

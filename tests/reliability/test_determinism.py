@@ -20,6 +20,10 @@ import torch
 from tests.helpers.distributed import run_script
 from tests.reliability.scenarios import SETUPS
 
+# numerically sensitive: CI runs this file again under other CPU kernel paths and thread counts
+pytestmark = pytest.mark.numerics
+
+
 STRATEGIES = ["dp", "ring_allreduce", "hybrid_pipeline"]
 
 
