@@ -7,7 +7,6 @@ True
 """
 
 from lightning_dp_strategies.bucketing import CommStats, GradientBuckets, assign_buckets
-from lightning_dp_strategies.checkpoint_io import AtomicCheckpointIO
 from lightning_dp_strategies.comm import CommCounter, reference_all_reduce, ring_all_reduce
 from lightning_dp_strategies.compression import CastCompression, PowerSGD, bf16_compress, fp16_compress
 from lightning_dp_strategies.data_parallel import gather, parallel_apply, replicate, scatter
@@ -22,6 +21,7 @@ from lightning_dp_strategies.reducers import (
     resolve_reducer,
 )
 from lightning_dp_strategies.strategies import (
+    AtomicCheckpointIO,
     HybridPipelineStrategy,
     RingAllReduceStrategy,
     ScatterGatherStrategy,

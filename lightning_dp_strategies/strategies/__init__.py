@@ -2,11 +2,18 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_dp_strategies.strategies.checkpoint_io import AtomicCheckpointIO
 from lightning_dp_strategies.strategies.hybrid_pipeline import HybridPipelineStrategy
 from lightning_dp_strategies.strategies.ring_allreduce import RingAllReduceStrategy
 from lightning_dp_strategies.strategies.scatter_gather import ScatterGatherStrategy
 
-__all__ = ["HybridPipelineStrategy", "RingAllReduceStrategy", "ScatterGatherStrategy", "register_all"]
+__all__ = [
+    "AtomicCheckpointIO",
+    "HybridPipelineStrategy",
+    "RingAllReduceStrategy",
+    "ScatterGatherStrategy",
+    "register_all",
+]
 
 
 def register_all() -> None:

@@ -7,7 +7,7 @@ from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.pytorch.strategies import Strategy
 from typing_extensions import override
 
-from lightning_dp_strategies.checkpoint_io import with_atomic_default
+from lightning_dp_strategies.strategies.checkpoint_io import with_atomic_default
 
 
 def with_resumed_sampler_epoch(strategy: Strategy, dataloader: object) -> object:
@@ -29,13 +29,13 @@ def with_resumed_sampler_epoch(strategy: Strategy, dataloader: object) -> object
 
 
 class CheckpointAndResume(Strategy):
-    """Mixed in first: an :class:`~lightning_dp_strategies.checkpoint_io.AtomicCheckpointIO` unless one was given,
+    """Mixed in first: an :class:`~.checkpoint_io.AtomicCheckpointIO` unless one was given,
     and the training sampler set to the resumed epoch before its loader is first iterated."""
 
     @property
     @override
     def checkpoint_io(self) -> CheckpointIO:
-        """The ``checkpoint_io`` given, else an :class:`~lightning_dp_strategies.checkpoint_io.AtomicCheckpointIO`."""
+        """The ``checkpoint_io`` given, else an :class:`~.checkpoint_io.AtomicCheckpointIO`."""
         self._checkpoint_io = with_atomic_default(self._checkpoint_io)
         return self._checkpoint_io
 

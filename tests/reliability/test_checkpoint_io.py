@@ -23,8 +23,8 @@ from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
 import lightning_dp_strategies
-from lightning_dp_strategies import checkpoint_io as module
-from lightning_dp_strategies.checkpoint_io import AtomicCheckpointIO, with_atomic_default
+from lightning_dp_strategies.strategies import checkpoint_io as module
+from lightning_dp_strategies.strategies.checkpoint_io import AtomicCheckpointIO, with_atomic_default
 from tests.helpers.distributed import REPO_ROOT
 
 OLD = {"step": 1, "weights": torch.arange(1000.0)}
@@ -86,7 +86,7 @@ def test_a_failing_rename_removes_the_temporary_file(tmp_path: Path, monkeypatch
 
 KILLED_MID_SAVE = """
 import sys, time, torch
-from lightning_dp_strategies.checkpoint_io import AtomicCheckpointIO
+from lightning_dp_strategies.strategies.checkpoint_io import AtomicCheckpointIO
 target, marker = sys.argv[1], sys.argv[2]
 real_save = torch.save
 
@@ -184,3 +184,12 @@ def test_with_atomic_default_keeps_a_configured_wrapper_base() -> None:
     base = TorchCheckpointIO()
     wrapper = AsyncCheckpointIO(base)
     assert with_atomic_default(wrapper) is wrapper and wrapper.checkpoint_io is base
+
+
+def test_the_old_module_path_still_resolves_with_a_deprecation_warning() -> None:
+    from lightning_dp_strategies import checkpoint_io as old
+
+    with pytest.warns(DeprecationWarning, match=r"moved to `lightning_dp_strategies\.strategies\.checkpoint_io`"):
+        assert old.AtomicCheckpointIO is AtomicCheckpointIO
+    with pytest.raises(AttributeError):
+        old.NotAName  # noqa: B018
