@@ -60,10 +60,6 @@ class ActivationMeter:
         self.live_bytes = 0
         self.peak_bytes = 0
 
-    def reset_peak(self) -> None:
-        """Start a new peak from the bytes alive now."""
-        self.peak_bytes = self.live_bytes
-
     def _pack(self, tensor: Tensor) -> _Saved:
         storage = tensor.untyped_storage()
         key = storage.data_ptr()

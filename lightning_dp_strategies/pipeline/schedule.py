@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -32,7 +32,6 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 __all__ = [
     "SCHEDULES",
-    "ScheduleName",
     "TimedStage",
     "clock_table",
     "effective_schedule",
@@ -43,7 +42,6 @@ __all__ = [
     "table_in_flight",
 ]
 
-ScheduleName = Literal["gpipe", "1f1b"]
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
 
 

@@ -28,8 +28,6 @@ from lightning_dp_strategies.strategies._resume import CheckpointAndResume
 
 __all__ = ["ScatterGatherStats", "ScatterGatherStrategy"]
 
-STEP_HOOKS = ("training_step", "validation_step", "test_step", "predict_step")
-
 
 @dataclass
 class ScatterGatherStats:
