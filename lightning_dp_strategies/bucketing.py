@@ -36,7 +36,7 @@ from torch import Tensor
 from torch.nn import Parameter
 
 from lightning_dp_strategies.comm import CommCounter, divide
-from lightning_dp_strategies.reducers import GradBucket, Reducer, resolve_reducer
+from lightning_dp_strategies.reducers import GradBucket, Reducer, close_reducer, resolve_reducer
 
 __all__ = [
     "Bucket",
@@ -189,8 +189,9 @@ class GradientBuckets:
             :class:`~lightning_dp_strategies.reducers.Reducer`); default ``None``, a new ring reducer.
         bucket_cap_mb: cap of every bucket but the first, in MiB.
         first_bucket_cap_mb: cap of the first bucket, small so communication starts early in backward.
-        duplex_group: a second group over ``group``'s ranks, handed to the reducer with every bucket (the ring sends
-            one direction over it at two ranks: see :func:`~lightning_dp_strategies.comm.new_duplex_group`).
+        duplex_group: deprecated (the ring reducer makes its own second connection in its setup step, see
+            :func:`~lightning_dp_strategies.reducers.setup_reducer`); a group given here is still handed to the
+            reducer with every bucket.
 
     Examples:
         >>> model = torch.nn.Linear(3, 2)
@@ -214,6 +215,14 @@ class GradientBuckets:
         # configuration
         self.named_params = list(named_params)
         self.group = group
+        if duplex_group is not None:
+            warnings.warn(
+                "GradientBuckets(duplex_group=...) is deprecated: the ring reducer makes its own second connection "
+                "in its setup step; call lightning_dp_strategies.reducers.setup_reducer(reducer, group) on every "
+                "rank instead. It will be removed in 0.3.",
+                DeprecationWarning,
+                stacklevel=2,
+            )
         self.duplex_group = duplex_group
         self.reducer: Reducer = resolve_reducer(reducer)
         self.bucket_cap_mb = bucket_cap_mb
@@ -286,11 +295,6 @@ class GradientBuckets:
     def skip(self) -> None:
         """Count a backward pass that accumulates locally without communicating."""
         self.totals.skipped_backwards += 1
-
-    @property
-    def armed(self) -> bool:
-        """Whether a synchronised backward is in progress."""
-        return self._armed
 
     def _on_grad_ready(self, bucket_index: int, slot: int, param: Tensor) -> None:
         if not self._armed:
@@ -421,6 +425,4 @@ class GradientBuckets:
         """Remove the hooks and stop the communication thread."""
         self._remove_hooks()
         self._armed = False
-        close = getattr(self.reducer, "close", None)
-        if callable(close):
-            close()
+        close_reducer(self.reducer)

@@ -20,13 +20,22 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
-from lightning_dp_strategies.reducers import CommThread, GradBucket, Reducer, resolve_reducer
+from lightning_dp_strategies.reducers import (
+    CommThread,
+    GradBucket,
+    Reducer,
+    close_reducer,
+    resolve_reducer,
+    setup_reducer,
+)
 
 __all__ = ["CastCompression", "PowerSGD", "bf16_compress", "fp16_compress"]
 
@@ -72,9 +81,13 @@ class CastCompression:
 
         return inner.then(write_back)
 
+    def setup(self, group: dist.ProcessGroup | None, ranks: Sequence[int], backend: str | None = None) -> None:
+        """The inner reducer's setup step (see :func:`~lightning_dp_strategies.reducers.setup_reducer`)."""
+        setup_reducer(self.inner, group, ranks, backend)
+
     def close(self) -> None:
         """Close the inner reducer."""
-        _close(self.inner)
+        close_reducer(self.inner)
 
 
 def fp16_compress(inner: str | Reducer | None = "ring") -> CastCompression:
@@ -95,12 +108,6 @@ def bf16_compress(inner: str | Reducer | None = "ring") -> CastCompression:
         torch.bfloat16
     """
     return CastCompression(inner, torch.bfloat16)
-
-
-def _close(reducer: object) -> None:
-    close = getattr(reducer, "close", None)
-    if callable(close):
-        close()
 
 
 def _orthonormalize(matrix: Tensor, eps: float = 1e-8) -> None:
@@ -229,7 +236,11 @@ class PowerSGD:
         if buffer.numel():
             self.inner(bucket.with_buffer(buffer, keep_layout=False)).wait()
 
+    def setup(self, group: dist.ProcessGroup | None, ranks: Sequence[int], backend: str | None = None) -> None:
+        """The inner reducer's setup step (see :func:`~lightning_dp_strategies.reducers.setup_reducer`)."""
+        setup_reducer(self.inner, group, ranks, backend)
+
     def close(self) -> None:
         """Stop the PowerSGD thread and close the inner reducer (the error feedback and ``Q`` are kept)."""
         self._thread.close()
-        _close(self.inner)
+        close_reducer(self.inner)

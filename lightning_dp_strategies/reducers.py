@@ -4,7 +4,9 @@ A reducer is any callable ``reducer(bucket) -> torch.futures.Future`` (the shape
 It must leave ``bucket.buffer`` holding the average (``bucket.op == "avg"``) or the sum (``"sum"``) of every rank's
 buffer over ``bucket.group`` by the time the future completes, add what it sent to ``bucket.counter``, and be called
 in the same order on every rank (:class:`~lightning_dp_strategies.bucketing.GradientBuckets` guarantees that: buckets
-launch strictly in index order). The strategies' buckets ask for ``"sum"``: every gradient is divided by the world
+launch strictly in index order). A reducer that needs process groups of its own (a second connection, a
+hierarchy's intra- and inter-node groups) makes them in an optional ``setup`` step (see :func:`setup_reducer`), and
+releases them in ``close``. The strategies' buckets ask for ``"sum"``: every gradient is divided by the world
 size on its way into the bucket (fused into that copy, as torch DDP does), so the sum is the average; ``"avg"`` is
 for direct callers. Compression wraps a reducer (:mod:`lightning_dp_strategies.compression`).
 
@@ -22,7 +24,7 @@ from __future__ import annotations
 import functools
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -32,7 +34,13 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
-from lightning_dp_strategies.comm import CommCounter, divide_, ring_all_reduce, ring_workspace_numel
+from lightning_dp_strategies.comm import (
+    CommCounter,
+    divide_,
+    new_duplex_group,
+    ring_all_reduce,
+    ring_workspace_numel,
+)
 
 __all__ = [
     "REDUCERS",
@@ -41,8 +49,11 @@ __all__ = [
     "PerTensorReducer",
     "Reducer",
     "RingReducer",
+    "check_reducer",
+    "close_reducer",
     "completed",
     "resolve_reducer",
+    "setup_reducer",
 ]
 
 ReduceKind = Literal["avg", "sum"]
@@ -70,8 +81,8 @@ class GradBucket:
     num_flags: int = 0
     op: ReduceKind = "avg"
     duplex: dist.ProcessGroup | None = None
-    """A second group over ``group``'s ranks for the ring (see :func:`~lightning_dp_strategies.comm.ring_all_reduce`);
-    reducers that do not use one ignore it."""
+    """Deprecated: a second group over ``group``'s ranks for the ring. :class:`RingReducer` now makes its own in
+    :meth:`RingReducer.setup`; one given here still takes precedence. Other reducers ignore it."""
 
     @property
     def world_size(self) -> int:
@@ -103,7 +114,9 @@ class GradBucket:
 class Reducer(Protocol):
     """``reducer(bucket) -> Future``: reduce ``bucket.buffer`` in place; the future completes when it holds the result.
 
-    Optional: a ``close()`` method, called when the buckets are torn down (stop threads, free state).
+    Optional: a ``setup(group, ranks, backend)`` method that makes the process groups the reducer needs for buckets
+    reduced over ``group`` (called through :func:`setup_reducer`, on every rank, before the first bucket), and a
+    ``close()`` method, called when the buckets are torn down (stop threads, destroy those groups, free state).
 
     A callback chained on a backend's future (``work.get_future().then(...)``) runs, and is released, on the
     backend's own thread: let it capture the buffer and counter, never ``bucket`` or its ``group``. Releasing a
@@ -130,6 +143,46 @@ def completed(value: Any = None) -> Future[Any]:
     future: Future[Any] = Future()
     future.set_result(value)
     return future
+
+
+def setup_reducer(
+    reducer: Reducer, group: dist.ProcessGroup | None, ranks: Sequence[int] | None = None, backend: str | None = None
+) -> None:
+    """Run ``reducer``'s optional ``setup(group, ranks, backend)``: where it makes the groups it needs for ``group``.
+
+    Making a process group is collective over the whole world, so call this on *every* rank (also those outside
+    ``ranks``, which get torch's placeholder for ``group``), once per group the reducer will serve, in the same order
+    everywhere. ``ranks`` are ``group``'s global ranks (``None``: the world); ``backend`` is the backend of the groups
+    to make (``None``: the default group's).
+
+    Examples:
+        >>> class Counting:
+        ...     def __init__(self) -> None:
+        ...         self.groups = []
+        ...     def __call__(self, bucket: GradBucket) -> Future[Tensor]:
+        ...         return completed(bucket.buffer)
+        ...     def setup(self, group, ranks, backend) -> None:
+        ...         self.groups.append(ranks)  # a real reducer would call dist.new_group(...) here
+        >>> reducer = Counting()
+        >>> setup_reducer(reducer, None, ranks=[0, 1]); reducer.groups
+        [[0, 1]]
+        >>> setup_reducer(NativeReducer(), None, ranks=[0, 1])  # no setup step: nothing happens
+    """
+    setup = getattr(reducer, "setup", None)
+    if callable(setup):
+        members = list(ranks) if ranks is not None else list(range(dist.get_world_size()))
+        setup(group, members, backend)
+
+
+def close_reducer(reducer: object) -> None:
+    """Call ``reducer.close()`` where it has one.
+
+    Examples:
+        >>> close_reducer(RingReducer()); close_reducer(lambda bucket: completed(bucket.buffer))
+    """
+    close = getattr(reducer, "close", None)
+    if callable(close):
+        close()
 
 
 def _ring_estimate(nbytes: int, world_size: int) -> int:
@@ -188,7 +241,8 @@ class RingReducer:
 
     Buckets are reduced one at a time, in call order, on one communication thread (started on first use with the
     caller's device and intra-op thread count), so backward goes on while they travel. One scratch workspace per dtype
-    and device is reused: a fresh half-bucket buffer per reduction costs page faults on large buckets.
+    and device is reused: a fresh half-bucket buffer per reduction costs page faults on large buckets. Its
+    :meth:`setup` gives a two-rank gloo ring a second connection (see :meth:`setup`).
 
     Examples:
         >>> reducer = RingReducer()
@@ -200,6 +254,19 @@ class RingReducer:
     def __init__(self) -> None:
         self._workspaces: dict[tuple[torch.dtype, torch.device], Tensor] = {}
         self._thread = CommThread("ldps-grad-comm")
+        self._duplex: dict[object, dist.ProcessGroup] = {}  # the group a bucket names -> its second connection
+
+    def setup(self, group: dist.ProcessGroup | None, ranks: Sequence[int], backend: str | None = None) -> None:
+        """Make the second group over ``ranks`` that a two-rank ring on gloo sends one direction over, so each
+        direction has its own connection (:func:`~lightning_dp_strategies.comm.new_duplex_group`; nothing is made at
+        other sizes or on other backends). Call it through :func:`setup_reducer`, on every rank."""
+        duplex = new_duplex_group(list(ranks), backend)
+        if duplex is not None and dist.get_rank() in ranks:
+            self._duplex[group] = duplex
+
+    def duplex_group(self, group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+        """The second connection :meth:`setup` made for buckets over ``group``, or ``None``."""
+        return self._duplex.get(group)
 
     def __call__(self, bucket: GradBucket) -> Future[Tensor]:
         return self._thread.submit(functools.partial(self.reduce, bucket), bucket.buffer.device)
@@ -214,14 +281,20 @@ class RingReducer:
         workspace = self._workspaces.get(key)
         if workspace is None or workspace.numel() < needed:
             workspace = self._workspaces[key] = torch.empty(needed, dtype=buffer.dtype, device=buffer.device)
+        duplex = bucket.duplex if bucket.duplex is not None else self._duplex.get(bucket.group)
         return ring_all_reduce(
-            buffer, bucket.op, group=bucket.group, counter=bucket.counter, workspace=workspace, duplex=bucket.duplex
+            buffer, bucket.op, group=bucket.group, counter=bucket.counter, workspace=workspace, duplex=duplex
         )
 
     def close(self) -> None:
-        """Stop the communication thread (after the reductions already queued) and drop the workspaces."""
+        """Stop the communication thread (after the reductions already queued), destroy the groups :meth:`setup`
+        made and drop the workspaces; closing twice does nothing more."""
         self._thread.close()
         self._workspaces.clear()
+        duplex, self._duplex = list(self._duplex.values()), {}
+        if dist.is_initialized():
+            for group in duplex:
+                dist.destroy_process_group(group)
 
 
 class NativeReducer:
@@ -301,6 +374,33 @@ REDUCERS: dict[str, Callable[[], Reducer]] = {
 """The built-in reducers by name, as the strategies' ``reducer=`` option accepts them."""
 
 
+def check_reducer(reducer: object) -> None:
+    """A clear error unless ``reducer`` is ``None`` (the ring), a name in :data:`REDUCERS` or a callable; builds
+    nothing (no thread, no group), so options can be validated at construction.
+
+    Examples:
+        >>> check_reducer("native"); check_reducer(None)
+        >>> check_reducer(42)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        TypeError: `reducer` must be one of ['ring', 'native', 'per_tensor'] or a callable ...
+    """
+    if reducer is None:
+        return
+    if isinstance(reducer, str):
+        if reducer not in REDUCERS:
+            raise ValueError(
+                f"Unknown reducer {reducer!r}: use one of {list(REDUCERS)}, or pass a callable "
+                "reducer(bucket) -> torch.futures.Future (see lightning_dp_strategies.reducers)."
+            )
+        return
+    if not callable(reducer):
+        raise TypeError(
+            f"`reducer` must be one of {list(REDUCERS)} or a callable reducer(bucket) -> torch.futures.Future, "
+            f"got {reducer!r}."
+        )
+
+
 def resolve_reducer(reducer: str | Reducer | None) -> Reducer:
     """A reducer from a name in :data:`REDUCERS`, a reducer itself, or ``None`` (a new :class:`RingReducer`).
 
@@ -312,18 +412,9 @@ def resolve_reducer(reducer: str | Reducer | None) -> Reducer:
         ...
         ValueError: Unknown reducer 'tree': use one of ['ring', 'native', 'per_tensor'], or pass a callable ...
     """
+    check_reducer(reducer)
     if reducer is None:
         return RingReducer()
     if isinstance(reducer, str):
-        if reducer not in REDUCERS:
-            raise ValueError(
-                f"Unknown reducer {reducer!r}: use one of {list(REDUCERS)}, or pass a callable "
-                "reducer(bucket) -> torch.futures.Future (see lightning_dp_strategies.reducers)."
-            )
         return REDUCERS[reducer]()
-    if not callable(reducer):
-        raise TypeError(
-            f"`reducer` must be one of {list(REDUCERS)} or a callable reducer(bucket) -> torch.futures.Future, "
-            f"got {reducer!r}."
-        )
     return reducer

@@ -10,8 +10,7 @@ import torch
 from torch import nn
 
 from lightning_dp_strategies.bucketing import GradientBuckets, MiB, assign_buckets
-from lightning_dp_strategies.comm import new_duplex_group
-from lightning_dp_strategies.reducers import GradBucket, RingReducer, completed
+from lightning_dp_strategies.reducers import GradBucket, RingReducer, completed, setup_reducer
 from tests.helpers.distributed import point_to_point_log, run_distributed
 
 # numerically sensitive: CI runs this file again under other CPU kernel paths and thread counts
@@ -88,11 +87,13 @@ def rank_grads(rank: int, use: tuple[str, ...]) -> dict[str, torch.Tensor]:
 def _check_reduction(rank: int, world_size: int) -> None:
     uses = [("a", "b"), ("a",), ("b", "a")][:world_size]
     model = Branchy()
-    duplex = new_duplex_group()  # a second group at two ranks (None at three): the ring reducer must use it
+    reducer = RingReducer()
+    setup_reducer(reducer, None)  # its setup step: a second group at two ranks (none at three), which it must use
+    duplex = reducer.duplex_group(None)
     assert (duplex is not None) == (world_size == 2)
     # tiny caps: several buckets, so some launch while backward is still running
     buckets = GradientBuckets(
-        model.named_parameters(), bucket_cap_mb=200 / MiB, first_bucket_cap_mb=100 / MiB, duplex_group=duplex
+        model.named_parameters(), reducer=reducer, bucket_cap_mb=200 / MiB, first_bucket_cap_mb=100 / MiB
     )
     assert len(buckets.buckets) >= 3
     assert all("frozen" not in n for b in buckets.buckets for n in b.names), "frozen parameters are excluded"

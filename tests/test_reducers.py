@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from lightning_dp_strategies.comm import CommCounter, reference_all_reduce
 from lightning_dp_strategies.reducers import (
@@ -16,8 +17,10 @@ from lightning_dp_strategies.reducers import (
     NativeReducer,
     PerTensorReducer,
     RingReducer,
+    check_reducer,
     completed,
     resolve_reducer,
+    setup_reducer,
 )
 from tests.helpers.distributed import run_distributed
 
@@ -114,3 +117,79 @@ def test_bucket_views_and_rebinding() -> None:
     assert bucket.flags.tolist() == [6.0, 7.0]
     other = bucket.with_buffer(torch.zeros(3), op="sum", keep_layout=False)
     assert other.counter is bucket.counter and other.index == 4 and other.op == "sum" and other.shapes == []
+
+
+def _check_setup_step(rank: int, world_size: int) -> None:
+    """Two groups of two, as hybrid_pipeline's stages: every rank sets the reducer up for both, in the same order."""
+    from lightning_dp_strategies import bf16_compress
+    from tests.helpers.distributed import point_to_point_log
+
+    pairs = [[0, 1], [2, 3]]
+    groups = [dist.new_group(ranks) for ranks in pairs]
+    mine = rank // 2
+    ring = RingReducer()
+    for group, ranks in zip(groups, pairs, strict=True):
+        setup_reducer(bf16_compress(ring), group, ranks)  # a wrapper hands the setup step to its inner reducer
+    duplex = ring.duplex_group(groups[mine])
+    assert duplex is not None and dist.get_process_group_ranks(duplex) == pairs[mine]
+    assert ring.duplex_group(groups[1 - mine]) is None  # a group this rank is not in
+    bucket = GradBucket(torch.full((6,), float(rank)), groups[mine], op="sum")
+    with point_to_point_log() as calls:
+        ring(bucket).wait()
+    assert torch.equal(bucket.buffer, torch.full((6,), float(sum(pairs[mine]))))  # small integers: exact
+    sender = pairs[mine][1]  # the pair's second rank sends over the second connection, the first receives over it
+    assert {group for name, group, _ in calls if name == ("send" if rank == sender else "recv")} == {duplex}
+    ring.close()
+    assert ring.duplex_group(groups[mine]) is None  # destroyed with the reducer
+    ring.close()  # twice: nothing more to do
+
+
+@pytest.mark.timeout(120)
+def test_the_ring_makes_its_second_connection_in_its_setup_step_per_group() -> None:
+    run_distributed(_check_setup_step, 4)
+
+
+def _check_own_group_reducer(rank: int, world_size: int) -> None:
+    import sys
+
+    from tests.helpers.distributed import REPO_ROOT
+
+    sys.path.insert(0, str(REPO_ROOT / "docs" / "examples"))
+    from own_group_reducer import OwnGroupReducer
+
+    reducer = OwnGroupReducer()
+    pairs = [[0, 1], [1, 2]]
+    groups = [dist.new_group(ranks) for ranks in pairs]  # the strategy's groups
+    for group, ranks in zip(groups, pairs, strict=True):  # rank 0 is outside the second and still helps make it
+        setup_reducer(reducer, group, ranks)
+    assert len(reducer.groups) == (2 if rank == 1 else 1)
+    if rank in (0, 1):
+        bucket = GradBucket(torch.full((4,), float(rank + 1)), groups[0], op="avg")
+        assert torch.equal(reducer(bucket).wait(), torch.full((4,), 1.5))  # (1 + 2) / 2: exact
+    reducer.close()
+
+
+@pytest.mark.timeout(120)
+def test_the_guides_reducer_makes_its_own_groups_in_setup_on_every_rank() -> None:
+    run_distributed(_check_own_group_reducer, 3)
+
+
+def test_validating_the_reducer_option_builds_no_reducer(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_dp_strategies import HybridPipelineStrategy, RingAllReduceStrategy
+
+    def refuse() -> RingReducer:
+        raise AssertionError("a reducer was built while validating the option")
+
+    monkeypatch.setitem(REDUCERS, "ring", refuse)
+    RingAllReduceStrategy(reducer="ring")
+    HybridPipelineStrategy(pipeline_stages=2, reducer="ring")
+    check_reducer(None)
+    with pytest.raises(ValueError, match="Unknown reducer 'tree'"):
+        check_reducer("tree")
+
+
+def test_a_duplex_group_handed_to_the_buckets_is_deprecated() -> None:
+    from lightning_dp_strategies import GradientBuckets
+
+    with pytest.warns(DeprecationWarning, match="setup_reducer"):
+        GradientBuckets(torch.nn.Linear(2, 2).named_parameters(), duplex_group=object()).close()  # type: ignore[arg-type]

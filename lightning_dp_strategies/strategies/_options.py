@@ -6,7 +6,17 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from lightning_dp_strategies.reducers import resolve_reducer
+from lightning_dp_strategies.reducers import check_reducer
+
+__all__ = [
+    "check_backend",
+    "check_flag",
+    "check_positive",
+    "check_reducer",
+    "check_start_method",
+    "check_timeout",
+    "default_timeout",
+]
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 CPU_DEFAULT_TIMEOUT = timedelta(minutes=5)
@@ -77,8 +87,3 @@ def check_start_method(start_method: object) -> str:
         raise ValueError(f"Unknown `start_method` {start_method!r}: use one of {list(START_METHODS)}.")
     assert isinstance(start_method, str)
     return start_method
-
-
-def check_reducer(reducer: object) -> None:
-    """``None`` (the ring), a name in ``REDUCERS``, or a callable ``reducer(bucket) -> Future``; else a clear error."""
-    resolve_reducer(reducer)  # type: ignore[arg-type]  # raises ValueError / TypeError naming the allowed values

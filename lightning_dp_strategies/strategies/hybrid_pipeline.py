@@ -52,7 +52,6 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_dp_strategies.bucketing import PEER_FAILURE_HINT, GradientBuckets
-from lightning_dp_strategies.comm import new_duplex_group
 from lightning_dp_strategies.pipeline import (
     SCHEDULES,
     PipelineRunner,
@@ -68,7 +67,7 @@ from lightning_dp_strategies.pipeline import (
     select_optimizer_state,
     stage_ranges,
 )
-from lightning_dp_strategies.reducers import Reducer
+from lightning_dp_strategies.reducers import Reducer, close_reducer, setup_reducer
 from lightning_dp_strategies.strategies._grad_sync import BucketedGradSync, destroy_groups
 from lightning_dp_strategies.strategies._options import (
     check_backend,
@@ -320,7 +319,7 @@ class HybridPipelineStrategy(CheckpointAndResume, BucketedGradSync, DDPStrategy)
         self.runner: PipelineRunner | None = None
         self._mesh: Any = None
         self._grad_groups: list[dist.ProcessGroup] = []
-        self._duplex_groups: list[dist.ProcessGroup | None] = []
+        self._reducer: Reducer | None = None
         self._pending: dict[nn.Parameter, Tensor | None] = {}
         self._batch_checked = False
         self._warned_loss = False
@@ -377,8 +376,11 @@ class HybridPipelineStrategy(CheckpointAndResume, BucketedGradSync, DDPStrategy)
         # collectives the main thread issues on the mesh groups (metric syncing, logging with sync_dist)
         stage_ranks = [[s * replicas + d for d in range(replicas)] for s in range(stages)]
         self._grad_groups = [dist.new_group(ranks, backend=self._process_group_backend) for ranks in stage_ranks]
-        # gloo, two replicas: the ring's two directions over two connections (see new_duplex_group)
-        self._duplex_groups = [new_duplex_group(ranks, self._process_group_backend) for ranks in stage_ranks]
+        # the reducer makes the groups it needs for each stage's group (the ring: a second connection at two
+        # replicas), on every rank, as making a group is collective over the world
+        self._reducer = self.configure_reducer()
+        for group, ranks in zip(self._grad_groups, stage_ranks, strict=True):
+            setup_reducer(self._reducer, group, ranks, self._process_group_backend)
 
     @property
     @override
@@ -438,8 +440,7 @@ class HybridPipelineStrategy(CheckpointAndResume, BucketedGradSync, DDPStrategy)
                 self.buckets = GradientBuckets(
                     self._owned_parameters(),
                     group=self._grad_groups[layout.stage],
-                    duplex_group=self._duplex_groups[layout.stage],
-                    reducer=self.configure_reducer(),
+                    reducer=self._reducer,
                     bucket_cap_mb=self.config.bucket_cap_mb,
                     first_bucket_cap_mb=self.config.first_bucket_cap_mb,
                 )
@@ -808,6 +809,9 @@ class HybridPipelineStrategy(CheckpointAndResume, BucketedGradSync, DDPStrategy)
 
     @override
     def teardown(self) -> None:
+        if self.buckets is None and self._reducer is not None:  # the buckets close the reducer they were given
+            close_reducer(self._reducer)
+        self._reducer = None
         self._close_buckets()
         for metric, group in self._metric_groups:
             metric.process_group = group
@@ -819,15 +823,16 @@ class HybridPipelineStrategy(CheckpointAndResume, BucketedGradSync, DDPStrategy)
         self._destroy_groups()
 
     def _destroy_groups(self) -> None:
-        """Destroy the groups ``setup_distributed`` made (the mesh's, the gradient groups and their duplex groups).
+        """Destroy the groups ``setup_distributed`` made (the mesh's and the gradient groups; the reducer destroys its
+        own when it is closed).
 
         Every ``fit``/``validate``/``predict`` makes a fresh set; without this, repeated calls in one process (a
         notebook, a benchmark) piled up gloo connections and threads, three or four groups per call.
         """
-        groups: list[object] = [*self._grad_groups, *self._duplex_groups]
+        groups: list[object] = list(self._grad_groups)
         if self._mesh is not None:
             groups += [self._mesh.get_group(name) for name in ("pipeline", "data_parallel")]
-        self._grad_groups, self._duplex_groups, self._mesh = [], [], None
+        self._grad_groups, self._mesh = [], None
         destroy_groups(groups)
 
     @classmethod

@@ -19,8 +19,7 @@ from torch.distributed.distributed_c10d import _get_default_group
 from typing_extensions import override
 
 from lightning_dp_strategies.bucketing import GradientBuckets, assign_buckets
-from lightning_dp_strategies.comm import new_duplex_group
-from lightning_dp_strategies.reducers import Reducer
+from lightning_dp_strategies.reducers import Reducer, setup_reducer
 from lightning_dp_strategies.strategies._grad_sync import BucketedGradSync, destroy_groups
 from lightning_dp_strategies.strategies._options import (
     check_backend,
@@ -107,7 +106,6 @@ class RingAllReduceStrategy(CheckpointAndResume, BucketedGradSync, DDPStrategy):
         # runtime state and statistics (buckets, no-sync flag, step_stats)
         self._init_grad_sync(nonfinite_grads)
         self._grad_group: dist.ProcessGroup | None = None
-        self._duplex_group: dist.ProcessGroup | None = None
 
     # ------------------------------------------------------------------ setup
     @override
@@ -142,13 +140,12 @@ class RingAllReduceStrategy(CheckpointAndResume, BucketedGradSync, DDPStrategy):
         # a dedicated group: the communication thread never interleaves with collectives the main thread issues
         # (self.log(sync_dist=True), SyncBatchNorm, barriers) on the default group
         self._grad_group = dist.new_group(backend=self._process_group_backend)
-        # gloo, two ranks: the ring's two directions over two connections (see new_duplex_group)
-        self._duplex_group = new_duplex_group(backend=self._process_group_backend)
+        reducer = self.configure_reducer()
+        setup_reducer(reducer, self._grad_group, backend=self._process_group_backend)  # e.g. the ring's 2nd link
         self.buckets = GradientBuckets(
             module.named_parameters(),
             group=self._grad_group,
-            duplex_group=self._duplex_group,
-            reducer=self.configure_reducer(),
+            reducer=reducer,
             bucket_cap_mb=self.bucket_cap_mb,
             first_bucket_cap_mb=self.first_bucket_cap_mb,
         )
@@ -208,8 +205,8 @@ class RingAllReduceStrategy(CheckpointAndResume, BucketedGradSync, DDPStrategy):
     @override
     def teardown(self) -> None:
         self._close_buckets()
-        destroy_groups([self._grad_group, self._duplex_group])
-        self._grad_group = self._duplex_group = None
+        destroy_groups([self._grad_group])
+        self._grad_group = None
         super().teardown()
 
     @classmethod

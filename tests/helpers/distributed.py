@@ -56,6 +56,13 @@ def _worker(
         raise
 
 
+def duplex_ranks(buckets: Any) -> list[int] | None:
+    """The ranks of the second connection the buckets' ring reducer made in its setup step, or ``None``."""
+    lookup = getattr(getattr(buckets, "reducer", None), "duplex_group", None)
+    duplex = lookup(buckets.group) if callable(lookup) else None
+    return dist.get_process_group_ranks(duplex) if duplex is not None else None
+
+
 @contextmanager
 def point_to_point_log() -> Iterator[list[tuple[str, dist.ProcessGroup, int]]]:
     """Within the block, every ``ProcessGroup.send``/``recv`` call of this process is logged as ``(name, group, tag)``,

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from torchmetrics import SumMetric
 
 from lightning_dp_strategies import HybridPipelineStrategy
+from tests.helpers.distributed import duplex_ranks
 
 
 @dataclass(frozen=True)
@@ -126,11 +127,7 @@ class Recorder(L.Callback):
                 "ring_operations": strategy.comm_stats.ring_operations,
                 "skipped": strategy.comm_stats.skipped_backwards,
                 "reducer": type(strategy.buckets.reducer).__name__ if strategy.buckets is not None else None,
-                "duplex_ranks": (
-                    dist.get_process_group_ranks(strategy.buckets.duplex_group)
-                    if strategy.buckets is not None and strategy.buckets.duplex_group is not None
-                    else None
-                ),
+                "duplex_ranks": duplex_ranks(strategy.buckets),
             },
             f"{self.prefix}-rank{trainer.global_rank}.pt",
         )

@@ -19,13 +19,13 @@ from typing import Any
 
 import lightning as L
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.pytorch.loggers import CSVLogger
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_dp_strategies
+from tests.helpers.distributed import duplex_ranks
 
 NUM_NODES = int(os.environ.get("LDPS_NUM_NODES", "1"))  # > 1 under torchrun --nnodes (TorchElasticEnvironment)
 
@@ -126,13 +126,12 @@ class Recorder(L.Callback):
     def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         stats = getattr(trainer.strategy, "comm_stats", None)
         buckets = getattr(trainer.strategy, "buckets", None)
-        duplex = buckets.duplex_group if buckets is not None else None
         torch.save(
             {
                 "params": {n: p.detach().clone() for n, p in module.named_parameters()},
                 "records": module.records,
                 "totals": stats.as_dict() if stats is not None else None,
-                "duplex_ranks": dist.get_process_group_ranks(duplex) if duplex is not None else None,
+                "duplex_ranks": duplex_ranks(buckets),
             },
             self.outdir / f"rank{trainer.global_rank}.pt",
         )
