@@ -22,6 +22,8 @@ from lightning_dp_strategies.reducers import (
 )
 from lightning_dp_strategies.strategies import (
     AtomicCheckpointIO,
+    BucketedConfig,
+    BucketedDataParallel,
     HybridPipelineStrategy,
     RingAllReduceStrategy,
     ScatterGatherStrategy,
@@ -33,6 +35,8 @@ __version__ = "0.1.0"
 __all__ = [
     "REDUCERS",
     "AtomicCheckpointIO",
+    "BucketedConfig",
+    "BucketedDataParallel",
     "CastCompression",
     "CommCounter",
     "CommStats",

@@ -20,6 +20,7 @@ PUBLIC_MODULES = [
     "lightning_dp_strategies.plan",
     "lightning_dp_strategies.data_parallel",
     "lightning_dp_strategies.strategies.checkpoint_io",
+    "lightning_dp_strategies.strategies.bucketed",
     "lightning_dp_strategies.compare",
     "lightning_dp_strategies.pipeline",
 ]
@@ -55,7 +56,9 @@ def test_override_one_method_example_trains_to_parity() -> None:
     assert "max |dθ| against single-device training" in output  # the script asserts <= 1e-5 itself
 
 
-@pytest.mark.parametrize("example", ["bf16_ring_strategy.py", "native_allreduce_strategy.py"])
+@pytest.mark.parametrize(
+    "example", ["bf16_ring_strategy.py", "native_allreduce_strategy.py", "bucketed_ddp_strategy.py"]
+)
 def test_a_new_strategy_takes_well_under_40_lines(example: str) -> None:
     """From the first import to the name's registration: the whole strategy, blank lines and docstrings included."""
     from pathlib import Path
@@ -63,6 +66,12 @@ def test_a_new_strategy_takes_well_under_40_lines(example: str) -> None:
     source = (Path(__file__).resolve().parents[1] / "docs" / "examples" / example).read_text()
     body = source[source.index("\nfrom ") : source.index('if __name__ == "__main__":')]
     assert len(body.strip().splitlines()) < 30, body
+
+
+@pytest.mark.timeout(300)
+def test_a_strategy_written_against_the_base_trains_to_parity() -> None:
+    output = run_script(["docs/examples/bucketed_ddp_strategy.py", "6"], timeout=240)
+    assert "max |dθ| against single-device training" in output  # the script asserts <= 1e-5 itself
 
 
 @pytest.mark.timeout(300)
@@ -88,6 +97,7 @@ def test_guide_includes_the_tested_example_verbatim() -> None:
     docs = Path(__file__).resolve().parents[1] / "docs"
     assert '--8<-- "docs/examples/bf16_ring_strategy.py"' in (docs / "extending.md").read_text()
     assert '--8<-- "docs/examples/native_allreduce_strategy.py"' in (docs / "extending.md").read_text()
+    assert '--8<-- "docs/examples/bucketed_ddp_strategy.py"' in (docs / "extending.md").read_text()
     assert '--8<-- "docs/examples/quickstart.py"' in (docs / "quickstart.md").read_text()
     assert sys.version_info >= (3, 10)
 

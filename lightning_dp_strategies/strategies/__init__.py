@@ -2,6 +2,7 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_dp_strategies.strategies.bucketed import BucketedConfig, BucketedDataParallel
 from lightning_dp_strategies.strategies.checkpoint_io import AtomicCheckpointIO
 from lightning_dp_strategies.strategies.hybrid_pipeline import HybridPipelineStrategy
 from lightning_dp_strategies.strategies.ring_allreduce import RingAllReduceStrategy
@@ -9,6 +10,8 @@ from lightning_dp_strategies.strategies.scatter_gather import ScatterGatherStrat
 
 __all__ = [
     "AtomicCheckpointIO",
+    "BucketedConfig",
+    "BucketedDataParallel",
     "HybridPipelineStrategy",
     "RingAllReduceStrategy",
     "ScatterGatherStrategy",

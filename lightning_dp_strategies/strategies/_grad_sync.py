@@ -32,10 +32,9 @@ def destroy_groups(groups: Iterable[object]) -> None:
 
 
 class BucketedGradSync(NonfiniteCheck, ParallelStrategy):
-    """Mixed in ahead of ``DDPStrategy``: ``self.buckets`` average the gradients; this keeps the books.
-
-    Subclasses call :meth:`_init_grad_sync` in ``__init__``, create ``self.buckets`` at setup, call
-    :meth:`_close_buckets` at teardown, and may override :meth:`_log_step` to log after each optimizer step.
+    """The bookkeeping half of :class:`~.bucketed.BucketedDataParallel` (which wires it up): no-sync blocks,
+    per-step statistics, the reducer hook and the rank-agreement check. Subclasses may override :meth:`_log_step`
+    to log after each optimizer step.
     """
 
     buckets: GradientBuckets | None

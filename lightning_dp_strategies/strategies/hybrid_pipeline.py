@@ -44,14 +44,13 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.optimizer import _optimizer_to_device, _optimizers_to_device
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
-from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_dp_strategies.bucketing import PEER_FAILURE_HINT, GradientBuckets
+from lightning_dp_strategies.bucketing import PEER_FAILURE_HINT
 from lightning_dp_strategies.pipeline import (
     SCHEDULES,
     PipelineRunner,
@@ -67,19 +66,13 @@ from lightning_dp_strategies.pipeline import (
     select_optimizer_state,
     stage_ranges,
 )
-from lightning_dp_strategies.reducers import Reducer, close_reducer, setup_reducer
-from lightning_dp_strategies.strategies._grad_sync import BucketedGradSync, destroy_groups
+from lightning_dp_strategies.reducers import Reducer
+from lightning_dp_strategies.strategies._grad_sync import destroy_groups
 from lightning_dp_strategies.strategies._options import (
-    check_backend,
     check_flag,
-    check_positive,
-    check_reducer,
-    check_start_method,
-    check_timeout,
-    default_timeout,
 )
 from lightning_dp_strategies.strategies._registry import register_name
-from lightning_dp_strategies.strategies._resume import CheckpointAndResume
+from lightning_dp_strategies.strategies.bucketed import BucketedConfig, BucketedDataParallel
 
 __all__ = ["HybridPipelineStrategy", "PipelineStats"]
 
@@ -103,14 +96,14 @@ OPT_IN_EXAMPLE = """
 
 
 @dataclass(frozen=True)
-class _Config:
-    pipeline_stages: int
-    micro_batches: int
-    schedule: str
-    balance: tuple[int, ...] | str
-    bucket_cap_mb: float
-    first_bucket_cap_mb: float
-    log_pipeline_stats: bool
+class _Config(BucketedConfig):
+    """The options of :class:`HybridPipelineStrategy` (validated by its ``__init__``)."""
+
+    pipeline_stages: int = 2
+    micro_batches: int = 4
+    schedule: str = "1f1b"
+    balance: tuple[int, ...] | str = "parameters"
+    log_pipeline_stats: bool = False
 
 
 @dataclass
@@ -201,7 +194,7 @@ def _describe(x: object) -> str:
     return f"a tensor of shape {tuple(x.shape)}" if isinstance(x, Tensor) else f"a {type(x).__name__}"
 
 
-class HybridPipelineStrategy(CheckpointAndResume, BucketedGradSync, DDPStrategy):
+class HybridPipelineStrategy(BucketedDataParallel):
     """The body of the model split into pipeline stages across ranks, micro-batched, and replicated.
 
     ``world = pipeline_stages x data_parallel`` processes, one device each. Stage ``s`` holds only its own blocks
@@ -248,6 +241,8 @@ class HybridPipelineStrategy(CheckpointAndResume, BucketedGradSync, DDPStrategy)
         >>> strategy = HybridPipelineStrategy(pipeline_stages=2, micro_batches=8, schedule="gpipe")
     """
 
+    config: _Config
+
     def __init__(
         self,
         pipeline_stages: int = 2,
@@ -289,37 +284,32 @@ class HybridPipelineStrategy(CheckpointAndResume, BucketedGradSync, DDPStrategy)
                 f"`balance` must be 'parameters', 'time', or a list of blocks per stage (e.g. "
                 f"{[1] * pipeline_stages} for pipeline_stages={pipeline_stages}), got {balance!r}."
             )
-        check_start_method(start_method)
-        check_reducer(reducer)
         super().__init__(
+            config=_Config(
+                bucket_cap_mb=bucket_cap_mb,
+                first_bucket_cap_mb=first_bucket_cap_mb,
+                pipeline_stages=pipeline_stages,
+                micro_batches=micro_batches,
+                schedule=schedule,
+                balance=balance_value,
+                log_pipeline_stats=check_flag("log_pipeline_stats", log_pipeline_stats),
+            ),
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
-            process_group_backend=check_backend(process_group_backend),
-            timeout=check_timeout(timeout),
+            reducer=reducer,
+            nonfinite_grads=nonfinite_grads,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
             start_method=start_method,
         )
-        # configuration
-        self.config = _Config(
-            pipeline_stages=pipeline_stages,
-            micro_batches=micro_batches,
-            schedule=schedule,
-            balance=balance_value,
-            bucket_cap_mb=check_positive("bucket_cap_mb", bucket_cap_mb),
-            first_bucket_cap_mb=check_positive("first_bucket_cap_mb", first_bucket_cap_mb),
-            log_pipeline_stats=check_flag("log_pipeline_stats", log_pipeline_stats),
-        )
-        self.reducer = reducer
-        # runtime state (and step_stats: gradient communication over this stage's data-parallel group)
-        self._init_grad_sync(nonfinite_grads)
+        # runtime state (step_stats: gradient communication over this stage's data-parallel group)
         self.layout: _Layout | None = None
         self._optimizers_layout: _Layout | None = None  # what the optimizers hold; kept after teardown, for checkpoints
         self.runner: PipelineRunner | None = None
         self._mesh: Any = None
-        self._grad_groups: list[dist.ProcessGroup] = []
-        self._reducer: Reducer | None = None
         self._pending: dict[nn.Parameter, Tensor | None] = {}
         self._batch_checked = False
         self._warned_loss = False
@@ -365,22 +355,22 @@ class HybridPipelineStrategy(CheckpointAndResume, BucketedGradSync, DDPStrategy)
     @override
     def setup_distributed(self) -> None:
         self._check_world()
-        if self._timeout is None:
-            self._timeout = default_timeout(self._get_process_group_backend())
-        super().setup_distributed()
+        super().setup_distributed()  # the gradient groups: one per stage (grad_group_ranks)
         stages, replicas = self.config.pipeline_stages, self.data_parallel_size
         self._mesh = init_device_mesh(
             self.root_device.type, (stages, replicas), mesh_dim_names=("pipeline", "data_parallel")
         )
-        # a dedicated group per stage for the gradient buckets: the communication thread never interleaves with
-        # collectives the main thread issues on the mesh groups (metric syncing, logging with sync_dist)
-        stage_ranks = [[s * replicas + d for d in range(replicas)] for s in range(stages)]
-        self._grad_groups = [dist.new_group(ranks, backend=self._process_group_backend) for ranks in stage_ranks]
-        # the reducer makes the groups it needs for each stage's group (the ring: a second connection at two
-        # replicas), on every rank, as making a group is collective over the world
-        self._reducer = self.configure_reducer()
-        for group, ranks in zip(self._grad_groups, stage_ranks, strict=True):
-            setup_reducer(self._reducer, group, ranks, self._process_group_backend)
+
+    @override
+    def grad_group_ranks(self) -> list[list[int]]:
+        """The replicas of each stage average together: stage ``s`` is ranks ``s * D`` to ``s * D + D - 1``."""
+        replicas = self.data_parallel_size
+        return [[s * replicas + d for d in range(replicas)] for s in range(self.config.pipeline_stages)]
+
+    @override
+    def bucketed_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The parameters of this rank's stage."""
+        return self._owned_parameters()
 
     @property
     @override
@@ -405,12 +395,8 @@ class HybridPipelineStrategy(CheckpointAndResume, BucketedGradSync, DDPStrategy)
                 "strategy='ring_allreduce'."
             )
         body_blocks = len(getattr(module, body_name))  # an empty body gets its own error from the partition
-        if fitting and body_blocks and not any(p.requires_grad for p in module.parameters()):
-            raise ValueError(
-                f"{type(module).__name__} has no parameter that requires grad, so {type(self).__name__} has nothing "
-                "to train. Unfreeze at least one parameter before `trainer.fit`, or use `trainer.validate` / "
-                "`trainer.predict` to run the frozen model."
-            )
+        if fitting and body_blocks:
+            self._require_trainable("use `trainer.validate` / `trainer.predict` to run the frozen model")
         if isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.scaler is not None:
             raise ValueError(
                 f"{type(self).__name__} does not support precision='16-mixed': its loss scaling would have to run "
@@ -437,23 +423,13 @@ class HybridPipelineStrategy(CheckpointAndResume, BucketedGradSync, DDPStrategy)
         self._set_metric_groups(module)
         if fitting:
             if layout.replicas > 1:
-                self.buckets = GradientBuckets(
-                    self._owned_parameters(),
-                    group=self._grad_groups[layout.stage],
-                    reducer=self._reducer,
-                    bucket_cap_mb=self.config.bucket_cap_mb,
-                    first_bucket_cap_mb=self.config.first_bucket_cap_mb,
-                )
+                self._build_buckets()
             self.setup_optimizers(trainer)
         self._optimizers_layout = self.layout if fitting else None
         self.setup_precision_plugin()
         self._install_global_norm_clipping()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
-
-    @override
-    def _fingerprint_options(self) -> dict[str, Any]:
-        return {**super()._fingerprint_options(), **vars(self.config)}
 
     def _partition(self, module: pl.LightningModule, body_name: str) -> None:
         """Work out the balance, then remove every other stage's blocks from this rank's module."""
@@ -803,37 +779,21 @@ class HybridPipelineStrategy(CheckpointAndResume, BucketedGradSync, DDPStrategy)
     @override
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True
-        if self.buckets is not None:
-            self.buckets.abort()
         super().on_exception(exception)
 
     @override
     def teardown(self) -> None:
-        if self.buckets is None and self._reducer is not None:  # the buckets close the reducer they were given
-            close_reducer(self._reducer)
-        self._reducer = None
-        self._close_buckets()
         for metric, group in self._metric_groups:
             metric.process_group = group
         self._metric_groups = []
         self._reassemble()
         self.runner = None
         self._pending = {}
-        super().teardown()
-        self._destroy_groups()
-
-    def _destroy_groups(self) -> None:
-        """Destroy the groups ``setup_distributed`` made (the mesh's and the gradient groups; the reducer destroys its
-        own when it is closed).
-
-        Every ``fit``/``validate``/``predict`` makes a fresh set; without this, repeated calls in one process (a
-        notebook, a benchmark) piled up gloo connections and threads, three or four groups per call.
-        """
-        groups: list[object] = list(self._grad_groups)
+        super().teardown()  # closes the buckets and reducer, destroys the gradient groups
+        # every fit/validate/predict makes a fresh mesh: repeated calls in one process must not pile groups up
         if self._mesh is not None:
-            groups += [self._mesh.get_group(name) for name in ("pipeline", "data_parallel")]
-        self._grad_groups, self._mesh = [], None
-        destroy_groups(groups)
+            destroy_groups([self._mesh.get_group(name) for name in ("pipeline", "data_parallel")])
+        self._mesh = None
 
     @classmethod
     @override

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -13,30 +14,33 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.imports import _IS_INTERACTIVE
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor
 from torch.distributed.distributed_c10d import _get_default_group
 from typing_extensions import override
 
-from lightning_dp_strategies.bucketing import GradientBuckets, assign_buckets
-from lightning_dp_strategies.reducers import Reducer, setup_reducer
-from lightning_dp_strategies.strategies._grad_sync import BucketedGradSync, destroy_groups
-from lightning_dp_strategies.strategies._options import (
-    check_backend,
-    check_flag,
-    check_positive,
-    check_reducer,
-    check_start_method,
-    check_timeout,
-    default_timeout,
-)
+from lightning_dp_strategies.bucketing import assign_buckets
+from lightning_dp_strategies.reducers import Reducer
+from lightning_dp_strategies.strategies._options import check_flag
 from lightning_dp_strategies.strategies._registry import register_name
-from lightning_dp_strategies.strategies._resume import CheckpointAndResume
+from lightning_dp_strategies.strategies.bucketed import BucketedConfig, BucketedDataParallel
 
-__all__ = ["RingAllReduceStrategy"]
+__all__ = ["RingAllReduceConfig", "RingAllReduceStrategy"]
 
 
-class RingAllReduceStrategy(CheckpointAndResume, BucketedGradSync, DDPStrategy):
+@dataclass(frozen=True)
+class RingAllReduceConfig(BucketedConfig):
+    """The options of :class:`RingAllReduceStrategy` (see its arguments), validated on creation."""
+
+    broadcast_buffers: bool = True
+    log_comm_stats: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_flag("broadcast_buffers", self.broadcast_buffers)
+        check_flag("log_comm_stats", self.log_comm_stats)
+
+
+class RingAllReduceStrategy(BucketedDataParallel):
     """One process per device; gradients averaged by this package's bucketed ring all-reduce during backward.
 
     Lightning's launchers, cluster environments (torchrun, SLURM, ...) and process-group setup are reused from
@@ -68,6 +72,8 @@ class RingAllReduceStrategy(CheckpointAndResume, BucketedGradSync, DDPStrategy):
         >>> trainer = L.Trainer(strategy=RingAllReduceStrategy(bucket_cap_mb=10), devices=2)  # doctest: +SKIP
     """
 
+    config: RingAllReduceConfig
+
     def __init__(
         self,
         accelerator: pl.accelerators.Accelerator | None = None,
@@ -85,35 +91,21 @@ class RingAllReduceStrategy(CheckpointAndResume, BucketedGradSync, DDPStrategy):
         timeout: timedelta | float | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
-        check_start_method(start_method)
-        check_reducer(reducer)
         super().__init__(
+            config=RingAllReduceConfig(bucket_cap_mb, first_bucket_cap_mb, broadcast_buffers, log_comm_stats),
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
-            process_group_backend=check_backend(process_group_backend),
-            timeout=check_timeout(timeout),
+            reducer=reducer,
+            nonfinite_grads=nonfinite_grads,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
             start_method=start_method,
         )
-        # configuration
-        self.bucket_cap_mb = check_positive("bucket_cap_mb", bucket_cap_mb)
-        self.first_bucket_cap_mb = check_positive("first_bucket_cap_mb", first_bucket_cap_mb)
-        self.reducer = reducer
-        self.broadcast_buffers = check_flag("broadcast_buffers", broadcast_buffers)
-        self.log_comm_stats = check_flag("log_comm_stats", log_comm_stats)
-        # runtime state and statistics (buckets, no-sync flag, step_stats)
-        self._init_grad_sync(nonfinite_grads)
-        self._grad_group: dist.ProcessGroup | None = None
 
     # ------------------------------------------------------------------ setup
-    @override
-    def setup_distributed(self) -> None:
-        if self._timeout is None:
-            self._timeout = default_timeout(self._get_process_group_backend())
-        super().setup_distributed()
-
     @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
@@ -129,36 +121,16 @@ class RingAllReduceStrategy(CheckpointAndResume, BucketedGradSync, DDPStrategy):
         """Broadcast rank 0's parameters and buffers, then attach the gradient buckets (instead of wrapping in DDP)."""
         module = self.lightning_module
         assert module is not None
-        if not any(p.requires_grad for p in module.parameters()):
-            raise ValueError(
-                f"{type(module).__name__} has no parameter that requires grad, so {type(self).__name__} has no "
-                "gradient to average. Unfreeze at least one parameter before `trainer.fit`, or train with "
-                "`strategy='auto'`."
-            )
+        self._require_trainable("train with `strategy='auto'`")
         self._check_ranks_agree()  # before the broadcast below, which mismatched shapes would hang
         _sync_module_states(module)
-        # a dedicated group: the communication thread never interleaves with collectives the main thread issues
-        # (self.log(sync_dist=True), SyncBatchNorm, barriers) on the default group
-        self._grad_group = dist.new_group(backend=self._process_group_backend)
-        reducer = self.configure_reducer()
-        setup_reducer(reducer, self._grad_group, backend=self._process_group_backend)  # e.g. the ring's 2nd link
-        self.buckets = GradientBuckets(
-            module.named_parameters(),
-            group=self._grad_group,
-            reducer=reducer,
-            bucket_cap_mb=self.bucket_cap_mb,
-            first_bucket_cap_mb=self.first_bucket_cap_mb,
-        )
+        self._build_buckets()
 
     @override
     def _fingerprint_options(self) -> dict[str, Any]:
-        return {
-            **super()._fingerprint_options(),
-            "bucket_cap_mb": self.bucket_cap_mb,
-            "first_bucket_cap_mb": self.first_bucket_cap_mb,
-            "broadcast_buffers": self.broadcast_buffers,
-            "bucket_layout": assign_buckets(self._trainable_parameters(), self.bucket_cap_mb, self.first_bucket_cap_mb),
-        }
+        cfg = self.config
+        layout = assign_buckets(self._trainable_parameters(), cfg.bucket_cap_mb, cfg.first_bucket_cap_mb)
+        return {**super()._fingerprint_options(), "bucket_layout": layout}
 
     def _trainable_parameters(self) -> list[Tensor]:
         module = self.lightning_module
@@ -167,7 +139,7 @@ class RingAllReduceStrategy(CheckpointAndResume, BucketedGradSync, DDPStrategy):
     # ------------------------------------------------------------------ one step
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.broadcast_buffers and dist.is_initialized() and self.world_size > 1:
+        if self.config.broadcast_buffers and dist.is_initialized() and self.world_size > 1:
             module = self.lightning_module
             assert module is not None
             buffers = list(module.buffers())
@@ -176,38 +148,31 @@ class RingAllReduceStrategy(CheckpointAndResume, BucketedGradSync, DDPStrategy):
         return super().training_step(*args, **kwargs)
 
     @override
-    def pre_backward(self, closure_loss: Tensor) -> None:
-        if self.buckets is None:
-            return
-        if self._sync_blocked:
-            self.buckets.skip()
-        else:
-            self.buckets.arm()
-
-    @override
-    def post_backward(self, closure_loss: Tensor) -> None:
-        if self.buckets is not None:
-            self.buckets.finish()
-
-    @override
     def _log_step(self) -> None:
         module = self.lightning_module
-        if self._should_log(self.log_comm_stats) and module is not None and module.logger is not None:
+        if self._should_log(self.config.log_comm_stats) and module is not None and module.logger is not None:
             module.logger.log_metrics(self.step_stats.as_dict("comm/"), step=module.trainer.global_step)
 
-    # ------------------------------------------------------------------ teardown
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        if self.buckets is not None:
-            self.buckets.abort()
-        super().on_exception(exception)
+    # ------------------------------------------------------------------ options (read-only; see `config`)
+    @property
+    def bucket_cap_mb(self) -> float:
+        """``config.bucket_cap_mb``."""
+        return self.config.bucket_cap_mb
 
-    @override
-    def teardown(self) -> None:
-        self._close_buckets()
-        destroy_groups([self._grad_group])
-        self._grad_group = None
-        super().teardown()
+    @property
+    def first_bucket_cap_mb(self) -> float:
+        """``config.first_bucket_cap_mb``."""
+        return self.config.first_bucket_cap_mb
+
+    @property
+    def broadcast_buffers(self) -> bool:
+        """``config.broadcast_buffers``."""
+        return self.config.broadcast_buffers
+
+    @property
+    def log_comm_stats(self) -> bool:
+        """``config.log_comm_stats``."""
+        return self.config.log_comm_stats
 
     @classmethod
     @override
