@@ -23,15 +23,28 @@ node, a slower network between nodes) are not modelled: fit one :class:`Link` pe
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["STRATEGIES", "Link", "Prediction", "Workload", "bucket_count", "format_table", "plan", "predict"]
+__all__ = [
+    "COST_MODELS",
+    "HYBRID_PIPELINE",
+    "RING_ALLREDUCE",
+    "SCATTER_GATHER",
+    "STRATEGIES",
+    "CostModel",
+    "Link",
+    "Prediction",
+    "Workload",
+    "bucket_count",
+    "cost_model_of",
+    "format_table",
+    "plan",
+    "predict",
+]
 
 MiB = 1024 * 1024
-STRATEGIES = ("ring_allreduce", "scatter_gather", "hybrid_pipeline")
-"""Strategy names :func:`predict` knows (``"dp"`` is accepted for ``"scatter_gather"``)."""
 _ALIASES = {"dp": "scatter_gather"}
 
 
@@ -217,8 +230,94 @@ def _ring(nbytes: float, world: int, buckets: int) -> tuple[float, int]:
     return 2 * (world - 1) * nbytes / world, buckets * 2 * (world - 1)
 
 
+Formula = Callable[["Workload", int, "Link", int, int, tuple[float, float]], tuple[float, int, float, float, float]]
+"""``(workload, world_size, link, stages, micro_batches, (bucket_cap_mb, first_bucket_cap_mb))`` -> ``(bytes per rank,
+messages per rank, comm seconds, exposed seconds, bubble)``."""
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """A strategy's per-step communication formula (see the module docstring); a strategy class carries its own as
+    ``cost_model``, so a subclass registered under another name is planned like its base.
+
+    Examples:
+        >>> RING_ALLREDUCE.name, HYBRID_PIPELINE.pipelined
+        ('ring_allreduce', True)
+    """
+
+    name: str
+    formula: Formula = field(repr=False)
+    pipelined: bool = False
+    """Whether ``stages`` and ``micro_batches`` apply."""
+
+
+def _ring_formula(
+    w: Workload, n: int, link: Link, stages: int, micro_batches: int, caps: tuple[float, float]
+) -> tuple[float, int, float, float, float]:
+    nbytes, messages = _ring(w.gradient_bytes, n, bucket_count(w.tensor_bytes or w.gradient_bytes, *caps))
+    comm = link.seconds(messages, nbytes)
+    return nbytes, messages, comm, max(0.0, comm - (w.backward_seconds or 0.0)), 0.0
+
+
+def _scatter_gather_formula(
+    w: Workload, n: int, link: Link, stages: int, micro_batches: int, caps: tuple[float, float]
+) -> tuple[float, int, float, float, float]:
+    replicated = w.gradient_bytes if w.parameter_bytes is None else w.parameter_bytes
+    batch_bytes = w.batch_size * (w.input_bytes_per_sample + w.output_bytes_per_sample)
+    nbytes, messages = (n - 1) * (replicated + w.gradient_bytes) + batch_bytes * (n - 1) / n, 4 * (n - 1)
+    comm = link.seconds(messages, nbytes)
+    return nbytes, messages, comm, comm, 0.0
+
+
+def _pipeline_formula(
+    w: Workload, n: int, link: Link, stages: int, micro_batches: int, caps: tuple[float, float]
+) -> tuple[float, int, float, float, float]:
+    hops, stage_bytes = min(stages - 1, 2), w.gradient_bytes / stages
+    ring_bytes, ring_messages = _ring(stage_bytes, n // stages, bucket_count(math.ceil(stage_bytes), *caps))
+    nbytes = hops * w.batch_size * w.activation_bytes_per_sample + ring_bytes
+    messages = hops * micro_batches + ring_messages
+    comm = link.seconds(messages, nbytes)
+    return nbytes, messages, comm, comm, (stages - 1) / (micro_batches + stages - 1)
+
+
+RING_ALLREDUCE = CostModel("ring_allreduce", _ring_formula)
+SCATTER_GATHER = CostModel("scatter_gather", _scatter_gather_formula)
+HYBRID_PIPELINE = CostModel("hybrid_pipeline", _pipeline_formula, pipelined=True)
+COST_MODELS: dict[str, CostModel] = {m.name: m for m in (RING_ALLREDUCE, SCATTER_GATHER, HYBRID_PIPELINE)}
+"""The built-in strategies' cost models by name (``"dp"`` is accepted for ``"scatter_gather"``)."""
+STRATEGIES = tuple(COST_MODELS)
+"""Strategy names :func:`predict` knows without a class."""
+
+
+def cost_model_of(strategy: str | CostModel | type | object) -> CostModel:
+    """The cost model of a built-in strategy name, a :class:`CostModel`, or a strategy (class) with a ``cost_model``.
+
+    Examples:
+        >>> cost_model_of("dp").name
+        'scatter_gather'
+        >>> class MyRing:  # e.g. a subclass of RingAllReduceStrategy, which carries RING_ALLREDUCE
+        ...     cost_model = RING_ALLREDUCE
+        >>> cost_model_of(MyRing).name
+        'ring_allreduce'
+    """
+    if isinstance(strategy, CostModel):
+        return strategy
+    if isinstance(strategy, str):
+        name = _ALIASES.get(strategy, strategy)
+        if name in COST_MODELS:
+            return COST_MODELS[name]
+        raise ValueError(
+            f"Unknown strategy {strategy!r}: choose one of {', '.join(STRATEGIES)} (or 'dp'), or pass a strategy "
+            "class that has a `cost_model` (every strategy of this package and its subclasses do)."
+        )
+    model = getattr(strategy, "cost_model", None)
+    if isinstance(model, CostModel):
+        return model
+    raise ValueError(f"{strategy!r} has no `cost_model`: give its class a `cost_model = plan.CostModel(...)`.")
+
+
 def predict(
-    strategy: str,
+    strategy: str | CostModel | type,
     workload: Workload,
     world_size: int,
     link: Link,
@@ -230,7 +329,8 @@ def predict(
     """Predict one strategy's per-step communication at ``world_size`` devices (formulas in the module docstring).
 
     Args:
-        strategy: ``"ring_allreduce"``, ``"scatter_gather"`` (or ``"dp"``) or ``"hybrid_pipeline"``.
+        strategy: ``"ring_allreduce"``, ``"scatter_gather"`` (or ``"dp"``), ``"hybrid_pipeline"``, a strategy class
+            with a ``cost_model`` (yours, if it subclasses one of this package's), or a :class:`CostModel`.
         workload: what a step moves.
         world_size: devices in all (``hybrid_pipeline``: ``stages x`` data-parallel replicas).
         link: latency and bandwidth of one device's link.
@@ -245,38 +345,26 @@ def predict(
         >>> p.bubble_fraction, p.messages_per_rank, round(p.comm_seconds * 1e3, 2)
         (0.2727272727272727, 20, 3.24)
     """
-    name = _ALIASES.get(strategy, strategy)
-    if name not in STRATEGIES:
-        raise ValueError(f"Unknown strategy {strategy!r}: choose one of {', '.join(STRATEGIES)} (or 'dp').")
+    model = cost_model_of(strategy)
+    label = strategy if isinstance(strategy, str) else getattr(strategy, "__name__", model.name)
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1 (the number of devices), got {world_size!r}.")
     if stages < 1 or micro_batches < 1:
         raise ValueError(f"stages and micro_batches must be >= 1, got {stages} and {micro_batches}.")
-    if name != "hybrid_pipeline" and (stages, micro_batches) != (1, 1):
-        raise ValueError(f"stages and micro_batches apply to 'hybrid_pipeline' only; leave them at 1 for {name!r}.")
+    if not model.pipelined and (stages, micro_batches) != (1, 1):
+        raise ValueError(
+            f"stages and micro_batches apply to pipelined strategies such as 'hybrid_pipeline' only; leave them at 1 "
+            f"for {label!r}."
+        )
     if world_size % stages:
         divisors = [s for s in range(1, world_size + 1) if world_size % s == 0]
         raise ValueError(
             f"stages={stages} does not divide world_size={world_size}: the pipeline is replicated world_size/stages "
             f"times, so pick stages from {divisors[:12]} or a world size that is a multiple of {stages}."
         )
-    w, n, caps, bubble = workload, world_size, (bucket_cap_mb, first_bucket_cap_mb), 0.0
-    if name == "ring_allreduce":
-        nbytes, messages = _ring(w.gradient_bytes, n, bucket_count(w.tensor_bytes or w.gradient_bytes, *caps))
-        comm = link.seconds(messages, nbytes)
-        exposed = max(0.0, comm - (w.backward_seconds or 0.0))
-    elif name == "scatter_gather":
-        replicated = w.gradient_bytes if w.parameter_bytes is None else w.parameter_bytes
-        batch_bytes = w.batch_size * (w.input_bytes_per_sample + w.output_bytes_per_sample)
-        nbytes, messages = (n - 1) * (replicated + w.gradient_bytes) + batch_bytes * (n - 1) / n, 4 * (n - 1)
-        comm = exposed = link.seconds(messages, nbytes)
-    else:
-        hops, stage_bytes = min(stages - 1, 2), w.gradient_bytes / stages
-        ring_bytes, ring_messages = _ring(stage_bytes, n // stages, bucket_count(math.ceil(stage_bytes), *caps))
-        nbytes = hops * w.batch_size * w.activation_bytes_per_sample + ring_bytes
-        messages = hops * micro_batches + ring_messages
-        comm = exposed = link.seconds(messages, nbytes)
-        bubble = (stages - 1) / (micro_batches + stages - 1)
+    caps = (bucket_cap_mb, first_bucket_cap_mb)
+    nbytes, messages, comm, exposed, bubble = model.formula(workload, world_size, link, stages, micro_batches, caps)
+    name = model.name if isinstance(strategy, str) else label
     return Prediction(name, world_size, stages, micro_batches, nbytes, messages, comm, exposed, bubble)
 
 
@@ -284,7 +372,7 @@ def plan(
     workload: Workload,
     link: Link,
     world_sizes: Sequence[int] = (8, 64, 512),
-    strategies: Sequence[str] = STRATEGIES,
+    strategies: Sequence[str | CostModel | type] = STRATEGIES,
     stages: int = 4,
     micro_batches: int = 16,
     bucket_cap_mb: float = 25.0,
@@ -303,8 +391,7 @@ def plan(
     predictions = []
     for world in world_sizes:
         for strategy in strategies:
-            pipeline = _ALIASES.get(strategy, strategy) == "hybrid_pipeline"
-            s, m = (stages, micro_batches) if pipeline else (1, 1)
+            s, m = (stages, micro_batches) if cost_model_of(strategy).pipelined else (1, 1)
             predictions.append(predict(strategy, workload, world, link, s, m, bucket_cap_mb, first_bucket_cap_mb))
     return predictions
 

@@ -77,3 +77,21 @@ def test_short_run_writes_table_json_and_png_and_isolates_a_crash(
     assert ring["comm_mb_per_step"] > 0 and ring["samples_per_second"] > 0
     assert 0.0 <= ring["accuracy"] <= 1.0
     assert (tmp_path / "comparison.png").stat().st_size > 10_000
+
+
+def test_processes_come_from_the_registered_strategy_class() -> None:
+    """A user's subclass registered under a new name starts as many processes as its base says (not a name match)."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from lightning_dp_strategies import ScatterGatherStrategy
+    from lightning_dp_strategies.compare.runner import processes_for
+
+    class Threads(ScatterGatherStrategy):
+        pass
+
+    StrategyRegistry.register("my_threads_for_test", Threads, override=True)
+    try:
+        assert processes_for("my_threads_for_test", 4) == 1  # replicas are threads, whatever the name
+        assert processes_for("ring_allreduce", 4) == 4 and processes_for("ddp", 4) == 4
+    finally:
+        StrategyRegistry.remove("my_threads_for_test")

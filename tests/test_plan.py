@@ -281,3 +281,24 @@ def test_prediction_lands_within_a_factor_of_1_5_of_measured_ring_all_reduce(tmp
         if all(1 / TOLERANCE <= m <= TOLERANCE for m in medians.values()):
             return
     pytest.fail("\n".join(reports))
+
+
+def test_a_strategy_class_brings_its_own_cost_model_so_subclasses_plan_like_their_base() -> None:
+    from lightning_dp_strategies import HybridPipelineStrategy, RingAllReduceStrategy, ScatterGatherStrategy
+    from lightning_dp_strategies.plan import cost_model_of
+
+    class MyRing(RingAllReduceStrategy):  # a user's subclass, registered under any name
+        pass
+
+    work = Workload(gradient_bytes=64 * MiB)
+    mine, builtin = predict(MyRing, work, 8, UNIT), predict("ring_allreduce", work, 8, UNIT)
+    assert mine.strategy == "MyRing" and (mine.bytes_per_rank, mine.comm_seconds) == (
+        builtin.bytes_per_rank,
+        builtin.comm_seconds,
+    )
+    assert cost_model_of(ScatterGatherStrategy).name == "scatter_gather"
+    assert cost_model_of(HybridPipelineStrategy).pipelined
+    rows = plan(work, UNIT, world_sizes=(8,), strategies=[MyRing, HybridPipelineStrategy], stages=4, micro_batches=8)
+    assert [(p.strategy, p.stages) for p in rows] == [("MyRing", 1), ("HybridPipelineStrategy", 4)]
+    with pytest.raises(ValueError, match="has no `cost_model`"):
+        predict(object, work, 8, UNIT)

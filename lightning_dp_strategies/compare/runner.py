@@ -49,8 +49,18 @@ def default_strategies() -> list[str]:
 
 
 def processes_for(name: str, devices: int) -> int:
-    """Processes a strategy starts: one for the baseline and scatter/gather, one per device otherwise."""
-    return 1 if name in (BASELINE, "dp", "scatter_gather") else devices
+    """Processes a strategy starts: one for the baseline; what the registered class says (``launched_processes``,
+    which this package's strategies and their subclasses have); else one per device, as Lightning's own launch.
+
+    Examples:
+        >>> [processes_for(name, 2) for name in ("single", "dp", "ring_allreduce", "ddp")]
+        [1, 1, 2, 2]
+    """
+    if name == BASELINE:
+        return 1
+    strategy = StrategyRegistry[name]["strategy"] if name in StrategyRegistry else None
+    count = getattr(strategy, "launched_processes", None)
+    return int(count(devices)) if callable(count) else devices
 
 
 @dataclass

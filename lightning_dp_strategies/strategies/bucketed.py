@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import lightning.pytorch as pl
 import torch.distributed as dist
@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_dp_strategies.bucketing import GradientBuckets
+from lightning_dp_strategies.plan import RING_ALLREDUCE, CostModel
 from lightning_dp_strategies.reducers import Reducer, close_reducer, setup_reducer
 from lightning_dp_strategies.strategies._grad_sync import BucketedGradSync, destroy_groups
 from lightning_dp_strategies.strategies._options import (
@@ -98,6 +99,14 @@ class BucketedDataParallel(CheckpointAndResume, BucketedGradSync, DDPStrategy):
     """
 
     config: BucketedConfig
+    cost_model: ClassVar[CostModel] = RING_ALLREDUCE
+    """Its per-step communication formula (:mod:`lightning_dp_strategies.plan`); a subclass that communicates
+    otherwise sets its own."""
+
+    @classmethod
+    def launched_processes(cls, devices: int) -> int:
+        """Processes a run on ``devices`` devices starts: one per device."""
+        return devices
 
     def __init__(
         self,

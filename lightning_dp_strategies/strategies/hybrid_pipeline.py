@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import lightning.pytorch as pl
 import torch.distributed as dist
@@ -66,6 +66,7 @@ from lightning_dp_strategies.pipeline import (
     select_optimizer_state,
     stage_ranges,
 )
+from lightning_dp_strategies.plan import HYBRID_PIPELINE, CostModel
 from lightning_dp_strategies.reducers import Reducer
 from lightning_dp_strategies.strategies._grad_sync import destroy_groups
 from lightning_dp_strategies.strategies._options import (
@@ -242,6 +243,7 @@ class HybridPipelineStrategy(BucketedDataParallel):
     """
 
     config: _Config
+    cost_model: ClassVar[CostModel] = HYBRID_PIPELINE
 
     def __init__(
         self,

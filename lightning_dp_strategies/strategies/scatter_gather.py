@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Generator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -22,6 +22,7 @@ from torch.nn import Module
 from typing_extensions import override
 
 from lightning_dp_strategies import data_parallel
+from lightning_dp_strategies.plan import SCATTER_GATHER, CostModel
 from lightning_dp_strategies.strategies._nonfinite import NonfiniteCheck
 from lightning_dp_strategies.strategies._registry import register_name
 from lightning_dp_strategies.strategies._resume import CheckpointAndResume
@@ -80,6 +81,14 @@ class ScatterGatherStrategy(CheckpointAndResume, NonfiniteCheck, ParallelStrateg
         >>> trainer = L.Trainer(strategy="dp", accelerator="cpu", devices=3)  # doctest: +SKIP
         >>> trainer = L.Trainer(strategy=ScatterGatherStrategy(), accelerator="cuda", devices=[0, 1])  # doctest: +SKIP
     """
+
+    cost_model: ClassVar[CostModel] = SCATTER_GATHER
+    """Its per-step communication formula (:mod:`lightning_dp_strategies.plan`)."""
+
+    @classmethod
+    def launched_processes(cls, devices: int) -> int:
+        """Processes a run on ``devices`` devices starts: one (the replicas are threads)."""
+        return 1
 
     def __init__(
         self,
