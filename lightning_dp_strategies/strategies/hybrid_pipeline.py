@@ -318,6 +318,7 @@ class HybridPipelineStrategy(BucketedDataParallel):
         self._failed = False
         self._trained = False
         self._metric_groups: list[tuple[Any, Any]] = []
+        self._patched_precision: tuple[Precision, Any] | None = None
         # statistics
         self.pipeline_stats = PipelineStats()
         """Bubble and timing of this rank's pipeline steps."""
@@ -506,15 +507,30 @@ class HybridPipelineStrategy(BucketedDataParallel):
                 sub.process_group = self.layout.data_group
 
     def _install_global_norm_clipping(self) -> None:
-        """Route Lightning's clip-by-norm to the norm over all stages (clip-by-value needs nothing)."""
+        """Route Lightning's clip-by-norm to the norm over all stages (clip-by-value needs nothing).
+
+        The precision plugin is Lightning's: this sets an instance attribute on it, and teardown puts back what was
+        there (:meth:`_restore_clipping`)."""
         layout, precision = self.layout, self.precision_plugin
         assert layout is not None
+        self._patched_precision = (precision, precision.__dict__.get("clip_grad_by_norm"))
 
         def clip_grad_by_norm(optimizer: Optimizer, clip_val: float | int) -> None:
             params = list(precision.main_params(optimizer))
             clip_grad_norm_across(params, float(clip_val), group=layout.pipeline_group, device=self.root_device)
 
         precision.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
+
+    def _restore_clipping(self) -> None:
+        """Undo :meth:`_install_global_norm_clipping` on the precision plugin."""
+        if self._patched_precision is None:
+            return
+        precision, previous = self._patched_precision
+        self._patched_precision = None
+        if previous is None:
+            precision.__dict__.pop("clip_grad_by_norm", None)
+        else:
+            precision.clip_grad_by_norm = previous  # type: ignore[method-assign]
 
     # ------------------------------------------------------------------ training
     @override
@@ -785,6 +801,7 @@ class HybridPipelineStrategy(BucketedDataParallel):
 
     @override
     def teardown(self) -> None:
+        self._restore_clipping()
         for metric, group in self._metric_groups:
             metric.process_group = group
         self._metric_groups = []

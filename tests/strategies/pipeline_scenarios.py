@@ -183,9 +183,11 @@ def live_groups() -> int:
 
 def run_suite(suite: str, outdir: Path) -> None:
     groups = []  # after each fit/predict/validate (the first one makes the default group): none may pile up
+    patched = []  # whether the precision plugin still has the strategy's clipping after the fit
     for case in SUITES[suite]:
-        run_case(case, outdir)
+        trainer = run_case(case, outdir)
         groups.append(live_groups())
+        patched.append("clip_grad_by_norm" in vars(trainer.precision_plugin))
     if suite == "world2":
         # predict runs forward-only through the pipeline; afterwards the module is whole again on every rank
         model = PipeNet()
@@ -200,6 +202,7 @@ def run_suite(suite: str, outdir: Path) -> None:
         run_checkpoints(outdir)
         groups.append(live_groups())
     torch.save(groups, outdir / f"groups-rank{dist.get_rank()}.pt")
+    torch.save(patched, outdir / f"patched-rank{dist.get_rank()}.pt")
 
 
 def run_checkpoints(outdir: Path) -> None:
