@@ -337,8 +337,7 @@ class GradientBuckets:
             # one pass: copy and average; in place when .grad already is the slot (accumulation, set_to_none=False)
             divide(grad, self._world_size, out=view)
         # Free autograd's fresh gradient now, not at finish(): with all of them alive until the end of backward, the
-        # allocator hands their memory back to the OS and the next backward pays page faults on all of it (measured:
-        # a third of the backward time of a 21 M parameter MLP on CPU).
+        # allocator hands their memory back to the OS and the next backward pays page faults on all of it.
         param.grad = view
         bucket.flags[slot] = 1
 

@@ -102,7 +102,7 @@ def divide(tensor: Tensor, divisor: int, *, out: Tensor | None = None) -> Tensor
     where that is exact.
 
     For a power-of-two ``divisor`` and a real floating tensor, multiplying by the reciprocal gives the same bits (both
-    round the same exact quotient once) and is about 4x faster on CPU (fp32, 512 Ki elements: 75 us instead of 307).
+    round the same exact quotient once) and is several times faster on CPU (``docs/benchmarks.md``).
 
     Examples:
         >>> divide(torch.tensor([3.0, 1.0]), 2), divide(torch.tensor([3.0, 1.0]), 3)
@@ -312,13 +312,11 @@ def _streamed_ring_all_reduce(
     When are the all-gather receives posted? Gloo writes a send in the calling thread when the peer's receive is
     already posted, and leaves it to its I/O thread otherwise. Where this rank's sends and receives travel over
     different connections (more than two ranks, or two with ``duplex``), they are posted up front, with the first
-    reduce-scatter receives: the peer then writes its reduced pieces straight from its own thread (2 processes with
-    ``duplex``, 10 launches, all better: 1 MiB 0.87x gloo's all-reduce instead of 1.03x, 4 MiB 0.78x instead of
-    0.96x; 3 processes: equal at 1 MiB, 0.94x instead of 1.03x at 16 MiB). Over one connection (two ranks, no
-    ``duplex``) piece k's are posted once this rank has reduced its own piece k: posted up front, the peer's
-    synchronous writes competed with this rank's reads on the same socket, in series with its additions (4 MiB:
-    1.16x instead of 1.06x). Either way they land in place: a chunk's reduced copy can only arrive after this rank's
-    contribution to it has been received downstream.
+    reduce-scatter receives: the peer then writes its reduced pieces straight from its own thread. Over one
+    connection (two ranks, no ``duplex``) piece k's are posted once this rank has reduced its own piece k: posted up
+    front, the peer's synchronous writes would compete with this rank's reads on the same socket, in series with its
+    additions (the measurements behind both choices are in ``docs/benchmarks.md``). Either way they land in place: a
+    chunk's reduced copy can only arrive after this rank's contribution to it has been received downstream.
     """
     pg = group if group is not None else dist.group.WORLD
     assert pg is not None
@@ -453,11 +451,10 @@ def ring_all_reduce(
             ``group``'s ranks). Gloo carries both directions between two ranks over one TCP connection, served by one
             I/O thread per process; in a two-rank ring the next and the previous rank are the same peer, so the
             ring's sends and receives share it. With ``duplex``, rank 1 sends over it and rank 0 receives over it:
-            each direction gets its own connection (gloo, 2 processes on this project's 2-core CI machine, three runs
-            of benchmark (a): 1 MiB 0.89-0.98x gloo's all-reduce instead of 1.25-1.70x, 4 MiB 0.75-0.93x instead of
-            1.08-1.15x). Used by gloo at two ranks only: with more ranks each neighbour already has its own
-            connection (and the extra threads measured slower), and NCCL manages its own channels.
-            :func:`new_duplex_group` makes one where it is used; the strategies make one for their gradient groups.
+            each direction gets its own connection. Used by gloo at two ranks only: with more ranks each neighbour
+            already has its own connection, and NCCL manages its own channels. :func:`new_duplex_group` makes one
+            where it is used; the ring reducer makes one in its setup step (see ``docs/benchmarks.md`` for what it
+            gains).
 
     Returns:
         ``tensor``, now holding the reduction.

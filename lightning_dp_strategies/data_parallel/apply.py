@@ -72,11 +72,10 @@ _vector_math_ready = False
 def _initialise_vector_math() -> None:
     """Let MKL's vector-math library initialise itself in this thread, before replicas first call it at once.
 
-    Its lazy initialisation is not safe against concurrent first calls. Measured with the torch 2.13 CPU wheel and
-    ``OMP_NUM_THREADS=1``: when 8 threads made a process's first vector-math call (``torch.tanh``) at the same moment,
-    one of them got other bits in 14 of 9,000 forked processes; after one ``torch.exp`` in the calling thread, in none
-    of 6,000. Through ``dp`` that made a resumed run differ from the uninterrupted one (~4e-6 after 10 Adam steps)
-    about once in 100 fresh processes. Once per process; a forked child inherits the initialised library.
+    Its lazy initialisation is not safe against concurrent first calls: threads racing into a process's first
+    vector-math call (``torch.tanh``) could compute with other bits, so two ``dp`` runs could differ. One call in the
+    calling thread first prevents it (the CHANGELOG has the measurement). Once per process; a forked child inherits
+    the initialised library.
     """
     global _vector_math_ready
     if not _vector_math_ready:
