@@ -215,7 +215,7 @@ def test_opt_in_error_names_exactly_what_is_missing() -> None:
     import lightning as L
     from torch import nn
 
-    from lightning_dp_strategies.strategies.hybrid_pipeline import _check_opt_in
+    from lightning_dp_strategies.strategies.hybrid_pipeline.opt_in import check_opt_in as _check_opt_in
 
     class OnlyBody(L.LightningModule):
         pipeline_body = "body"

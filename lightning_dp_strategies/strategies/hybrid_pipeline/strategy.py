@@ -64,7 +64,6 @@ from lightning_dp_strategies.pipeline import (
     merge_optimizer_states,
     name_optimizer_state,
     select_optimizer_state,
-    stage_ranges,
 )
 from lightning_dp_strategies.plan import HYBRID_PIPELINE, CostModel
 from lightning_dp_strategies.reducers import Reducer
@@ -74,26 +73,15 @@ from lightning_dp_strategies.strategies._options import (
 )
 from lightning_dp_strategies.strategies._registry import register_name
 from lightning_dp_strategies.strategies.bucketed import BucketedConfig, BucketedDataParallel
+from lightning_dp_strategies.strategies.hybrid_pipeline.layout import Layout, prefix_of
+from lightning_dp_strategies.strategies.hybrid_pipeline.opt_in import (
+    PipelinedBody,
+    ReplayBody,
+    check_opt_in,
+    split_batch,
+)
 
 __all__ = ["HybridPipelineStrategy", "PipelineStats"]
-
-OPT_IN_EXAMPLE = """
-    class MyModel(L.LightningModule):
-        pipeline_body = "body"                      # 1. the nn.Sequential attribute holding the blocks
-
-        def __init__(self):
-            super().__init__()
-            self.body = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
-
-        def pipeline_loss(self, output, target):    # 2. the loss of one micro-batch, on the last block's output
-            return F.cross_entropy(output, target)
-
-        def training_step(self, batch, batch_idx):  # unchanged: batch = (inputs, target)
-            x, y = batch
-            loss = self.pipeline_loss(self.body(x), y)
-            self.log("train_loss", loss, prog_bar=True)
-            return loss
-"""
 
 
 @dataclass(frozen=True)
@@ -105,38 +93,6 @@ class _Config(BucketedConfig):
     schedule: str = "1f1b"
     balance: tuple[int, ...] | str = "parameters"
     log_pipeline_stats: bool = False
-
-
-@dataclass
-class _Layout:
-    """Where this rank sits and what it holds; built at setup."""
-
-    stage: int
-    replica: int
-    replicas: int
-    pipeline_group: dist.ProcessGroup
-    data_group: dist.ProcessGroup
-    body_name: str
-    blocks: list[nn.Module]
-    balance: list[int]
-    full_keys: list[str]  # the whole module's state_dict keys, in order
-    param_order: list[str]  # the whole module's parameter names, in order
-    body_prefix: str = ""
-
-    @property
-    def local_blocks(self) -> range:
-        return stage_ranges(self.balance)[self.stage]
-
-    @property
-    def is_last(self) -> bool:
-        return self.stage == len(self.balance) - 1
-
-    def owns(self, name: str) -> bool:
-        """Whether this stage holds the authoritative value of state ``name`` (body keys: its blocks; others: last)."""
-        if name.startswith(self.body_prefix):
-            block = int(name[len(self.body_prefix) :].split(".", 1)[0])
-            return block in self.local_blocks
-        return self.is_last
 
 
 @dataclass
@@ -161,38 +117,6 @@ class PipelineStats:
         if not stats.warmup:
             self.bubble_sum += stats.bubble
             self.measured_steps += 1
-
-
-class _ReplayBody:
-    """Stands in for the body during ``training_step``: returns the output the pipeline computed for this batch."""
-
-    def __init__(self, output: Tensor, inputs: Tensor, name: str) -> None:
-        self.output = output
-        self.inputs = inputs
-        self.name = name
-
-    def __call__(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        if not isinstance(x, Tensor) or x.shape != self.inputs.shape:
-            raise RuntimeError(
-                f"training_step called self.{self.name} on {_describe(x)}, but the pipeline ran this step on the "
-                f"batch's inputs of shape {tuple(self.inputs.shape)}. Under HybridPipelineStrategy the body runs "
-                "once per step, on the inputs `pipeline_split_batch` returns (by default batch[0]); call it on those."
-            )
-        return self.output
-
-
-class _PipelinedBody:
-    """Stands in for the body during evaluation: runs the forward-only pipeline and returns the last output."""
-
-    def __init__(self, runner: PipelineRunner) -> None:
-        self.runner = runner
-
-    def __call__(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        return self.runner.share_output(self.runner.forward(x))
-
-
-def _describe(x: object) -> str:
-    return f"a tensor of shape {tuple(x.shape)}" if isinstance(x, Tensor) else f"a {type(x).__name__}"
 
 
 class HybridPipelineStrategy(BucketedDataParallel):
@@ -308,8 +232,8 @@ class HybridPipelineStrategy(BucketedDataParallel):
             start_method=start_method,
         )
         # runtime state (step_stats: gradient communication over this stage's data-parallel group)
-        self.layout: _Layout | None = None
-        self._optimizers_layout: _Layout | None = None  # what the optimizers hold; kept after teardown, for checkpoints
+        self.layout: Layout | None = None
+        self._optimizers_layout: Layout | None = None  # what the optimizers hold; kept after teardown, for checkpoints
         self.runner: PipelineRunner | None = None
         self._mesh: Any = None
         self._pending: dict[nn.Parameter, Tensor | None] = {}
@@ -389,7 +313,7 @@ class HybridPipelineStrategy(BucketedDataParallel):
         module = self.lightning_module
         assert module is not None and self.model is not None
         fitting = trainer.state.fn == TrainerFn.FITTING
-        body_name = _check_opt_in(module)
+        body_name = check_opt_in(module)
         if fitting and not module.automatic_optimization:
             raise ValueError(
                 f"{type(self).__name__} supports automatic optimization only: the pipeline schedule runs backward "
@@ -446,7 +370,7 @@ class HybridPipelineStrategy(BucketedDataParallel):
         else:
             balance = balance_by_parameters(blocks, stages)
         mesh = self._mesh
-        layout = _Layout(
+        layout = Layout(
             stage=self.global_rank // self.data_parallel_size,
             replica=self.global_rank % self.data_parallel_size,
             replicas=self.data_parallel_size,
@@ -457,7 +381,7 @@ class HybridPipelineStrategy(BucketedDataParallel):
             balance=balance,
             full_keys=list(module.state_dict().keys()),
             param_order=[n for n, _ in module.named_parameters()],
-            body_prefix=_prefix_of(module, body),
+            body_prefix=prefix_of(module, body),
         )
         local = set(layout.local_blocks)
         for index in range(len(blocks)):
@@ -548,7 +472,7 @@ class HybridPipelineStrategy(BucketedDataParallel):
         module, runner, layout = self.lightning_module, self.runner, self.layout
         assert module is not None and runner is not None and layout is not None
         batch = args[0] if args else kwargs["batch"]
-        inputs, target = _split_batch(module, batch)
+        inputs, target = split_batch(module, batch)
         if not self._batch_checked:
             check_micro_batches(int(inputs.shape[0]), self.config.micro_batches, "the first training batch")
             self._batch_checked = True
@@ -556,7 +480,7 @@ class HybridPipelineStrategy(BucketedDataParallel):
         with self.precision_plugin.train_step_context():
             result = self._run_pipeline(inputs, target, scale)
             output = runner.share_output(result.output)
-            with self._body_replaced(_ReplayBody(output, inputs, layout.body_name)):
+            with self._body_replaced(ReplayBody(output, inputs, layout.body_name)):
                 step_output = module.training_step(*args, **kwargs)
         self.pipeline_stats.record(result.stats)
         if result.loss is not None:
@@ -657,7 +581,7 @@ class HybridPipelineStrategy(BucketedDataParallel):
     def _evaluate(self, hook: str, context: Any, *args: Any, **kwargs: Any) -> Any:
         module, runner = self.lightning_module, self.runner
         assert module is not None and runner is not None
-        with context, self._body_replaced(_PipelinedBody(runner)):
+        with context, self._body_replaced(PipelinedBody(runner)):
             return getattr(module, hook)(*args, **kwargs)
 
     @override
@@ -680,7 +604,7 @@ class HybridPipelineStrategy(BucketedDataParallel):
         return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
     # ------------------------------------------------------------------ checkpoints: the whole model
-    def _gather_to_stage_zero(self, local: Any, layout: _Layout | None = None) -> list[Any] | None:
+    def _gather_to_stage_zero(self, local: Any, layout: Layout | None = None) -> list[Any] | None:
         """Gather ``local`` from every stage of replica 0 onto rank 0 (other ranks: ``None``)."""
         layout = layout or self.layout
         assert layout is not None
@@ -823,59 +747,3 @@ class HybridPipelineStrategy(BucketedDataParallel):
             cls,
             description="Pipeline stages across ranks (GPipe/1F1B micro-batches) x data-parallel replicas",
         )
-
-
-# ---------------------------------------------------------------------------------------------- the opt-in
-def _check_opt_in(module: pl.LightningModule) -> str:
-    """Return the name of the body, or raise naming exactly what the module lacks."""
-    name = getattr(module, "pipeline_body", None)
-    problems = []
-    if not isinstance(name, str):
-        problems.append('a class attribute `pipeline_body = "<attribute>"` naming its nn.Sequential of blocks')
-    elif not isinstance(getattr(module, name, None), nn.Sequential):
-        found = type(getattr(module, name, None)).__name__
-        problems.append(
-            f"`pipeline_body = {name!r}` must name an nn.Sequential attribute (self.{name} is a {found}); "
-            "wrap the blocks in nn.Sequential"
-        )
-    if not callable(getattr(module, "pipeline_loss", None)):
-        problems.append(
-            "a method `pipeline_loss(self, output, target) -> Tensor`: the mean loss of one micro-batch, computed "
-            "on the last block's output"
-        )
-    if problems:
-        raise TypeError(
-            f"{type(module).__name__} cannot run under HybridPipelineStrategy: it needs "
-            + "; and ".join(problems)
-            + ". For example:\n"
-            + OPT_IN_EXAMPLE
-        )
-    assert isinstance(name, str)
-    return name
-
-
-def _split_batch(module: pl.LightningModule, batch: Any) -> tuple[Tensor, Tensor]:
-    split = getattr(module, "pipeline_split_batch", None)
-    if callable(split):
-        inputs, target = split(batch)
-    elif isinstance(batch, (tuple, list)) and len(batch) >= 2:
-        inputs, target = batch[0], batch[1]
-    else:
-        raise TypeError(
-            f"HybridPipelineStrategy cannot tell the inputs from the target in a batch of type "
-            f"{type(batch).__name__}: by default the batch is `(inputs, target, ...)`. Define "
-            "`pipeline_split_batch(self, batch) -> (inputs, target)` on the LightningModule."
-        )
-    if not isinstance(inputs, Tensor) or not isinstance(target, Tensor):
-        raise TypeError(
-            f"The pipeline takes one input tensor and one target tensor, got {_describe(inputs)} and "
-            f"{_describe(target)}; return tensors from `pipeline_split_batch`."
-        )
-    return inputs, target
-
-
-def _prefix_of(module: nn.Module, body: nn.Module) -> str:
-    for name, sub in module.named_modules():
-        if sub is body:
-            return f"{name}."
-    raise AssertionError("the body is not a submodule")  # pragma: no cover
