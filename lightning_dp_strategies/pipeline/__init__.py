@@ -10,7 +10,9 @@ together with the data-parallel gradient buckets.
 - :mod:`.runner`: one rank's side of a pipeline step, with the measured bubble.
 - :mod:`.memory`: activation memory measured with saved-tensor hooks (any device).
 - :mod:`.clipping`: gradient clipping by the global norm across stages.
+- :mod:`.layout`: where a rank sits in the stages x replicas mesh, what it owns, and its stage's blocks.
 - :mod:`.state`: optimizer state of the stages <-> one state dict of the whole model.
+- :mod:`.checkpoint`: the whole model's checkpoint gathered from the stages, and each stage's part of one.
 """
 
 from lightning_dp_strategies.pipeline.clipping import clip_grad_norm_across

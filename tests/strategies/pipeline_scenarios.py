@@ -170,10 +170,37 @@ def loader(samples: int, batch: int, seed: int = 1234) -> DataLoader:
     return DataLoader(make_data(samples, seed), batch_size=batch, shuffle=False)
 
 
-def run_case(case: Case, outdir: Path) -> L.Trainer:
+class UserObjects(L.Callback):
+    """Whether the module's own body and Lightning's precision plugin are as the user made them, during and after fit.
+
+    The strategy may stand its own objects in their place while it trains; it must not change the user's."""
+
+    def __init__(self, model: L.LightningModule, plugin: object) -> None:
+        self.body, self.blocks, self.plugin = model.body, list(model.body), plugin
+        self.checks: list[bool] = []
+
+    def check(self) -> None:
+        self.checks.append(
+            len(self.body) == len(self.blocks)
+            and all(a is b for a, b in zip(self.body, self.blocks, strict=True))
+            and type(self.plugin).__name__ == "Precision"
+            and "clip_grad_by_norm" not in vars(self.plugin)
+        )
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.check()
+
+
+def run_case(case: Case, outdir: Path) -> tuple[L.Trainer, bool]:
+    """Fit ``case``; also whether the user's objects stayed as they were (the body and the precision plugin)."""
+    model = PipeNet()
     trainer = trainer_for(case, outdir, [Recorder(outdir / case.name)])
-    trainer.fit(PipeNet(), loader(case.samples, case.per_replica_batch))
-    return trainer
+    user = UserObjects(model, trainer.precision_plugin)
+    trainer.callbacks.append(user)
+    trainer.fit(model, loader(case.samples, case.per_replica_batch))
+    user.check()
+    back = model.body is user.body and trainer.precision_plugin is user.plugin
+    return trainer, back and len(user.checks) > 1 and all(user.checks)
 
 
 def live_groups() -> int:
@@ -183,11 +210,11 @@ def live_groups() -> int:
 
 def run_suite(suite: str, outdir: Path) -> None:
     groups = []  # after each fit/predict/validate (the first one makes the default group): none may pile up
-    patched = []  # whether the precision plugin still has the strategy's clipping after the fit
+    untouched = []  # whether the module's body and the precision plugin are the user's own again after the fit
     for case in SUITES[suite]:
-        trainer = run_case(case, outdir)
+        _, kept = run_case(case, outdir)
         groups.append(live_groups())
-        patched.append("clip_grad_by_norm" in vars(trainer.precision_plugin))
+        untouched.append(kept)
     if suite == "world2":
         # predict runs forward-only through the pipeline; afterwards the module is whole again on every rank
         model = PipeNet()
@@ -202,7 +229,7 @@ def run_suite(suite: str, outdir: Path) -> None:
         run_checkpoints(outdir)
         groups.append(live_groups())
     torch.save(groups, outdir / f"groups-rank{dist.get_rank()}.pt")
-    torch.save(patched, outdir / f"patched-rank{dist.get_rank()}.pt")
+    torch.save(untouched, outdir / f"untouched-rank{dist.get_rank()}.pt")
 
 
 def run_checkpoints(outdir: Path) -> None:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -60,11 +59,16 @@ from lightning_dp_strategies.pipeline import (
     check_balance,
     check_micro_batches,
     clip_grad_norm_across,
-    full_group_names,
-    merge_optimizer_states,
-    name_optimizer_state,
-    select_optimizer_state,
 )
+from lightning_dp_strategies.pipeline.checkpoint import (
+    all_gather_stages,
+    load_stage_optimizer_state,
+    load_stage_state,
+    stage_state,
+    whole_model_state,
+    whole_optimizer_state,
+)
+from lightning_dp_strategies.pipeline.layout import Layout, StageBody, prefix_of
 from lightning_dp_strategies.plan import HYBRID_PIPELINE, CostModel
 from lightning_dp_strategies.reducers import Reducer
 from lightning_dp_strategies.strategies._grad_sync import destroy_groups
@@ -73,13 +77,13 @@ from lightning_dp_strategies.strategies._options import (
 )
 from lightning_dp_strategies.strategies._registry import register_name
 from lightning_dp_strategies.strategies.bucketed import BucketedConfig, BucketedDataParallel
-from lightning_dp_strategies.strategies.hybrid_pipeline.layout import Layout, prefix_of
 from lightning_dp_strategies.strategies.hybrid_pipeline.opt_in import (
     PipelinedBody,
     ReplayBody,
     check_opt_in,
     split_batch,
 )
+from lightning_dp_strategies.strategies.hybrid_pipeline.precision import global_norm_view
 
 __all__ = ["HybridPipelineStrategy", "PipelineStats"]
 
@@ -242,7 +246,9 @@ class HybridPipelineStrategy(BucketedDataParallel):
         self._failed = False
         self._trained = False
         self._metric_groups: list[tuple[Any, Any]] = []
-        self._patched_precision: tuple[Precision, Any] | None = None
+        self._user_body: nn.Module | None = None  # the module's own body, put back at teardown
+        self._stage_body: StageBody | None = None  # stands in its place from setup to teardown
+        self._precision_view: Precision | None = None
         # statistics
         self.pipeline_stats = PipelineStats()
         """Bubble and timing of this rank's pipeline steps."""
@@ -335,11 +341,10 @@ class HybridPipelineStrategy(BucketedDataParallel):
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._sync_replicas()
-        layout = self.layout
-        assert layout is not None
-        stage_module = nn.Sequential(*[layout.blocks[i] for i in layout.local_blocks])
+        layout, stage_body = self.layout, self._stage_body
+        assert layout is not None and stage_body is not None
         self.runner = PipelineRunner(
-            stage_module,
+            stage_body,
             layout.stage,
             self.config.pipeline_stages,
             layout.pipeline_group,
@@ -353,13 +358,15 @@ class HybridPipelineStrategy(BucketedDataParallel):
                 self._build_buckets()
             self.setup_optimizers(trainer)
         self._optimizers_layout = self.layout if fitting else None
+        self._precision_view = global_norm_view(self.precision_plugin, self._clip_grad_by_norm)
         self.setup_precision_plugin()
-        self._install_global_norm_clipping()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
 
     def _partition(self, module: pl.LightningModule, body_name: str) -> None:
-        """Work out the balance, then remove every other stage's blocks from this rank's module."""
+        """Work out the balance, then put a :class:`StageBody` of this stage's blocks where the module's body was.
+
+        The module's own ``nn.Sequential`` is left as it is and put back at teardown (:meth:`_reassemble`)."""
         body = getattr(module, body_name)
         blocks = list(body)
         stages = self.config.pipeline_stages
@@ -377,16 +384,14 @@ class HybridPipelineStrategy(BucketedDataParallel):
             pipeline_group=mesh.get_group("pipeline"),
             data_group=mesh.get_group("data_parallel"),
             body_name=body_name,
-            blocks=blocks,
             balance=balance,
             full_keys=list(module.state_dict().keys()),
             param_order=[n for n, _ in module.named_parameters()],
             body_prefix=prefix_of(module, body),
         )
-        local = set(layout.local_blocks)
-        for index in range(len(blocks)):
-            if index not in local:
-                del body._modules[str(index)]
+        self._user_body = body
+        self._stage_body = StageBody({i: blocks[i] for i in layout.local_blocks})
+        module._modules[body_name] = self._stage_body
         self.layout = layout
 
     def _balance_by_time(self, module: pl.LightningModule, blocks: list[nn.Module]) -> list[int]:
@@ -430,31 +435,26 @@ class HybridPipelineStrategy(BucketedDataParallel):
                 self._metric_groups.append((sub, sub.process_group))
                 sub.process_group = self.layout.data_group
 
-    def _install_global_norm_clipping(self) -> None:
-        """Route Lightning's clip-by-norm to the norm over all stages (clip-by-value needs nothing).
+    def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
+        """Lightning's clip-by-norm (``gradient_clip_val``) with the norm over every stage of the pipeline."""
+        assert self.layout is not None
+        params = list(super().precision_plugin.main_params(optimizer))
+        clip_grad_norm_across(params, clip_val, group=self.layout.pipeline_group, device=self.root_device)
 
-        The precision plugin is Lightning's: this sets an instance attribute on it, and teardown puts back what was
-        there (:meth:`_restore_clipping`)."""
-        layout, precision = self.layout, self.precision_plugin
-        assert layout is not None
-        self._patched_precision = (precision, precision.__dict__.get("clip_grad_by_norm"))
+    @property
+    @override
+    def precision_plugin(self) -> Precision:
+        """Lightning's precision plugin; from setup to teardown a view of it that clips by the norm over every stage.
 
-        def clip_grad_by_norm(optimizer: Optimizer, clip_val: float | int) -> None:
-            params = list(precision.main_params(optimizer))
-            clip_grad_norm_across(params, float(clip_val), group=layout.pipeline_group, device=self.root_device)
+        The view (:func:`global_norm_view`) shares the plugin's state and class; the plugin itself is not changed.
+        """
+        view = self.__dict__.get("_precision_view")
+        return view if view is not None else super().precision_plugin
 
-        precision.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
-
-    def _restore_clipping(self) -> None:
-        """Undo :meth:`_install_global_norm_clipping` on the precision plugin."""
-        if self._patched_precision is None:
-            return
-        precision, previous = self._patched_precision
-        self._patched_precision = None
-        if previous is None:
-            precision.__dict__.pop("clip_grad_by_norm", None)
-        else:
-            precision.clip_grad_by_norm = previous  # type: ignore[method-assign]
+    @precision_plugin.setter
+    def precision_plugin(self, precision_plugin: Precision | None) -> None:
+        self._precision_view = None
+        BucketedDataParallel.precision_plugin.fset(self, precision_plugin)  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------ training
     @override
@@ -604,28 +604,6 @@ class HybridPipelineStrategy(BucketedDataParallel):
         return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
     # ------------------------------------------------------------------ checkpoints: the whole model
-    def _gather_to_stage_zero(self, local: Any, layout: Layout | None = None) -> list[Any] | None:
-        """Gather ``local`` from every stage of replica 0 onto rank 0 (other ranks: ``None``)."""
-        layout = layout or self.layout
-        assert layout is not None
-        if layout.replica != 0:
-            return None
-        out: list[Any] | None = [None] * self.config.pipeline_stages if layout.stage == 0 else None
-        dist.gather_object(local, out, group=layout.pipeline_group, group_dst=0)
-        return out
-
-    def _all_gather_stages(self, local: Any) -> list[Any]:
-        layout = self.layout
-        assert layout is not None
-        out: list[Any] = [None] * self.config.pipeline_stages
-        dist.all_gather_object(out, local, group=layout.pipeline_group)
-        return out
-
-    def _local_state(self) -> dict[str, Tensor]:
-        module, layout = self.lightning_module, self.layout
-        assert module is not None and layout is not None
-        return {k: v.detach().cpu() for k, v in module.state_dict().items() if layout.owns(k)}
-
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The whole model's ``state_dict`` on rank 0 (gathered from the stages), this stage's elsewhere."""
@@ -633,17 +611,8 @@ class HybridPipelineStrategy(BucketedDataParallel):
         assert module is not None
         if layout is None or self.config.pipeline_stages == 1:
             return module.state_dict()
-        parts = self._gather_to_stage_zero(self._local_state())
-        if parts is None:
-            return module.state_dict()
-        merged = {k: v for part in parts for k, v in part.items()}
-        return OrderedDict((k, merged[k]) for k in layout.full_keys if k in merged)
-
-    def _group_names(self, optimizer: Optimizer) -> list[list[str]]:
-        module = self.lightning_module
-        assert module is not None
-        names = {id(p): n for n, p in module.named_parameters()}
-        return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+        whole = whole_model_state(module, layout)
+        return module.state_dict() if whole is None else whole
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -658,12 +627,8 @@ class HybridPipelineStrategy(BucketedDataParallel):
         module = self.lightning_module
         if layout is None or module is None or self.config.pipeline_stages == 1:
             return optimizer.state_dict()
-        owned = {n for n, _ in module.named_parameters() if layout.owns(n)}
-        named = name_optimizer_state(optimizer.state_dict(), self._group_names(optimizer), owned)
-        parts = self._gather_to_stage_zero(named, layout)
-        if parts is None:
-            return optimizer.state_dict()
-        return merge_optimizer_states(parts, layout.param_order)
+        whole = whole_optimizer_state(optimizer, module, layout)
+        return optimizer.state_dict() if whole is None else whole
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -673,30 +638,16 @@ class HybridPipelineStrategy(BucketedDataParallel):
         if layout is None:
             module.load_state_dict(checkpoint["state_dict"], strict=strict)
             return
-        state = checkpoint["state_dict"]
-        local_keys = set(module.state_dict().keys())
-        if strict:
-            missing = sorted(k for k in layout.full_keys if k not in state)
-            unexpected = sorted(k for k in state if k not in set(layout.full_keys))
-            if missing or unexpected:
-                raise RuntimeError(
-                    f"The checkpoint does not match {type(module).__name__}: missing keys {missing}, unexpected keys "
-                    f"{unexpected}. Pass `strict=False` to load what matches."
-                )
-        module.load_state_dict({k: v for k, v in state.items() if k in local_keys}, strict=False)
+        load_stage_state(module, layout, checkpoint["state_dict"], strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        layout = self.layout
-        if layout is None or self.config.pipeline_stages == 1:
+        module, layout = self.lightning_module, self.layout
+        if layout is None or module is None or self.config.pipeline_stages == 1:
             super().load_optimizer_state_dict(checkpoint)
             return
-        owned = {n for n, _ in self._owned_parameters()}
         for optimizer, full in zip(self.optimizers, checkpoint["optimizer_states"], strict=False):
-            local_names = self._group_names(optimizer)
-            owned_names = [[n for n in group if n in owned] for group in local_names]
-            full_names = full_group_names(self._all_gather_stages(owned_names), layout.param_order)
-            optimizer.load_state_dict(select_optimizer_state(full, full_names, local_names))
+            load_stage_optimizer_state(optimizer, module, layout, full)
             _optimizer_to_device(optimizer, self.root_device)
 
     # ------------------------------------------------------------------ teardown: the whole module again
@@ -707,13 +658,10 @@ class HybridPipelineStrategy(BucketedDataParallel):
             return
         trained: dict[str, Tensor] = {}
         if self._trained and not self._failed and dist.is_initialized() and self.config.pipeline_stages > 1:
-            for part in self._all_gather_stages(self._local_state()):
+            for part in all_gather_stages(stage_state(module, layout), layout):
                 trained.update(part)
-        body = module._modules[layout.body_name]
-        assert body is not None
-        body._modules.clear()
-        for index, block in enumerate(layout.blocks):
-            body._modules[str(index)] = block
+        module._modules[layout.body_name] = self._user_body
+        self._user_body = self._stage_body = None
         if trained:
             module.load_state_dict({k: v for k, v in trained.items()}, strict=False)
         self.layout = None
@@ -725,7 +673,7 @@ class HybridPipelineStrategy(BucketedDataParallel):
 
     @override
     def teardown(self) -> None:
-        self._restore_clipping()
+        self._precision_view = None
         for metric, group in self._metric_groups:
             metric.process_group = group
         self._metric_groups = []

@@ -1,0 +1,82 @@
+"""Where a rank sits in the ``pipeline_stages x data_parallel`` mesh, which blocks and state it owns, and its stage."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from lightning_dp_strategies.pipeline.partition import stage_ranges
+
+__all__ = ["Layout", "StageBody", "prefix_of"]
+
+
+@dataclass
+class Layout:
+    """Where this rank sits and what it holds; built at setup."""
+
+    stage: int
+    replica: int
+    replicas: int
+    pipeline_group: dist.ProcessGroup
+    data_group: dist.ProcessGroup
+    body_name: str
+    balance: list[int]
+    full_keys: list[str]  # the whole module's state_dict keys, in order
+    param_order: list[str]  # the whole module's parameter names, in order
+    body_prefix: str = ""
+
+    @property
+    def stages(self) -> int:
+        return len(self.balance)
+
+    @property
+    def local_blocks(self) -> range:
+        return stage_ranges(self.balance)[self.stage]
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.stages - 1
+
+    def owns(self, name: str) -> bool:
+        """Whether this stage holds the authoritative value of state ``name`` (body keys: its blocks; others: last)."""
+        if name.startswith(self.body_prefix):
+            block = int(name[len(self.body_prefix) :].split(".", 1)[0])
+            return block in self.local_blocks
+        return self.is_last
+
+
+class StageBody(nn.Module):
+    """The blocks of one stage, registered under their indices in the whole body.
+
+    It stands where the body stood, so the module's ``state_dict`` keys of this stage are the whole model's keys
+    (``body.2.weight``); called, it runs its blocks in order.
+
+    Examples:
+        >>> body = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1))
+        >>> stage = StageBody({1: body[1], 2: body[2]})
+        >>> list(stage.state_dict())
+        ['2.weight', '2.bias']
+    """
+
+    def __init__(self, blocks: Mapping[int, nn.Module]) -> None:
+        super().__init__()
+        for index, block in blocks.items():
+            self.add_module(str(index), block)
+
+    def forward(self, x: Any) -> Any:
+        for block in self._modules.values():
+            assert block is not None
+            x = block(x)
+        return x
+
+
+def prefix_of(module: nn.Module, body: nn.Module) -> str:
+    """The ``state_dict`` prefix of submodule ``body`` inside ``module`` (``"body."``)."""
+    for name, sub in module.named_modules():
+        if sub is body:
+            return f"{name}."
+    raise AssertionError("the body is not a submodule")  # pragma: no cover
