@@ -37,6 +37,8 @@ from torch.nn import Parameter
 
 from lightning_dp_strategies.comm import CommCounter, divide
 from lightning_dp_strategies.reducers import GradBucket, Reducer, close_reducer, resolve_reducer
+from lightning_dp_strategies.sizing import MiB as MiB  # importable from here before sizing existed
+from lightning_dp_strategies.sizing import bucket_boundaries
 
 __all__ = [
     "Bucket",
@@ -44,8 +46,6 @@ __all__ = [
     "GradientBuckets",
     "assign_buckets",
 ]
-
-MiB = 1024 * 1024
 
 PEER_FAILURE_HINT = (
     "Another rank most likely died or stopped responding (a crash, an out-of-memory kill, a lost node) or the "
@@ -69,26 +69,8 @@ def assign_buckets(
         >>> assign_buckets(sizes, bucket_cap_mb=2, first_bucket_cap_mb=1)
         [[3], [2, 1, 0]]
     """
-    if bucket_cap_mb <= 0 or first_bucket_cap_mb <= 0:
-        raise ValueError(
-            f"bucket_cap_mb and first_bucket_cap_mb must be > 0, got {bucket_cap_mb} and {first_bucket_cap_mb}."
-        )
-    open_buckets: dict[tuple[torch.dtype, torch.device], tuple[list[int], int, bool]] = {}
-    closed: list[list[int]] = []
-    for index in reversed(range(len(params))):
-        tensor = params[index]
-        key = (tensor.dtype, tensor.device)
-        nbytes = tensor.numel() * tensor.element_size()
-        members, size, is_first = open_buckets.get(key, ([], 0, True))
-        cap = (first_bucket_cap_mb if is_first else bucket_cap_mb) * MiB
-        if members and size + nbytes > cap:
-            closed.append(members)
-            members, size, is_first = [], 0, False
-        members.append(index)
-        open_buckets[key] = (members, size + nbytes, is_first)
-    closed.extend(members for members, _, _ in open_buckets.values() if members)
-    order = {index: position for position, index in enumerate(reversed(range(len(params))))}
-    return sorted(closed, key=lambda members: order[members[0]])
+    sizes = [((t.dtype, t.device), t.numel() * t.element_size()) for t in params]
+    return bucket_boundaries(sizes, bucket_cap_mb, first_bucket_cap_mb)
 
 
 @dataclass

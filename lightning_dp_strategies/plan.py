@@ -27,6 +27,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_dp_strategies._text import text_table
+from lightning_dp_strategies.sizing import MiB, bucket_boundaries, check_caps, divisors, ring_bytes_per_rank
+
 __all__ = [
     "COST_MODELS",
     "HYBRID_PIPELINE",
@@ -44,7 +47,6 @@ __all__ = [
     "predict",
 ]
 
-MiB = 1024 * 1024
 _ALIASES = {"dp": "scatter_gather"}
 
 
@@ -171,18 +173,11 @@ def bucket_count(
         >>> bucket_count(100 * MiB), bucket_count([2 * MiB, 512 * 1024, 512 * 1024]), bucket_count(0)
         (5, 2, 0)
     """
-    if bucket_cap_mb <= 0 or first_bucket_cap_mb <= 0:
-        raise ValueError(f"bucket caps must be > 0 MiB, got {bucket_cap_mb} and {first_bucket_cap_mb}.")
-    first, cap = first_bucket_cap_mb * MiB, bucket_cap_mb * MiB
+    check_caps(bucket_cap_mb, first_bucket_cap_mb)
     if isinstance(gradient_bytes, int):
-        rest = max(0, gradient_bytes - first)
-        return (gradient_bytes > 0) + math.ceil(rest / cap)
-    buckets, size = 0, 0.0
-    for nbytes in reversed(gradient_bytes):
-        if buckets == 0 or size + nbytes > (first if buckets == 1 else cap):
-            buckets, size = buckets + 1, 0.0
-        size += nbytes
-    return buckets
+        rest = max(0, gradient_bytes - first_bucket_cap_mb * MiB)
+        return (gradient_bytes > 0) + math.ceil(rest / (bucket_cap_mb * MiB))
+    return len(bucket_boundaries([(None, n) for n in gradient_bytes], bucket_cap_mb, first_bucket_cap_mb))
 
 
 @dataclass(frozen=True)
@@ -227,7 +222,7 @@ def _ring(nbytes: float, world: int, buckets: int) -> tuple[float, int]:
     """(bytes sent per rank, latency terms) of ring all-reducing ``nbytes`` in ``buckets`` buckets over ``world``."""
     if world == 1 or nbytes == 0:
         return 0.0, 0
-    return 2 * (world - 1) * nbytes / world, buckets * 2 * (world - 1)
+    return ring_bytes_per_rank(nbytes, world), buckets * 2 * (world - 1)
 
 
 Formula = Callable[["Workload", int, "Link", int, int, tuple[float, float]], tuple[float, int, float, float, float]]
@@ -357,10 +352,9 @@ def predict(
             f"for {label!r}."
         )
     if world_size % stages:
-        divisors = [s for s in range(1, world_size + 1) if world_size % s == 0]
         raise ValueError(
             f"stages={stages} does not divide world_size={world_size}: the pipeline is replicated world_size/stages "
-            f"times, so pick stages from {divisors[:12]} or a world size that is a multiple of {stages}."
+            f"times, so pick stages from {divisors(world_size)[:12]} or a world size that is a multiple of {stages}."
         )
     caps = (bucket_cap_mb, first_bucket_cap_mb)
     nbytes, messages, comm, exposed, bubble = model.formula(workload, world_size, link, stages, micro_batches, caps)
@@ -408,8 +402,4 @@ def format_table(predictions: Iterable[Prediction]) -> str:
     rows = [{k: str(v) for k, v in p.as_row().items()} for p in predictions]
     if not rows:
         return ""
-    widths = {c: max(len(c), *(len(r[c]) for r in rows)) for c in rows[0]}
-    lines = [{c: c for c in widths}, *rows]
-    return "\n".join(
-        "  ".join(r[c].ljust(w) if c == "strategy" else r[c].rjust(w) for c, w in widths.items()) for r in lines
-    )
+    return text_table(list(rows[0]), [list(r.values()) for r in rows])

@@ -41,6 +41,7 @@ from lightning_dp_strategies.comm import (
     ring_all_reduce,
     ring_workspace_numel,
 )
+from lightning_dp_strategies.sizing import ring_bytes_per_rank
 
 __all__ = [
     "REDUCERS",
@@ -185,11 +186,6 @@ def close_reducer(reducer: object) -> None:
         close()
 
 
-def _ring_estimate(nbytes: int, world_size: int) -> int:
-    """The bytes a bandwidth-optimal all-reduce sends per rank: 2(N-1)/N of the payload."""
-    return 2 * (world_size - 1) * nbytes // world_size if world_size > 1 else 0
-
-
 def _init_comm_thread(device: torch.device, intra_op_threads: int) -> None:
     """Give the communication thread its creator's device and intra-op thread count.
 
@@ -320,7 +316,7 @@ class NativeReducer:
         # bucket, which does): if that released the group's last reference, the group would join that very thread
         # ("terminate called after throwing std::system_error: Resource deadlock avoided", seen after teardown).
         buffer, counter, average = bucket.buffer, bucket.counter, bucket.op == "avg"
-        nbytes = _ring_estimate(buffer.numel() * buffer.element_size(), world)
+        nbytes = int(ring_bytes_per_rank(buffer.numel() * buffer.element_size(), world))
 
         def done(_: Future[Any]) -> Tensor:
             if average:
@@ -358,7 +354,7 @@ class PerTensorReducer:
             if tensor.numel() == 0:
                 continue
             dist.all_reduce(tensor, dist.ReduceOp.SUM, group=bucket.group)
-            bucket.counter.bytes_sent += _ring_estimate(tensor.numel() * tensor.element_size(), world)
+            bucket.counter.bytes_sent += int(ring_bytes_per_rank(tensor.numel() * tensor.element_size(), world))
             bucket.counter.operations += 1
         if bucket.op == "avg":
             divide_(bucket.buffer, world)

@@ -302,3 +302,15 @@ def test_a_strategy_class_brings_its_own_cost_model_so_subclasses_plan_like_thei
     assert [(p.strategy, p.stages) for p in rows] == [("MyRing", 1), ("HybridPipelineStrategy", 4)]
     with pytest.raises(ValueError, match="has no `cost_model`"):
         predict(object, work, 8, UNIT)
+
+
+def test_bucket_count_is_the_number_of_buckets_the_strategies_build() -> None:
+    """The cost model counts buckets with the function that cuts real parameters into buckets: they cannot drift."""
+    from lightning_dp_strategies.bucketing import assign_buckets
+
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        numels = torch.randint(1, 600_000, (int(torch.randint(1, 30, (1,), generator=generator)),), generator=generator)
+        tensors = [torch.empty(int(n)) for n in numels]
+        sizes = [t.numel() * t.element_size() for t in tensors]
+        assert bucket_count(sizes, 2, 0.5) == len(assign_buckets(tensors, 2, 0.5))

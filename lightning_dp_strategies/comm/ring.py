@@ -24,17 +24,15 @@ the test oracle.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_dp_strategies.comm.ops import CommCounter, ReduceOpLike, divide_, is_average
+from lightning_dp_strategies.comm.ops import divide as divide  # importable from here before comm.ops existed
+
 __all__ = [
-    "CommCounter",
-    "ReduceOpLike",
-    "divide",
-    "divide_",
     "new_duplex_group",
     "reference_all_reduce",
     "ring_all_gather",
@@ -42,86 +40,6 @@ __all__ = [
     "ring_reduce_scatter",
     "ring_workspace_numel",
 ]
-
-ReduceOpLike = dist.ReduceOp.RedOpType | str
-_AVERAGE_NAMES = {"avg", "mean", "average"}
-_SUM_NAMES = {"sum"}
-
-
-@dataclass
-class CommCounter:
-    """What this rank sent: bytes, point-to-point messages, collective operations and seconds spent in them.
-
-    Examples:
-        >>> total = CommCounter(bytes_sent=400, messages=2, operations=1)
-        >>> total.add(CommCounter(bytes_sent=100, messages=1))
-        >>> total.bytes_sent, total.messages, total.operations
-        (500, 3, 1)
-    """
-
-    bytes_sent: int = 0
-    messages: int = 0
-    operations: int = 0
-    seconds: float = 0.0
-
-    def reset(self) -> None:
-        """Zero every field."""
-        self.bytes_sent = self.messages = self.operations = 0
-        self.seconds = 0.0
-
-    def add(self, other: CommCounter) -> None:
-        """Add ``other``'s counts to this counter."""
-        self.bytes_sent += other.bytes_sent
-        self.messages += other.messages
-        self.operations += other.operations
-        self.seconds += other.seconds
-
-
-def is_average(op: ReduceOpLike) -> bool:
-    """``True`` for an average, ``False`` for a sum; a clear error for anything else.
-
-    Examples:
-        >>> is_average("mean"), is_average(dist.ReduceOp.SUM)
-        (True, False)
-    """
-    if isinstance(op, str):
-        name = op.lower()
-        if name in _AVERAGE_NAMES:
-            return True
-        if name in _SUM_NAMES:
-            return False
-    elif op == dist.ReduceOp.AVG:
-        return True
-    elif op == dist.ReduceOp.SUM:
-        return False
-    raise ValueError(f"Unsupported reduction {op!r}: use 'sum' or 'avg' (or dist.ReduceOp.SUM / dist.ReduceOp.AVG).")
-
-
-def divide(tensor: Tensor, divisor: int, *, out: Tensor | None = None) -> Tensor:
-    """``tensor / divisor`` (into ``out``, which may be ``tensor`` itself), bit for bit as ``torch.div``, but faster
-    where that is exact.
-
-    For a power-of-two ``divisor`` and a real floating tensor, multiplying by the reciprocal gives the same bits (both
-    round the same exact quotient once) and is several times faster on CPU (``docs/benchmarks.md``).
-
-    Examples:
-        >>> divide(torch.tensor([3.0, 1.0]), 2), divide(torch.tensor([3.0, 1.0]), 3)
-        (tensor([1.5000, 0.5000]), tensor([1.0000, 0.3333]))
-    """
-    if divisor > 0 and divisor & (divisor - 1) == 0 and tensor.is_floating_point():
-        return torch.mul(tensor, 1.0 / divisor, out=out)
-    return torch.div(tensor, divisor, out=out)
-
-
-def divide_(tensor: Tensor, divisor: int) -> Tensor:
-    """In-place :func:`divide`: ``tensor /= divisor``, the same bits as ``tensor.div_(divisor)``.
-
-    Examples:
-        >>> grad = torch.tensor([3.0, 1.0])
-        >>> divide_(grad, 4) is grad, grad
-        (True, tensor([0.7500, 0.2500]))
-    """
-    return divide(tensor, divisor, out=tensor)
 
 
 def _ring_neighbours(group: dist.ProcessGroup | None) -> tuple[int, int, int, int]:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from lightning_dp_strategies._text import text_table
 from lightning_dp_strategies.compare.demo import DemoConfig
 from lightning_dp_strategies.compare.runner import RunResult
 
@@ -40,20 +41,13 @@ def format_table(results: Sequence[RunResult]) -> str:
         >>> lines[2].split(), lines[-1]
         (['single', '1', '1', '5120', '12.5', '-', '-', '-', '-', '-', '-', 'ok'], '  ddp: exit 1')
     """
-    rows = [[title for _, title, _ in COLUMNS]]
-    for result in results:
-        row = []
-        for key, _, fmt in COLUMNS:
-            value = getattr(result, key)
-            row.append("-" if value is None else fmt.format(value))
-        rows.append(row)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
-    lines = [
-        "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))) for r in rows
+    rows = [
+        ["-" if getattr(result, key) is None else fmt.format(getattr(result, key)) for key, _, fmt in COLUMNS]
+        for result in results
     ]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+    table = text_table([title for _, title, _ in COLUMNS], rows, rule=True)
     notes = [f"  {r.strategy}: {r.error}" for r in results if r.error]
-    return "\n".join(lines + (["", "errors:", *notes] if notes else []))
+    return "\n".join([table, *(["", "errors:", *notes] if notes else [])])
 
 
 def machine() -> dict[str, object]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -10,8 +11,32 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_dp_strategies.pipeline.partition import stage_ranges
+from lightning_dp_strategies.sizing import divisors
 
-__all__ = ["Layout", "StageBody", "prefix_of"]
+__all__ = ["Layout", "StageBody", "check_mesh", "prefix_of"]
+
+
+def check_mesh(nodes: int, devices: int, stages: int) -> None:
+    """Raise, naming device counts that work, unless ``stages`` divides the world (``nodes x devices``).
+
+    Examples:
+        >>> check_mesh(1, 3, 2)
+        Traceback (most recent call last):
+        ...
+        ValueError: The world size 3 (devices x nodes) is not divisible by pipeline_stages=2: the ranks form a \
+pipeline_stages x data_parallel grid. Use devices=2 or 4, or pipeline_stages in [1, 3].
+    """
+    world_size = nodes * devices
+    if world_size % stages == 0:
+        return
+    step = stages // math.gcd(stages, nodes)  # devices per node must be a multiple of it
+    options = sorted({step * max(1, devices // step), step * (devices // step + 1)})
+    per_node = f" per node ({nodes} nodes)" if nodes > 1 else ""
+    raise ValueError(
+        f"The world size {world_size} (devices x nodes) is not divisible by pipeline_stages={stages}: the ranks form "
+        f"a pipeline_stages x data_parallel grid. Use devices={' or '.join(map(str, options))}{per_node}, or "
+        f"pipeline_stages in {divisors(world_size)}."
+    )
 
 
 @dataclass

@@ -15,6 +15,8 @@ micro-batch of a step.
 
 from __future__ import annotations
 
+from lightning_dp_strategies.sizing import divisors
+
 __all__ = ["check_micro_batches", "effective_micro_batches", "valid_batch_sizes"]
 
 
@@ -63,9 +65,9 @@ def check_micro_batches(batch_size: int, micro_batches: int, where: str = "the t
             f"(e.g. {valid_batch_sizes(micro_batches, batch_size)}), or micro_batches <= {batch_size}."
         )
     if batch_size % micro_batches:
-        divisors = [m for m in range(1, micro_batches + 1) if batch_size % m == 0]
         raise ValueError(
             f"The batch size {batch_size} of {where} cannot be cut into micro_batches={micro_batches} equal "
             f"micro-batches. Use a batch size that is a multiple of {micro_batches} "
-            f"(e.g. {valid_batch_sizes(micro_batches, batch_size)}), or micro_batches in {divisors}."
+            f"(e.g. {valid_batch_sizes(micro_batches, batch_size)}), or micro_batches in "
+            f"{divisors(batch_size, up_to=micro_batches)}."
         )

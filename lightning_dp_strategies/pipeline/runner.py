@@ -27,7 +27,7 @@ from lightning_dp_strategies.pipeline.memory import ActivationMeter
 from lightning_dp_strategies.pipeline.microbatch import effective_micro_batches
 from lightning_dp_strategies.pipeline.schedule import TimedStage, make_schedule
 
-__all__ = ["LossFn", "PipelineRunner", "StepResult", "StepStats"]
+__all__ = ["LossFn", "PipelineRunner", "PipelineStats", "StepResult", "StepStats"]
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 """The loss of one micro-batch on the last stage's output: ``loss_fn(output, target)``, a mean over the micro-batch."""
@@ -265,3 +265,27 @@ def _not_a_tensor(output: object) -> str:
         f"The last pipeline stage returned {type(output).__name__}, but the pipeline passes one tensor between "
         "stages and to the loss: make the last block of the body return a single tensor."
     )
+
+
+@dataclass
+class PipelineStats:
+    """Statistics of this rank's pipeline steps."""
+
+    last: StepStats = field(default_factory=StepStats)
+    """The latest training step: ``last.bubble`` is its idle time over its total time on this rank."""
+    steps: int = 0
+    """Training steps run."""
+    bubble_sum: float = 0.0
+    measured_steps: int = 0
+
+    @property
+    def mean_bubble(self) -> float:
+        """Mean bubble over steps that reused a built stage (the first step of each batch shape is left out)."""
+        return self.bubble_sum / self.measured_steps if self.measured_steps else 0.0
+
+    def record(self, stats: StepStats) -> None:
+        self.last = stats
+        self.steps += 1
+        if not stats.warmup:
+            self.bubble_sum += stats.bubble
+            self.measured_steps += 1

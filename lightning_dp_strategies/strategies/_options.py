@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Generic, TypeVar, overload
 
 import torch.distributed as dist
 
 from lightning_dp_strategies.reducers import check_reducer
 
+T = TypeVar("T")
+
 __all__ = [
+    "ConfigOption",
     "check_backend",
     "check_flag",
     "check_positive",
@@ -87,3 +91,30 @@ def check_start_method(start_method: object) -> str:
         raise ValueError(f"Unknown `start_method` {start_method!r}: use one of {list(START_METHODS)}.")
     assert isinstance(start_method, str)
     return start_method
+
+
+class ConfigOption(Generic[T]):
+    """A read-only strategy attribute that reads the option of the same name from the strategy's ``config``.
+
+    For the option names strategies exposed before their options moved into one frozen configuration object.
+    """
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+        self.__doc__ = f"``config.{name}`` (read-only)."
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> ConfigOption[T]: ...
+    @overload
+    def __get__(self, obj: object, owner: type | None = None) -> T: ...
+    def __get__(self, obj: object | None, owner: type | None = None) -> ConfigOption[T] | T:
+        if obj is None:
+            return self
+        value: T = getattr(obj.config, self.name)  # type: ignore[attr-defined]
+        return value
+
+    def __set__(self, obj: object, value: object) -> None:
+        raise AttributeError(
+            f"`{self.name}` is read-only: the options are fixed when the strategy is made; pass {self.name}=... to "
+            f"{type(obj).__name__}(...)."
+        )

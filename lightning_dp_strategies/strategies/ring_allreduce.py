@@ -20,7 +20,7 @@ from typing_extensions import override
 
 from lightning_dp_strategies.bucketing import assign_buckets
 from lightning_dp_strategies.reducers import Reducer
-from lightning_dp_strategies.strategies._options import check_flag
+from lightning_dp_strategies.strategies._options import ConfigOption, check_flag
 from lightning_dp_strategies.strategies._registry import register_name
 from lightning_dp_strategies.strategies.bucketed import BucketedConfig, BucketedDataParallel
 
@@ -154,25 +154,10 @@ class RingAllReduceStrategy(BucketedDataParallel):
             module.logger.log_metrics(self.step_stats.as_dict("comm/"), step=module.trainer.global_step)
 
     # ------------------------------------------------------------------ options (read-only; see `config`)
-    @property
-    def bucket_cap_mb(self) -> float:
-        """``config.bucket_cap_mb``."""
-        return self.config.bucket_cap_mb
-
-    @property
-    def first_bucket_cap_mb(self) -> float:
-        """``config.first_bucket_cap_mb``."""
-        return self.config.first_bucket_cap_mb
-
-    @property
-    def broadcast_buffers(self) -> bool:
-        """``config.broadcast_buffers``."""
-        return self.config.broadcast_buffers
-
-    @property
-    def log_comm_stats(self) -> bool:
-        """``config.log_comm_stats``."""
-        return self.config.log_comm_stats
+    bucket_cap_mb = ConfigOption[float]()
+    first_bucket_cap_mb = ConfigOption[float]()
+    broadcast_buffers = ConfigOption[bool]()
+    log_comm_stats = ConfigOption[bool]()
 
     @classmethod
     @override

@@ -269,3 +269,15 @@ def test_two_nodes_through_torchrun_keep_parity(tmp_path: Path) -> None:
         env={"LDPS_NUM_NODES": "2"},
     )
     assert_parity(results(out, "sgd"), "sgd")
+
+
+def test_options_read_from_the_config_and_stay_read_only() -> None:
+    """The option attributes from before ``config`` existed read it, and cannot drift from it by assignment."""
+    from lightning_dp_strategies import RingAllReduceStrategy
+
+    strategy = RingAllReduceStrategy(bucket_cap_mb=3, first_bucket_cap_mb=0.5, broadcast_buffers=False)
+    assert (strategy.bucket_cap_mb, strategy.first_bucket_cap_mb) == (3, 0.5)
+    assert (strategy.broadcast_buffers, strategy.log_comm_stats) == (False, False)
+    with pytest.raises(AttributeError, match="read-only.*bucket_cap_mb="):
+        strategy.bucket_cap_mb = 4  # type: ignore[misc]
+    assert strategy.config.bucket_cap_mb == 3

@@ -29,11 +29,9 @@ wants ``training_step`` to return a loss that it then backpropagates, after zero
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, ClassVar, Literal
 
@@ -51,9 +49,7 @@ from typing_extensions import override
 
 from lightning_dp_strategies.bucketing import PEER_FAILURE_HINT
 from lightning_dp_strategies.pipeline import (
-    SCHEDULES,
     PipelineRunner,
-    StepStats,
     balance_by_parameters,
     balance_by_time,
     check_balance,
@@ -68,15 +64,14 @@ from lightning_dp_strategies.pipeline.checkpoint import (
     whole_model_state,
     whole_optimizer_state,
 )
-from lightning_dp_strategies.pipeline.layout import Layout, StageBody, prefix_of
+from lightning_dp_strategies.pipeline.layout import Layout, StageBody, check_mesh, prefix_of
+from lightning_dp_strategies.pipeline.runner import PipelineStats
 from lightning_dp_strategies.plan import HYBRID_PIPELINE, CostModel
 from lightning_dp_strategies.reducers import Reducer
 from lightning_dp_strategies.strategies._grad_sync import destroy_groups
-from lightning_dp_strategies.strategies._options import (
-    check_flag,
-)
 from lightning_dp_strategies.strategies._registry import register_name
-from lightning_dp_strategies.strategies.bucketed import BucketedConfig, BucketedDataParallel
+from lightning_dp_strategies.strategies.bucketed import BucketedDataParallel
+from lightning_dp_strategies.strategies.hybrid_pipeline.config import HybridPipelineConfig
 from lightning_dp_strategies.strategies.hybrid_pipeline.opt_in import (
     PipelinedBody,
     ReplayBody,
@@ -85,42 +80,7 @@ from lightning_dp_strategies.strategies.hybrid_pipeline.opt_in import (
 )
 from lightning_dp_strategies.strategies.hybrid_pipeline.precision import global_norm_view
 
-__all__ = ["HybridPipelineStrategy", "PipelineStats"]
-
-
-@dataclass(frozen=True)
-class _Config(BucketedConfig):
-    """The options of :class:`HybridPipelineStrategy` (validated by its ``__init__``)."""
-
-    pipeline_stages: int = 2
-    micro_batches: int = 4
-    schedule: str = "1f1b"
-    balance: tuple[int, ...] | str = "parameters"
-    log_pipeline_stats: bool = False
-
-
-@dataclass
-class PipelineStats:
-    """Statistics of this rank's pipeline steps."""
-
-    last: StepStats = field(default_factory=StepStats)
-    """The latest training step: ``last.bubble`` is its idle time over its total time on this rank."""
-    steps: int = 0
-    """Training steps run."""
-    bubble_sum: float = 0.0
-    measured_steps: int = 0
-
-    @property
-    def mean_bubble(self) -> float:
-        """Mean bubble over steps that reused a built stage (the first step of each batch shape is left out)."""
-        return self.bubble_sum / self.measured_steps if self.measured_steps else 0.0
-
-    def record(self, stats: StepStats) -> None:
-        self.last = stats
-        self.steps += 1
-        if not stats.warmup:
-            self.bubble_sum += stats.bubble
-            self.measured_steps += 1
+__all__ = ["HybridPipelineConfig", "HybridPipelineStrategy", "PipelineStats"]
 
 
 class HybridPipelineStrategy(BucketedDataParallel):
@@ -170,7 +130,7 @@ class HybridPipelineStrategy(BucketedDataParallel):
         >>> strategy = HybridPipelineStrategy(pipeline_stages=2, micro_batches=8, schedule="gpipe")
     """
 
-    config: _Config
+    config: HybridPipelineConfig
     cost_model: ClassVar[CostModel] = HYBRID_PIPELINE
 
     def __init__(
@@ -193,36 +153,15 @@ class HybridPipelineStrategy(BucketedDataParallel):
         timeout: timedelta | float | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
-        for name, value in (("pipeline_stages", pipeline_stages), ("micro_batches", micro_batches)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"`{name}` must be an integer >= 1, got {value!r}.")
-        if schedule not in SCHEDULES:
-            raise ValueError(f"Unknown pipeline `schedule` {schedule!r}: use one of {list(SCHEDULES)}.")
-        if isinstance(balance, str):
-            if balance not in ("parameters", "time"):
-                raise ValueError(
-                    f"Unknown `balance` {balance!r}: use 'parameters', 'time', or a list of blocks per stage."
-                )
-            balance_value: tuple[int, ...] | str = balance
-        elif isinstance(balance, Sequence):
-            # the body's block count is known at setup; here: one entry >= 1 per stage
-            entries: list[Any] = list(balance)
-            counted = sum(b for b in entries if isinstance(b, int) and not isinstance(b, bool) and b > 0)
-            balance_value = tuple(check_balance(entries, max(counted, pipeline_stages), pipeline_stages))
-        else:
-            raise ValueError(
-                f"`balance` must be 'parameters', 'time', or a list of blocks per stage (e.g. "
-                f"{[1] * pipeline_stages} for pipeline_stages={pipeline_stages}), got {balance!r}."
-            )
         super().__init__(
-            config=_Config(
+            config=HybridPipelineConfig(
                 bucket_cap_mb=bucket_cap_mb,
                 first_bucket_cap_mb=first_bucket_cap_mb,
                 pipeline_stages=pipeline_stages,
                 micro_batches=micro_batches,
                 schedule=schedule,
-                balance=balance_value,
-                log_pipeline_stats=check_flag("log_pipeline_stats", log_pipeline_stats),
+                balance=balance,  # type: ignore[arg-type]  # a sequence, made a tuple by validation
+                log_pipeline_stats=log_pipeline_stats,
             ),
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -260,18 +199,7 @@ class HybridPipelineStrategy(BucketedDataParallel):
         return max(1, self.world_size // self.config.pipeline_stages)
 
     def _check_world(self) -> None:
-        stages, nodes, devices = self.config.pipeline_stages, self.num_nodes, self.num_processes
-        world_size = nodes * devices
-        if world_size % stages:
-            fits = [d for d in range(1, world_size + 1) if world_size % d == 0]
-            step = stages // math.gcd(stages, nodes)  # devices per node must be a multiple of it
-            options = sorted({step * max(1, devices // step), step * (devices // step + 1)})
-            per_node = f" per node ({nodes} nodes)" if nodes > 1 else ""
-            raise ValueError(
-                f"The world size {world_size} (devices x nodes) is not divisible by pipeline_stages={stages}: the "
-                f"ranks form a pipeline_stages x data_parallel grid. Use devices={' or '.join(map(str, options))}"
-                f"{per_node}, or pipeline_stages in {fits}."
-            )
+        check_mesh(self.num_nodes, self.num_processes, self.config.pipeline_stages)
 
     @override
     def _configure_launcher(self) -> None:
