@@ -193,9 +193,12 @@ class GradientBuckets:
         bucket_cap_mb: float = 25.0,
         first_bucket_cap_mb: float = 1.0,
         duplex_group: dist.ProcessGroup | None = None,
+        allow_no_trainable: bool = False,
     ) -> None:
         # configuration
         self.named_params = list(named_params)
+        self.allow_no_trainable = allow_no_trainable
+        """Whether no trainable parameter is allowed (no bucket; a parameter unfrozen later gets one at ``arm``)."""
         self.group = group
         if duplex_group is not None:
             warnings.warn(
@@ -231,7 +234,7 @@ class GradientBuckets:
     def _build(self) -> None:
         self._remove_hooks()
         trainable = [(n, p) for n, p in self.named_params if p.requires_grad]
-        if not trainable:
+        if not trainable and not self.allow_no_trainable:
             raise ValueError(
                 "The model has no parameter that requires grad, so there is no gradient to average. "
                 "Unfreeze at least one parameter (`param.requires_grad_(True)`) before training."
@@ -383,6 +386,8 @@ class GradientBuckets:
 
     def _reduced_flags(self) -> list[list[float]]:
         """Every bucket's reduced presence flags, in one device-to-host transfer when the buckets share a device."""
+        if not self.buckets:
+            return []
         if len({b.buffer.device for b in self.buckets}) > 1:
             return [b.flags.tolist() for b in self.buckets]
         flat = torch.cat([b.flags.float() for b in self.buckets]).tolist()  # one sync on CUDA, not one per bucket

@@ -38,6 +38,7 @@ from lightning_dp_strategies.pipeline.schedule import (
 )
 from lightning_dp_strategies.pipeline.state import (
     full_group_names,
+    keep_owned_parameters,
     merge_optimizer_states,
     name_optimizer_state,
     select_optimizer_state,
@@ -61,6 +62,7 @@ __all__ = [
     "effective_schedule",
     "full_group_names",
     "gpipe_bubble",
+    "keep_owned_parameters",
     "make_schedule",
     "merge_optimizer_states",
     "name_optimizer_state",

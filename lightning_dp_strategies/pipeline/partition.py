@@ -100,16 +100,23 @@ def balance_costs(costs: Sequence[float], stages: int) -> list[int]:
     return sizes[::-1]
 
 
-def balance_by_parameters(blocks: Sequence[nn.Module], stages: int) -> list[int]:
-    """Balance by the number of parameter elements of each block (blocks without parameters cost nothing).
+def balance_by_parameters(blocks: Sequence[nn.Module], stages: int, trainable_weight: float = 4.0) -> list[int]:
+    """Balance by what each block's parameters cost in memory; blocks without parameters cost nothing.
+
+    A frozen element counts 1 (the parameter); a trainable one ``trainable_weight`` (default 4: the parameter, its
+    gradient and two optimizer-state slots, as Adam keeps). Without frozen parameters this is an even split of the
+    parameter counts.
 
     Examples:
         >>> blocks = [nn.Linear(10, 10), nn.Tanh(), nn.Linear(10, 10), nn.Linear(10, 30)]
         >>> balance_by_parameters(blocks, 2)
         [3, 1]
+        >>> blocks[3].requires_grad_(False) and balance_by_parameters(blocks, 2)  # costs 440, 0, 440, 330
+        [1, 3]
     """
     _check_enough_blocks(len(blocks), stages)
-    return balance_costs([sum(p.numel() for p in b.parameters()) for b in blocks], stages)
+    costs = [sum(p.numel() * (trainable_weight if p.requires_grad else 1.0) for p in b.parameters()) for b in blocks]
+    return balance_costs(costs, stages)
 
 
 def balance_by_time(blocks: Sequence[nn.Module], sample: Tensor, stages: int, repeats: int = 3) -> list[int]:

@@ -14,7 +14,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["full_group_names", "merge_optimizer_states", "name_optimizer_state", "select_optimizer_state"]
+__all__ = [
+    "full_group_names",
+    "keep_owned_parameters",
+    "merge_optimizer_states",
+    "name_optimizer_state",
+    "select_optimizer_state",
+]
 
 StateDict = dict[str, Any]
 
@@ -144,3 +150,26 @@ def select_optimizer_state(
         hyper = {key: v for key, v in group.items() if key not in ("params", "param_names")}
         local_groups.append({**hyper, "params": ids})
     return {"state": state, "param_groups": local_groups}
+
+
+def keep_owned_parameters(optimizer: Any, owned: set[int]) -> None:
+    """Keep in each parameter group of ``optimizer`` only the parameters whose ``id`` is in ``owned``, in place.
+
+    The user's optimizer is built over the whole module, as on one device; each stage then keeps its own parameters.
+    The groups and their options (learning rate, weight decay, ...) stay, a group may become empty, and an LR
+    scheduler attached to the optimizer keeps working. Call it before the optimizer holds any state.
+
+    Examples:
+        >>> import torch
+        >>> a, b = torch.nn.Parameter(torch.ones(1)), torch.nn.Parameter(torch.ones(1))
+        >>> opt = torch.optim.SGD([{"params": [a]}, {"params": [b], "lr": 0.5}], lr=0.1)
+        >>> keep_owned_parameters(opt, {id(b)})
+        >>> [len(g["params"]) for g in opt.param_groups], opt.param_groups[1]["lr"]
+        ([0, 1], 0.5)
+    """
+    if optimizer.state:
+        raise RuntimeError("keep_owned_parameters must run before the optimizer's first step (it holds state).")
+    for group in optimizer.param_groups:
+        group["params"] = [p for p in group["params"] if id(p) in owned]
+    if hasattr(optimizer, "_params"):  # LBFGS keeps its one group's list as well
+        optimizer._params = optimizer.param_groups[0]["params"]

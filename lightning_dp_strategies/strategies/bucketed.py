@@ -177,14 +177,19 @@ class BucketedDataParallel(CheckpointAndResume, BucketedGradSync, DDPStrategy):
         mine = [group for group, ranks in zip(self._grad_groups, partition, strict=True) if self.global_rank in ranks]
         self._grad_group = mine[0] if mine else None
 
-    def _build_buckets(self, named_params: Sequence[tuple[str, nn.Parameter]] | None = None) -> None:
-        """Attach the gradient buckets to ``named_params`` (default: :meth:`bucketed_parameters`)."""
+    def _build_buckets(
+        self, named_params: Sequence[tuple[str, nn.Parameter]] | None = None, allow_no_trainable: bool = False
+    ) -> None:
+        """Attach the gradient buckets to ``named_params`` (default: :meth:`bucketed_parameters`).
+
+        ``allow_no_trainable``: a rank may own no trainable parameter (every rank of its group alike)."""
         self.buckets = GradientBuckets(
             self.bucketed_parameters() if named_params is None else named_params,
             group=self._grad_group,
             reducer=self._reducer,
             bucket_cap_mb=self.config.bucket_cap_mb,
             first_bucket_cap_mb=self.config.first_bucket_cap_mb,
+            allow_no_trainable=allow_no_trainable,
         )
 
     def _require_trainable(self, fix: str) -> None:

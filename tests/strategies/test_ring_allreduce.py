@@ -278,6 +278,6 @@ def test_options_read_from_the_config_and_stay_read_only() -> None:
     strategy = RingAllReduceStrategy(bucket_cap_mb=3, first_bucket_cap_mb=0.5, broadcast_buffers=False)
     assert (strategy.bucket_cap_mb, strategy.first_bucket_cap_mb) == (3, 0.5)
     assert (strategy.broadcast_buffers, strategy.log_comm_stats) == (False, False)
-    with pytest.raises(AttributeError, match="read-only.*bucket_cap_mb="):
+    with pytest.raises(AttributeError, match=r"read-only.*bucket_cap_mb="):
         strategy.bucket_cap_mb = 4  # type: ignore[misc]
     assert strategy.config.bucket_cap_mb == 3

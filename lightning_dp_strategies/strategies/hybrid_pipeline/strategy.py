@@ -36,6 +36,7 @@ from datetime import timedelta
 from typing import Any, ClassVar, Literal
 
 import lightning.pytorch as pl
+import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies.registry import _StrategyRegistry
@@ -55,6 +56,7 @@ from lightning_dp_strategies.pipeline import (
     check_balance,
     check_micro_batches,
     clip_grad_norm_across,
+    keep_owned_parameters,
 )
 from lightning_dp_strategies.pipeline.checkpoint import (
     all_gather_stages,
@@ -185,8 +187,7 @@ class HybridPipelineStrategy(BucketedDataParallel):
         self._failed = False
         self._trained = False
         self._metric_groups: list[tuple[Any, Any]] = []
-        self._user_body: nn.Module | None = None  # the module's own body, put back at teardown
-        self._stage_body: StageBody | None = None  # stands in its place from setup to teardown
+        self._stage_body: StageBody | None = None  # this stage's blocks, what the runner runs
         self._precision_view: Precision | None = None
         # statistics
         self.pipeline_stats = PipelineStats()
@@ -283,8 +284,10 @@ class HybridPipelineStrategy(BucketedDataParallel):
         self._set_metric_groups(module)
         if fitting:
             if layout.replicas > 1:
-                self._build_buckets()
-            self.setup_optimizers(trainer)
+                self._build_buckets(allow_no_trainable=True)  # a stage of frozen blocks averages nothing
+            self.setup_optimizers(trainer)  # the user's configure_optimizers sees the whole module, as on one device
+            for optimizer in self.optimizers:
+                keep_owned_parameters(optimizer, {id(p) for _, p in self._owned_parameters()})
         self._optimizers_layout = self.layout if fitting else None
         self._precision_view = global_norm_view(self.precision_plugin, self._clip_grad_by_norm)
         self.setup_precision_plugin()
@@ -292,9 +295,9 @@ class HybridPipelineStrategy(BucketedDataParallel):
             _optimizers_to_device(self.optimizers, self.root_device)
 
     def _partition(self, module: pl.LightningModule, body_name: str) -> None:
-        """Work out the balance, then put a :class:`StageBody` of this stage's blocks where the module's body was.
+        """Work out the balance and gather this stage's blocks into a :class:`StageBody` of the strategy's own.
 
-        The module's own ``nn.Sequential`` is left as it is and put back at teardown (:meth:`_reassemble`)."""
+        The module, and its ``nn.Sequential`` body, stay as they are: the blocks are shared, not moved."""
         body = getattr(module, body_name)
         blocks = list(body)
         stages = self.config.pipeline_stages
@@ -317,9 +320,7 @@ class HybridPipelineStrategy(BucketedDataParallel):
             param_order=[n for n, _ in module.named_parameters()],
             body_prefix=prefix_of(module, body),
         )
-        self._user_body = body
         self._stage_body = StageBody({i: blocks[i] for i in layout.local_blocks})
-        module._modules[body_name] = self._stage_body
         self.layout = layout
 
     def _balance_by_time(self, module: pl.LightningModule, blocks: list[nn.Module]) -> list[int]:
@@ -343,8 +344,9 @@ class HybridPipelineStrategy(BucketedDataParallel):
         assert module is not None and layout is not None
         if layout.replicas == 1:
             return
-        for tensor in [*module.parameters(), *module.buffers()]:
-            dist.broadcast(tensor.data, group=layout.data_group, group_src=0)
+        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+            if layout.owns(name):
+                dist.broadcast(tensor.data, group=layout.data_group, group_src=0)
 
     def _owned_parameters(self) -> list[tuple[str, nn.Parameter]]:
         module, layout = self.lightning_module, self.layout
@@ -524,12 +526,33 @@ class HybridPipelineStrategy(BucketedDataParallel):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._evaluate("predict_step", self.precision_plugin.predict_step_context(), *args, **kwargs)
 
+    # ------------------------------------------------------------------ decisions across ranks
+    # The stages of one replica hold the same logged values and metrics (every stage receives the last stage's output),
+    # so the D replicas are the data-parallel ranks of a one-process-per-replica run: values reduce and gather over
+    # them, decisions and objects go over every rank. See docs/strategies/hybrid_pipeline.md.
+
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
-        """``self.log(..., sync_dist=True)`` reduces over the data-parallel group: every stage holds the same values."""
+        """Reduce over the data-parallel group (``self.log(..., sync_dist=True)``): each replica's value counts once."""
         if group is None and self.layout is not None:
             group = self.layout.data_group
         return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        """Gather over the data-parallel group: a leading dimension of ``data_parallel`` replicas, each once."""
+        if group is None and self.layout is not None:
+            group = self.layout.data_group
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Vote over every rank: ``all=True`` holds when every rank decides ``True``, ``all=False`` when any does."""
+        if not dist.is_initialized() or self.world_size == 1:
+            return decision
+        votes = torch.tensor(int(decision), device=self.root_device)
+        dist.all_reduce(votes, op=dist.ReduceOp.SUM)
+        return bool(votes == self.world_size) if all else bool(votes)
 
     # ------------------------------------------------------------------ checkpoints: the whole model
     @override
@@ -580,7 +603,7 @@ class HybridPipelineStrategy(BucketedDataParallel):
 
     # ------------------------------------------------------------------ teardown: the whole module again
     def _reassemble(self) -> None:
-        """Put every block back into this rank's module; after training, with the values the stages trained."""
+        """After training, load into this rank's module the values the other stages trained (its copies are stale)."""
         module, layout = self.lightning_module, self.layout
         if module is None or layout is None:
             return
@@ -588,8 +611,7 @@ class HybridPipelineStrategy(BucketedDataParallel):
         if self._trained and not self._failed and dist.is_initialized() and self.config.pipeline_stages > 1:
             for part in all_gather_stages(stage_state(module, layout), layout):
                 trained.update(part)
-        module._modules[layout.body_name] = self._user_body
-        self._user_body = self._stage_body = None
+        self._stage_body = None
         if trained:
             module.load_state_dict({k: v for k, v in trained.items()}, strict=False)
         self.layout = None

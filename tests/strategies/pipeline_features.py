@@ -1,0 +1,174 @@
+"""A LightningModule with the Lightning features a user switches on, run on one device and under hybrid_pipeline.
+
+Run as ``python -m tests.strategies.pipeline_features STAGES WORLD OUTDIR [BALANCE]`` (``STAGES=0``: one device,
+the reference; ``BALANCE`` like ``2,4``). Rank 0 writes ``OUTDIR/result.pt``: the checkpoints each
+``ModelCheckpoint`` kept, the epoch ``EarlyStopping`` stopped at, every logged value, the model summary, the trained
+parameters and what ``validate``/``test``/``predict`` return after ``fit``. Every rank writes ``OUTDIR/rank{r}.pt``
+with what its ``configure_optimizers`` saw. Each replica reads its share of every global batch, so both runs train
+on the same global batches.
+"""
+
+from __future__ import annotations
+
+import csv
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+import torchmetrics
+from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint, Timer
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.utilities.model_summary import summarize
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Sampler, TensorDataset
+
+from lightning_dp_strategies import HybridPipelineStrategy
+
+GLOBAL_BATCH = 16
+SAMPLES, VAL_SAMPLES = 96, 32
+
+
+class FeatureNet(L.LightningModule):
+    pipeline_body = "body"
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(
+            nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Linear(16, 4)
+        )
+        self.body[0].requires_grad_(False)  # a frozen first block, as when fine-tuning
+        self.train_acc = torchmetrics.Accuracy(task="multiclass", num_classes=4)  # made in __init__
+        self.seen_parameters: list[int] = []
+
+    def setup(self, stage: str) -> None:
+        self.val_acc = torchmetrics.Accuracy(task="multiclass", num_classes=4)  # made in setup
+
+    def configure_model(self) -> None:
+        if not hasattr(self, "val_mean_loss"):
+            self.val_mean_loss = torchmetrics.MeanMetric()  # made in configure_model
+
+    def pipeline_loss(self, output: Tensor, target: Tensor) -> Tensor:
+        return F.cross_entropy(output, target)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        out = self.body(x)
+        loss = self.pipeline_loss(out, y)
+        self.train_acc(out, y)
+        self.log("train_loss", loss, sync_dist=True, on_step=True, on_epoch=True)
+        self.log("train_acc", self.train_acc, on_step=False, on_epoch=True)
+        return loss
+
+    def on_train_epoch_end(self) -> None:
+        self.log("last_batch_loss", self.trainer.callback_metrics["train_loss_step"], sync_dist=True)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        out = self.body(x)
+        loss = F.cross_entropy(out, y)
+        self.val_acc(out, y)
+        self.val_mean_loss(loss)
+        self.log("val_loss", loss, sync_dist=True)
+        self.log("val_acc", self.val_acc)
+        self.log("val_mean_loss", self.val_mean_loss)
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("test_loss", F.cross_entropy(self.body(x), y), sync_dist=True)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> Tensor:
+        return self.body(batch[0])
+
+    def configure_optimizers(self) -> Any:
+        self.seen_parameters.append(len(list(self.parameters())))
+        fast = [*self.body[2].parameters(), *self.body[4].parameters()]
+        rest = [p for p in self.parameters() if all(p is not f for f in fast)]
+        optimizer = torch.optim.SGD([{"params": fast, "lr": 0.6}, {"params": rest}], lr=0.3, momentum=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.8)}
+
+
+class ReplicaShards(Sampler[int]):
+    """Replica ``r`` of ``D`` reads samples ``b * G + r, b * G + r + D, ...`` of every global batch ``b``."""
+
+    def __init__(self, samples: int, replica: int, replicas: int) -> None:
+        self.indices = [i for i in range(samples) if i % replicas == replica]
+
+    def __iter__(self) -> Any:
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+def data(samples: int, seed: int) -> TensorDataset:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(samples, 8, generator=generator)
+    return TensorDataset(x, (x[:, :4] + 0.5 * torch.randn(samples, 4, generator=generator)).argmax(1))
+
+
+def loader(dataset: TensorDataset, replica: int, replicas: int) -> DataLoader:
+    sampler = ReplicaShards(len(dataset), replica, replicas)
+    return DataLoader(dataset, batch_size=GLOBAL_BATCH // replicas, sampler=sampler)
+
+
+class Summary(L.Callback):
+    """What Lightning's model summary counts, at the moment its callback does (``on_fit_start``)."""
+
+    def on_fit_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        summary = summarize(module)
+        self.counts = (summary.total_parameters, summary.trainable_parameters)
+
+
+def main(stages: int, world: int, out: Path, balance: Any = "parameters") -> None:
+    strategy: Any = "auto"
+    if stages:
+        strategy = HybridPipelineStrategy(pipeline_stages=stages, micro_batches=2, balance=balance)
+    replicas = 1 if stages == 0 else world // stages
+    checkpoints = [
+        ModelCheckpoint(dirpath=out / "ckpt", monitor="val_loss", mode="min", save_top_k=1, filename="min-{epoch}"),
+        ModelCheckpoint(dirpath=out / "ckpt", monitor="val_acc", mode="max", save_top_k=2, filename="max-{epoch}"),
+    ]
+    stopping = EarlyStopping(monitor="val_loss", mode="min", patience=1, min_delta=0.03)
+    timer, summary = Timer(duration="00:00:10:00"), Summary()
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=world if stages else 1,
+        max_epochs=8,
+        use_distributed_sampler=False,
+        logger=CSVLogger(out, name="logs", version=0),
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        callbacks=[*checkpoints, stopping, LearningRateMonitor(logging_interval="epoch"), timer, summary],
+    )
+    replica = trainer.global_rank % replicas
+    model = FeatureNet()
+    train, val = loader(data(SAMPLES, 1), replica, replicas), loader(data(VAL_SAMPLES, 2), replica, replicas)
+    trainer.fit(model, train, val)
+    result: dict[str, Any] = {
+        "best": [Path(c.best_model_path).name for c in checkpoints],
+        "kept": [{Path(k).name: float(v) for k, v in c.best_k_models.items()} for c in checkpoints],
+        "stopped_epoch": stopping.stopped_epoch,
+        "epochs_run": trainer.current_epoch,
+        "summary": summary.counts,
+        "timer_ran": timer.time_elapsed("train") > 0,
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+    }
+    result["validate"] = trainer.validate(model, val, verbose=False)
+    result["test"] = trainer.test(model, val, verbose=False)
+    predictions = trainer.predict(model, loader(data(VAL_SAMPLES, 2), replica, replicas))
+    result["predict"] = torch.cat(predictions)  # type: ignore[arg-type]
+    torch.save({"seen_parameters": model.seen_parameters}, out / f"rank{trainer.global_rank}.pt")
+    if trainer.global_rank == 0:
+        with open(out / "logs" / "version_0" / "metrics.csv") as f:
+            result["logged"] = [{k: v for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
+        torch.save(result, out / "result.pt")
+
+
+if __name__ == "__main__":
+    balance = [int(b) for b in sys.argv[4].split(",")] if len(sys.argv) > 4 else "parameters"
+    main(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]), balance)

@@ -1,0 +1,83 @@
+"""hybrid_pipeline under the Lightning features a user switches on, against the same run on one device.
+
+The model (``pipeline_features.FeatureNet``) has a frozen first block and two parameter groups; the run has two
+``ModelCheckpoint``s (min and max, top 1 and top 2), ``EarlyStopping``, ``LearningRateMonitor``, ``Timer``, a
+``CSVLogger``, ``self.log(..., sync_dist=True)`` in training, epoch-end, validation and test hooks, torchmetrics
+made in ``__init__``, ``setup`` and ``configure_model``, then ``validate``, ``test`` and ``predict`` after ``fit``.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.helpers.distributed import run_script
+
+pytestmark = pytest.mark.numerics
+
+TOLERANCE = 1e-5  # fp32: the stages and replicas add the same terms in another order
+WHOLE_MODEL_PARAMETERS = 8  # FeatureNet's parameter tensors
+
+
+def run(tmp: Path, stages: int, world: int, balance: str | None = None) -> dict[str, Any]:
+    argv = ["-m", "tests.strategies.pipeline_features", str(stages), str(world), str(tmp)]
+    run_script(argv + ([balance] if balance else []), timeout=240)
+    result: dict[str, Any] = torch.load(tmp / "result.pt", weights_only=False)
+    result["seen"] = [torch.load(tmp / f"rank{r}.pt")["seen_parameters"] for r in range(world)]
+    return result
+
+
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return run(tmp_path_factory.mktemp("one_device"), 0, 1)
+
+
+def close(a: object, b: object) -> bool:
+    try:
+        x, y = float(a), float(b)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return a == b
+    return math.isclose(x, y, rel_tol=TOLERANCE, abs_tol=TOLERANCE)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("stages", "world", "balance"),
+    [(2, 4, None), (2, 2, None), (3, 3, None), (4, 4, None), (2, 2, "2,4")],
+    ids=["S2xD2", "S2xD1", "S3xD1", "S4xD1-frozen-stage", "S2xD1-explicit-frozen-stage"],
+)
+def test_lightning_features_behave_as_on_one_device(
+    tmp_path: Path, one_device: dict[str, Any], stages: int, world: int, balance: str | None
+) -> None:
+    got = run(tmp_path, stages, world, balance)
+    # decisions across ranks: the checkpoints kept, their scores, the stopping epoch
+    assert got["best"] == one_device["best"]
+    assert got["kept"].__len__() == 2
+    for kept, expected in zip(got["kept"], one_device["kept"], strict=True):
+        assert kept.keys() == expected.keys()
+        assert all(close(kept[k], expected[k]) for k in kept), (kept, expected)
+    assert (got["stopped_epoch"], got["epochs_run"]) == (one_device["stopped_epoch"], one_device["epochs_run"])
+    assert got["epochs_run"] < 8, "EarlyStopping must stop the run before max_epochs for this test to mean anything"
+    assert got["timer_ran"]
+    # Lightning's model summary counts the whole model, and configure_optimizers saw it on every rank
+    assert got["summary"] == one_device["summary"]
+    assert all(seen == [WHOLE_MODEL_PARAMETERS] for seen in got["seen"]), got["seen"]
+    # every logged value, row by row (step, epoch, lr-SGD, losses, metrics)
+    assert len(got["logged"]) == len(one_device["logged"])
+    for row, expected in zip(got["logged"], one_device["logged"], strict=True):
+        assert row.keys() == expected.keys(), (row, expected)
+        assert all(close(row[k], expected[k]) for k in row), (row, expected)
+    # the trained parameters (a frozen block included) and evaluation after fit
+    for name, value in one_device["params"].items():
+        assert (got["params"][name] - value).abs().max().item() <= TOLERANCE, name
+    assert torch.equal(got["params"]["body.0.weight"], one_device["params"]["body.0.weight"])  # frozen stays put
+    for key in ("validate", "test"):
+        assert got[key][0].keys() == one_device[key][0].keys()
+        assert all(close(got[key][0][k], v) for k, v in one_device[key][0].items()), key
+    replicas = world // stages
+    expected_predictions = one_device["predict"][0::replicas]  # rank 0 predicts replica 0's share
+    assert (got["predict"] - expected_predictions).abs().max().item() <= TOLERANCE
