@@ -82,7 +82,8 @@ def whole_optimizer_state(optimizer: Optimizer, module: nn.Module, layout: Layou
 
 
 def load_stage_state(module: nn.Module, layout: Layout, state: Mapping[str, Any], strict: bool = True) -> None:
-    """Load this stage's part of a whole-model ``state_dict``; ``strict`` checks the keys against the whole model."""
+    """Load the entries of a whole-model ``state_dict`` that this stage owns; ``strict`` checks the keys against the
+    whole model."""
     if strict:
         full = set(layout.full_keys)
         missing = sorted(k for k in layout.full_keys if k not in state)
@@ -92,8 +93,7 @@ def load_stage_state(module: nn.Module, layout: Layout, state: Mapping[str, Any]
                 f"The checkpoint does not match {type(module).__name__}: missing keys {missing}, unexpected keys "
                 f"{unexpected}. Pass `strict=False` to load what matches."
             )
-    local_keys = set(module.state_dict().keys())
-    module.load_state_dict({k: v for k, v in state.items() if k in local_keys}, strict=False)
+    module.load_state_dict({k: v for k, v in state.items() if layout.owns(k)}, strict=False)
 
 
 def load_stage_optimizer_state(

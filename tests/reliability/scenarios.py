@@ -148,9 +148,11 @@ class SaveFinal(L.Callback):
     def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         assert isinstance(module, Net)
         optimizer = trainer.optimizers[0]
+        # what this rank trains: under hybrid_pipeline its stage's parameters (the module's other blocks sit idle)
+        trained = getattr(trainer.strategy, "bucketed_parameters", module.named_parameters)
         torch.save(
             {
-                "params": {n: p.detach().clone() for n, p in module.named_parameters()},
+                "params": {n: p.detach().clone() for n, p in trained()},
                 "optimizer": optimizer.state_dict(),
                 "lrs": [group["lr"] for group in optimizer.param_groups],
                 "global_step": trainer.global_step,

@@ -117,7 +117,7 @@ class Recorder(L.Callback):
         assert isinstance(strategy, HybridPipelineStrategy)
         torch.save(
             {
-                "params": {n: p.detach().clone() for n, p in module.named_parameters()},
+                "params": {n: p.detach().clone() for n, p in strategy.bucketed_parameters()},  # what it trains
                 "progress_bar": {k: float(v) for k, v in trainer.progress_bar_metrics.items()},
                 "seen": float(trainer.callback_metrics["seen"]),
                 "bubble": strategy.pipeline_stats.last.bubble,

@@ -63,7 +63,7 @@ def assert_parity(ranks: list[dict[str, Any]], case: Case, epochs: int | None = 
         stage = rank // case.replicas
         params = result["params"]
         assert params, f"rank {rank} holds no parameter"
-        # each rank holds exactly its stage's blocks: the other stages' parameters are not on it
+        # each rank trains exactly its stage's blocks (the module stays whole; the other stages' copies sit idle)
         assert all(n.startswith("body.") for n in params)
         for name, value in params.items():
             diff = (value - expected[name]).abs().max().item()
