@@ -88,10 +88,10 @@ __all__ = ["HybridPipelineConfig", "HybridPipelineStrategy", "PipelineStats"]
 class HybridPipelineStrategy(BucketedDataParallel):
     """The body of the model split into pipeline stages across ranks, micro-batched, and replicated.
 
-    ``world = pipeline_stages x data_parallel`` processes, one device each. Stage ``s`` holds only its own blocks
-    (and its optimizer only their parameters); activations and their gradients travel between stages point to point
-    (``torch.distributed.pipelining``); the replicas of a stage average gradients with the bucketed ring all-reduce.
-    The distributed sampler splits the data over the ``data_parallel`` replicas only.
+    ``world = pipeline_stages x data_parallel`` processes, one device each. Stage ``s`` runs and trains only its
+    own blocks (its optimizer keeps only their parameters); activations and their gradients travel between stages
+    point to point (``torch.distributed.pipelining``); the replicas of a stage average gradients with the bucketed
+    ring all-reduce. The distributed sampler splits the data over the ``data_parallel`` replicas only.
 
     The LightningModule opts in with two members (a module without them gets an error naming them)::
 
@@ -569,9 +569,9 @@ class HybridPipelineStrategy(BucketedDataParallel):
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The whole model's optimizer state on rank 0, numbered as a single-device optimizer over the module.
 
-        Also after ``fit``, when the module is whole again but each stage's optimizer still holds only its own
-        parameters: ``trainer.save_checkpoint`` then gathers the stages' states too, so it must run on every rank (as
-        Lightning requires of it anyway).
+        Also after ``fit``, when every rank's module holds the trained values but each stage's optimizer still holds
+        only its own parameters: ``trainer.save_checkpoint`` then gathers the stages' states too, so it must run on
+        every rank (as Lightning requires of it anyway).
         """
         layout = self.layout or (self._optimizers_layout if dist.is_initialized() else None)
         optimizer = getattr(optimizer, "_optimizer", optimizer)
@@ -602,7 +602,7 @@ class HybridPipelineStrategy(BucketedDataParallel):
             _optimizer_to_device(optimizer, self.root_device)
 
     # ------------------------------------------------------------------ teardown: the whole module again
-    def _reassemble(self) -> None:
+    def _load_trained_stages(self) -> None:
         """After training, load into this rank's module the values the other stages trained (its copies are stale)."""
         module, layout = self.lightning_module, self.layout
         if module is None or layout is None:
@@ -627,7 +627,7 @@ class HybridPipelineStrategy(BucketedDataParallel):
         for metric, group in self._metric_groups:
             metric.process_group = group
         self._metric_groups = []
-        self._reassemble()
+        self._load_trained_stages()
         self.runner = None
         self._pending = {}
         super().teardown()  # closes the buckets and reducer, destroys the gradient groups
