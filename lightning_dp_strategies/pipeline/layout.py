@@ -8,8 +8,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 
+from lightning_dp_strategies.pipeline.activations import from_args
 from lightning_dp_strategies.pipeline.partition import stage_ranges
 from lightning_dp_strategies.sizing import divisors
 
@@ -77,8 +78,9 @@ class Layout:
 class StageBody(nn.Module):
     """The blocks of one stage, registered under their indices in the whole body.
 
-    It stands where the body stood, so the module's ``state_dict`` keys of this stage are the whole model's keys
-    (``body.2.weight``); called, it runs its blocks in order.
+    Its ``state_dict`` keys are the indices in the whole body (``2.weight``). Called with what the previous stage
+    sent (one tensor, or the tensors of a tuple), it runs its blocks in order as ``nn.Sequential`` does, each block
+    taking the previous block's output as its single argument.
 
     Examples:
         >>> body = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1))
@@ -92,7 +94,8 @@ class StageBody(nn.Module):
         for index, block in blocks.items():
             self.add_module(str(index), block)
 
-    def forward(self, x: Any) -> Any:
+    def forward(self, *args: Tensor) -> Any:
+        x: Any = from_args(args)
         for block in self._modules.values():
             assert block is not None
             x = block(x)

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
+
+from lightning_dp_strategies.pipeline.activations import Activation, as_args, detach, from_args
 
 __all__ = [
     "balance_by_parameters",
@@ -119,12 +122,13 @@ def balance_by_parameters(blocks: Sequence[nn.Module], stages: int, trainable_we
     return balance_costs(costs, stages)
 
 
-def balance_by_time(blocks: Sequence[nn.Module], sample: Tensor, stages: int, repeats: int = 3) -> list[int]:
+def balance_by_time(blocks: Sequence[nn.Module], sample: Activation, stages: int, repeats: int = 3) -> list[int]:
     """Balance by the measured forward + backward time of each block on ``sample`` (the body's input).
 
     Each block runs ``repeats`` times on the output of the previous one (the minimum time is kept, which is robust
-    to noise); parameters' ``.grad`` are left untouched. Measure on one rank and broadcast the result: timings differ
-    between processes, and every rank must use the same balance.
+    to noise); parameters' ``.grad`` are left untouched. ``sample`` and the activations may be tuples of tensors.
+    Measure on one rank and broadcast the result: timings differ between processes, and every rank must use the
+    same balance.
 
     Examples:
         >>> torch.manual_seed(0) and None
@@ -134,23 +138,25 @@ def balance_by_time(blocks: Sequence[nn.Module], sample: Tensor, stages: int, re
     """
     _check_enough_blocks(len(blocks), stages)
     costs: list[float] = []
-    x = sample.detach()
+    x: Any = detach(sample)
     for block in blocks:
         params = [p for p in block.parameters() if p.requires_grad]
         best = float("inf")
         out = x
         for _ in range(max(1, repeats)):
-            inp = x.detach().requires_grad_(x.is_floating_point())
+            inputs = [t.detach().requires_grad_(t.is_floating_point()) for t in as_args(x)]
             start = time.perf_counter()
-            out = block(inp)
-            targets = [t for t in (inp, *params) if t.requires_grad]
-            if out.requires_grad and targets:
-                torch.autograd.grad(out.sum(), targets, allow_unused=True)
-            if out.device.type == "cuda":
-                torch.cuda.synchronize(out.device)
+            out = block(from_args(inputs))
+            targets = [t for t in (*inputs, *params) if t.requires_grad]
+            outputs = [t for t in as_args(out) if t.requires_grad]
+            if outputs and targets:
+                ones = [torch.ones_like(t) for t in outputs]
+                torch.autograd.grad(outputs, targets, grad_outputs=ones, allow_unused=True)
+            if outputs and outputs[0].device.type == "cuda":
+                torch.cuda.synchronize(outputs[0].device)
             best = min(best, time.perf_counter() - start)
         costs.append(best)
-        x = out.detach()
+        x = detach(out)
     return balance_costs(costs, stages)
 
 

@@ -23,14 +23,24 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
+from lightning_dp_strategies.pipeline.activations import (
+    Activation,
+    as_args,
+    batch_size,
+    detach,
+    from_args,
+    is_activation,
+    signature,
+)
 from lightning_dp_strategies.pipeline.memory import ActivationMeter
 from lightning_dp_strategies.pipeline.microbatch import effective_micro_batches
 from lightning_dp_strategies.pipeline.schedule import TimedStage, make_schedule
 
 __all__ = ["LossFn", "PipelineRunner", "PipelineStats", "StepResult", "StepStats"]
 
-LossFn = Callable[[Tensor, Tensor], Tensor]
-"""The loss of one micro-batch on the last stage's output: ``loss_fn(output, target)``, a mean over the micro-batch."""
+LossFn = Callable[[Any, Tensor], Tensor]
+"""The loss of one micro-batch on the last stage's output (a tensor or a tuple of tensors): ``loss_fn(output,
+target)``, a mean over the micro-batch."""
 
 
 @dataclass
@@ -73,8 +83,8 @@ class StepResult:
         (0.5, 0)
     """
 
-    output: Tensor | None
-    """The last stage's output for the whole batch, detached (``None`` on other stages)."""
+    output: Activation | None
+    """The last stage's output for the whole batch (a tensor or a tuple), detached (``None`` on other stages)."""
     loss: Tensor | None
     """The batch-mean loss, detached (``None`` but on the last stage)."""
     stats: StepStats = field(default_factory=StepStats)
@@ -91,7 +101,8 @@ class PipelineRunner:
     """Runs this rank's stage of a pipeline of ``num_stages`` ranks.
 
     Args:
-        module: this stage's blocks (an ``nn.Sequential`` of a contiguous slice of the body).
+        module: this stage's blocks (a :class:`~lightning_dp_strategies.pipeline.layout.StageBody`): called with
+            the tensors the previous stage sent, it returns one tensor or a tuple of them.
         stage_index: this rank's stage.
         num_stages: stages in the pipeline.
         group: the pipeline group, its ranks ordered by stage (group rank ``s`` runs stage ``s``).
@@ -130,7 +141,7 @@ class PipelineRunner:
         self.measure_activations = measure_activations
         # runtime state
         self._entries: dict[Hashable, _Entry] = {}
-        self._output_meta: dict[Hashable, tuple[tuple[int, ...], torch.dtype] | str] = {}
+        self._output_meta: dict[Hashable, Any] = {}
         self._last_key: Hashable = None
         self._loss_fn: LossFn | None = None
         self._weight = 1.0
@@ -150,6 +161,14 @@ class PipelineRunner:
         return self.stage_index == self.num_stages - 1
 
     # ------------------------------------------------------------------ stages per batch shape
+    def reset(self) -> None:
+        """Forget the built stages: the next step rebuilds them (on every stage of the pipeline alike).
+
+        A stage learns at its first step which activations need a gradient; after parameters were frozen or
+        unfrozen that may have changed."""
+        self._entries.clear()
+        self._output_meta.clear()
+
     def _entry(self, key: Hashable, micro_batches: int, training: bool) -> tuple[_Entry, bool]:
         self._last_key = key
         entry = self._entries.get(key)
@@ -161,23 +180,24 @@ class PipelineRunner:
         self._entries[key] = entry
         return entry, True
 
-    def _weighted_loss(self, output: Tensor, target: Tensor) -> Tensor:
+    def _weighted_loss(self, output: Any, target: Tensor) -> Tensor:
         assert self._loss_fn is not None
         return self._loss_fn(output, target) * self._weight
 
     @staticmethod
-    def _shape_key(inputs: Tensor, target: Tensor | None) -> tuple[object, ...]:
-        target_key = None if target is None else (tuple(target.shape), target.dtype)
-        return (tuple(inputs.shape), inputs.dtype, target_key, torch.is_inference_mode_enabled())
+    def _shape_key(inputs: Activation, target: Tensor | None) -> tuple[object, ...]:
+        target_key = None if target is None else signature(target)
+        return (signature(inputs), target_key, torch.is_inference_mode_enabled())
 
     # ------------------------------------------------------------------ steps
-    def train_step(self, inputs: Tensor, target: Tensor, loss_fn: LossFn, scale: float = 1.0) -> StepResult:
+    def train_step(self, inputs: Activation, target: Tensor, loss_fn: LossFn, scale: float = 1.0) -> StepResult:
         """Forward and backward of one batch through the pipeline; gradients accumulate into ``.grad``.
 
-        Every stage passes the same ``inputs`` and ``target`` (the whole batch); only their shapes matter off the
-        first and last stage. ``scale`` multiplies the gradient (``1 / accumulate_grad_batches``).
+        Every stage passes the same ``inputs`` (a tensor or a tuple of tensors) and ``target`` (the whole batch); only
+        their shapes matter off the first and last stage. ``scale`` multiplies the gradient
+        (``1 / accumulate_grad_batches``).
         """
-        batch = int(inputs.shape[0])
+        batch = batch_size(inputs)
         micro = effective_micro_batches(batch, self.micro_batches)
         entry, new = self._entry(("train", micro, *self._shape_key(inputs, target)), micro, training=True)
         self._loss_fn, self._weight = loss_fn, scale / micro
@@ -185,7 +205,7 @@ class PipelineRunner:
         kwargs: dict[str, Any] = {}
         if self.is_last:
             kwargs.update(target=target, losses=losses)
-        args = (inputs,) if self.is_first else ()
+        args = as_args(inputs) if self.is_first else ()
         output, stats = self._timed(entry, new, args, kwargs)
         self._loss_fn = None
         loss = None
@@ -193,17 +213,17 @@ class PipelineRunner:
             loss = (torch.stack([x.detach().float() for x in losses]).sum() / scale).to(losses[0].dtype)
         return StepResult(output, loss, stats)
 
-    def forward(self, inputs: Tensor) -> Tensor | None:
+    def forward(self, inputs: Activation) -> Activation | None:
         """Forward only (evaluation): the whole batch's output on the last stage, ``None`` elsewhere."""
-        micro = effective_micro_batches(int(inputs.shape[0]), self.micro_batches)
+        micro = effective_micro_batches(batch_size(inputs), self.micro_batches)
         entry, new = self._entry(("eval", micro, *self._shape_key(inputs, None)), micro, training=False)
-        args = (inputs,) if self.is_first else ()
+        args = as_args(inputs) if self.is_first else ()
         output, _ = self._timed(entry, new, args, {})
         return output
 
     def _timed(
         self, entry: _Entry, new: bool, args: tuple[Tensor, ...], kwargs: dict[str, Any]
-    ) -> tuple[Tensor | None, StepStats]:
+    ) -> tuple[Activation | None, StepStats]:
         entry.stage.compute_seconds = 0.0
         entry.stage.actions = []
         # the batch is data, not activations: its storage (shared by the micro-batch views) is not counted
@@ -224,21 +244,19 @@ class PipelineRunner:
         )
         self.last_stats = stats
         self.last_order = list(entry.stage.actions)
-        if isinstance(output, Tensor):
-            output = output.detach()
-        return output, stats
+        return detach(output), stats
 
     # ------------------------------------------------------------------ the output, on every stage
-    def share_output(self, output: Tensor | None) -> Tensor:
+    def share_output(self, output: Activation | None) -> Activation:
         """Broadcast the last stage's ``output`` of the latest step to every stage of this pipeline.
 
         Collective over the pipeline group: every stage calls it right after the same :meth:`train_step` or
-        :meth:`forward`. The output's shape and dtype are exchanged once per batch shape.
+        :meth:`forward`. The output's shapes and dtypes are exchanged once per batch shape.
         """
         meta: Any = self._output_meta.get(self._last_key)
         if meta is None:
             if self.is_last:
-                meta = (tuple(output.shape), output.dtype) if isinstance(output, Tensor) else _not_a_tensor(output)
+                meta = _output_meta(output)
             if self.num_stages > 1:
                 box = [meta]
                 dist.broadcast_object_list(box, group=self.group, group_src=self.num_stages - 1)
@@ -246,24 +264,26 @@ class PipelineRunner:
             self._output_meta[self._last_key] = meta
         if isinstance(meta, str):
             raise TypeError(meta)
-        assert meta is not None
         if self.num_stages == 1:
-            assert isinstance(output, Tensor)
+            assert output is not None
             return output
-        shape, dtype = meta
         if self.is_last:
-            assert isinstance(output, Tensor)
-            buffer = output.contiguous()
+            assert output is not None
+            buffers = [t.contiguous() for t in as_args(output)]
         else:
-            buffer = torch.empty(shape, dtype=dtype, device=self.device)
-        dist.broadcast(buffer, group=self.group, group_src=self.num_stages - 1)
-        return buffer
+            buffers = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in meta]
+        for buffer in buffers:
+            dist.broadcast(buffer, group=self.group, group_src=self.num_stages - 1)
+        return from_args(buffers)
 
 
-def _not_a_tensor(output: object) -> str:
+def _output_meta(output: object) -> Any:
+    """The signature of the last stage's output, or the error every stage raises when it is not an activation."""
+    if is_activation(output):
+        return signature(output)
     return (
-        f"The last pipeline stage returned {type(output).__name__}, but the pipeline passes one tensor between "
-        "stages and to the loss: make the last block of the body return a single tensor."
+        f"The last pipeline stage returned {type(output).__name__}, but the pipeline passes one tensor or a tuple "
+        "of tensors to the loss: make the last block of the body return one of those."
     )
 
 

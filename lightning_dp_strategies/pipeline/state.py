@@ -152,24 +152,33 @@ def select_optimizer_state(
     return {"state": state, "param_groups": local_groups}
 
 
-def keep_owned_parameters(optimizer: Any, owned: set[int]) -> None:
+def keep_owned_parameters(optimizer: Any, owned: set[int]) -> bool:
     """Keep in each parameter group of ``optimizer`` only the parameters whose ``id`` is in ``owned``, in place.
 
     The user's optimizer is built over the whole module, as on one device; each stage then keeps its own parameters.
     The groups and their options (learning rate, weight decay, ...) stay, a group may become empty, and an LR
-    scheduler attached to the optimizer keeps working. Call it before the optimizer holds any state.
+    scheduler attached to the optimizer keeps working. Safe to call again after groups were added during training
+    (``BaseFinetuning.unfreeze_and_add_param_group``); it refuses to drop a parameter that holds optimizer state.
+    Returns whether it dropped anything.
 
     Examples:
         >>> import torch
         >>> a, b = torch.nn.Parameter(torch.ones(1)), torch.nn.Parameter(torch.ones(1))
         >>> opt = torch.optim.SGD([{"params": [a]}, {"params": [b], "lr": 0.5}], lr=0.1)
         >>> keep_owned_parameters(opt, {id(b)})
+        True
         >>> [len(g["params"]) for g in opt.param_groups], opt.param_groups[1]["lr"]
         ([0, 1], 0.5)
     """
-    if optimizer.state:
-        raise RuntimeError("keep_owned_parameters must run before the optimizer's first step (it holds state).")
+    dropped = False
     for group in optimizer.param_groups:
-        group["params"] = [p for p in group["params"] if id(p) in owned]
-    if hasattr(optimizer, "_params"):  # LBFGS keeps its one group's list as well
+        kept = [p for p in group["params"] if id(p) in owned]
+        if len(kept) == len(group["params"]):
+            continue
+        if any(id(p) not in owned and p in optimizer.state for p in group["params"]):
+            raise RuntimeError("keep_owned_parameters would drop a parameter that holds optimizer state.")
+        group["params"] = kept
+        dropped = True
+    if dropped and hasattr(optimizer, "_params"):  # LBFGS keeps its one group's list as well
         optimizer._params = optimizer.param_groups[0]["params"]
+    return dropped

@@ -30,8 +30,11 @@ from typing import Any, ClassVar, Literal
 import lightning.pytorch as pl
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.imports import _IS_INTERACTIVE
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 from typing_extensions import override
 
@@ -47,6 +50,7 @@ from lightning_dp_strategies.strategies._options import (
     check_timeout,
     default_timeout,
 )
+from lightning_dp_strategies.strategies._registry import register_name
 from lightning_dp_strategies.strategies._resume import CheckpointAndResume
 
 __all__ = ["BucketedConfig", "BucketedDataParallel"]
@@ -102,6 +106,10 @@ class BucketedDataParallel(CheckpointAndResume, BucketedGradSync, DDPStrategy):
     cost_model: ClassVar[CostModel] = RING_ALLREDUCE
     """Its per-step communication formula (:mod:`lightning_dp_strategies.plan`); a subclass that communicates
     otherwise sets its own."""
+    registered_name: ClassVar[str | None] = None
+    """The name :meth:`register_strategies` gives Lightning, with ``{name}_spawn`` and ``{name}_notebook`` (the fork
+    launcher, for Jupyter) beside it; ``None`` registers nothing."""
+    registered_description: ClassVar[str] = ""
 
     @classmethod
     def launched_processes(cls, devices: int) -> int:
@@ -153,6 +161,37 @@ class BucketedDataParallel(CheckpointAndResume, BucketedGradSync, DDPStrategy):
         module = self.lightning_module
         assert module is not None
         return list(module.named_parameters())
+
+    # ------------------------------------------------------------------ names and launch
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        if cls.registered_name is None:
+            return
+        launchers = (
+            ("", "popen", "re-runs the script for each rank (scripts, torchrun, SLURM)"),
+            ("_spawn", "spawn", "spawns fresh processes"),
+            ("_notebook", "fork", "forks the current process (works inside Jupyter)"),
+        )
+        for suffix, start_method, how in launchers:
+            register_name(
+                strategy_registry,
+                cls.registered_name + suffix,
+                cls,
+                description=f"{cls.registered_description}; launcher {how}",
+                start_method=start_method,
+            )
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if _IS_INTERACTIVE and self._launcher is not None and not self._launcher.is_interactive_compatible:
+            name = f"Trainer(strategy='{self.registered_name}_notebook')` or `" if self.registered_name else ""
+            raise MisconfigurationException(
+                f"{type(self).__name__}(start_method={self._start_method!r}) cannot launch processes inside Jupyter "
+                f"or an interactive shell. Use `{name}{type(self).__name__}(start_method='fork')` there, or run your "
+                "code as a script."
+            )
 
     # ------------------------------------------------------------------ setup
     @override

@@ -4,14 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import lightning.pytorch as pl
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.strategies.registry import _StrategyRegistry
-from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.fabric.utilities.imports import _IS_INTERACTIVE
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor
@@ -21,7 +18,6 @@ from typing_extensions import override
 from lightning_dp_strategies.bucketing import assign_buckets
 from lightning_dp_strategies.reducers import Reducer
 from lightning_dp_strategies.strategies._options import ConfigOption, check_flag
-from lightning_dp_strategies.strategies._registry import register_name
 from lightning_dp_strategies.strategies.bucketed import BucketedConfig, BucketedDataParallel
 
 __all__ = ["RingAllReduceConfig", "RingAllReduceStrategy"]
@@ -73,6 +69,8 @@ class RingAllReduceStrategy(BucketedDataParallel):
     """
 
     config: RingAllReduceConfig
+    registered_name: ClassVar[str | None] = "ring_allreduce"
+    registered_description: ClassVar[str] = "Bucketed ring all-reduce data parallelism"
 
     def __init__(
         self,
@@ -106,16 +104,6 @@ class RingAllReduceStrategy(BucketedDataParallel):
         )
 
     # ------------------------------------------------------------------ setup
-    @override
-    def _configure_launcher(self) -> None:
-        super()._configure_launcher()
-        if _IS_INTERACTIVE and self._launcher is not None and not self._launcher.is_interactive_compatible:
-            raise MisconfigurationException(
-                f"{type(self).__name__}(start_method={self._start_method!r}) cannot launch processes inside Jupyter "
-                "or an interactive shell. Use `Trainer(strategy='ring_allreduce_notebook')` or "
-                f"`{type(self).__name__}(start_method='fork')` there, or run your code as a script."
-            )
-
     @override
     def configure_ddp(self) -> None:
         """Broadcast rank 0's parameters and buffers, then attach the gradient buckets (instead of wrapping in DDP)."""
@@ -158,20 +146,3 @@ class RingAllReduceStrategy(BucketedDataParallel):
     first_bucket_cap_mb = ConfigOption[float]()
     broadcast_buffers = ConfigOption[bool]()
     log_comm_stats = ConfigOption[bool]()
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        entries = (
-            ("ring_allreduce", "popen", "re-runs the script for each rank (scripts, torchrun, SLURM)"),
-            ("ring_allreduce_spawn", "spawn", "spawns fresh processes"),
-            ("ring_allreduce_notebook", "fork", "forks the current process (works inside Jupyter)"),
-        )
-        for name, start_method, how in entries:
-            register_name(
-                strategy_registry,
-                name,
-                cls,
-                description=f"Bucketed ring all-reduce data parallelism; launcher {how}",
-                start_method=start_method,
-            )

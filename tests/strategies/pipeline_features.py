@@ -1,11 +1,11 @@
 """A LightningModule with the Lightning features a user switches on, run on one device and under hybrid_pipeline.
 
-Run as ``python -m tests.strategies.pipeline_features STAGES WORLD OUTDIR [BALANCE]`` (``STAGES=0``: one device,
-the reference; ``BALANCE`` like ``2,4``). Rank 0 writes ``OUTDIR/result.pt``: the checkpoints each
-``ModelCheckpoint`` kept, the epoch ``EarlyStopping`` stopped at, every logged value, the model summary, the trained
-parameters and what ``validate``/``test``/``predict`` return after ``fit``. Every rank writes ``OUTDIR/rank{r}.pt``
-with what its ``configure_optimizers`` saw. Each replica reads its share of every global batch, so both runs train
-on the same global batches.
+Run as ``python -m tests.strategies.pipeline_features STAGES WORLD OUTDIR [BALANCE] [unfreeze]`` (``STAGES=0``:
+one device, the reference; ``BALANCE`` like ``2,4``; ``unfreeze`` adds the fine-tuning schedule :class:`Unfreeze`).
+Rank 0 writes ``OUTDIR/result.pt``: the checkpoints each ``ModelCheckpoint`` kept, the epoch ``EarlyStopping``
+stopped at, every logged value, the model summary, the trained parameters and what ``validate``/``test``/``predict``
+return after ``fit``. Every rank writes ``OUTDIR/rank{r}.pt`` with what its ``configure_optimizers`` saw. Each
+replica reads its share of every global batch, so both runs train on the same global batches.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 import torchmetrics
-from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint, Timer
+from lightning.pytorch.callbacks import BaseFinetuning, EarlyStopping, LearningRateMonitor, ModelCheckpoint, Timer
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.model_summary import summarize
 from torch import Tensor, nn
@@ -34,13 +34,16 @@ SAMPLES, VAL_SAMPLES = 96, 32
 class FeatureNet(L.LightningModule):
     pipeline_body = "body"
 
-    def __init__(self) -> None:
+    def __init__(self, unfreeze: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.body = nn.Sequential(
             nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Linear(16, 4)
         )
         self.body[0].requires_grad_(False)  # a frozen first block, as when fine-tuning
+        self.unfreeze = unfreeze
+        if unfreeze:
+            self.body[2].requires_grad_(False)  # in the optimizer from the start, unfrozen at epoch 2
         self.train_acc = torchmetrics.Accuracy(task="multiclass", num_classes=4)  # made in __init__
         self.seen_parameters: list[int] = []
 
@@ -87,8 +90,23 @@ class FeatureNet(L.LightningModule):
         self.seen_parameters.append(len(list(self.parameters())))
         fast = [*self.body[2].parameters(), *self.body[4].parameters()]
         rest = [p for p in self.parameters() if all(p is not f for f in fast)]
+        if self.unfreeze:  # body[0] joins the optimizer when BaseFinetuning unfreezes it
+            rest = [p for p in rest if p.requires_grad]
         optimizer = torch.optim.SGD([{"params": fast, "lr": 0.6}, {"params": rest}], lr=0.3, momentum=0.5)
         return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.8)}
+
+
+class Unfreeze(BaseFinetuning):
+    """A fine-tuning schedule: body[0] unfrozen into a new parameter group at epoch 1, body[2] unfrozen at epoch 2."""
+
+    def freeze_before_training(self, pl_module: L.LightningModule) -> None:
+        self.freeze(pl_module.body[0])
+
+    def finetune_function(self, pl_module: L.LightningModule, epoch: int, optimizer: torch.optim.Optimizer) -> None:
+        if epoch == 1:
+            self.unfreeze_and_add_param_group(pl_module.body[0], optimizer, lr=0.2, initial_denom_lr=1.0)
+        if epoch == 2:
+            pl_module.body[2].requires_grad_(True)
 
 
 class ReplicaShards(Sampler[int]):
@@ -123,7 +141,7 @@ class Summary(L.Callback):
         self.counts = (summary.total_parameters, summary.trainable_parameters)
 
 
-def main(stages: int, world: int, out: Path, balance: Any = "parameters") -> None:
+def main(stages: int, world: int, out: Path, balance: Any = "parameters", unfreeze: bool = False) -> None:
     strategy: Any = "auto"
     if stages:
         strategy = HybridPipelineStrategy(pipeline_stages=stages, micro_batches=2, balance=balance)
@@ -143,10 +161,17 @@ def main(stages: int, world: int, out: Path, balance: Any = "parameters") -> Non
         logger=CSVLogger(out, name="logs", version=0),
         log_every_n_steps=1,
         enable_progress_bar=False,
-        callbacks=[*checkpoints, stopping, LearningRateMonitor(logging_interval="epoch"), timer, summary],
+        callbacks=[
+            *checkpoints,
+            stopping,
+            LearningRateMonitor(logging_interval="epoch"),
+            timer,
+            summary,
+            *([Unfreeze()] if unfreeze else []),
+        ],
     )
     replica = trainer.global_rank % replicas
-    model = FeatureNet()
+    model = FeatureNet(unfreeze)
     train, val = loader(data(SAMPLES, 1), replica, replicas), loader(data(VAL_SAMPLES, 2), replica, replicas)
     trainer.fit(model, train, val)
     result: dict[str, Any] = {
@@ -170,5 +195,8 @@ def main(stages: int, world: int, out: Path, balance: Any = "parameters") -> Non
 
 
 if __name__ == "__main__":
-    balance = [int(b) for b in sys.argv[4].split(",")] if len(sys.argv) > 4 else "parameters"
-    main(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]), balance)
+    options = sys.argv[4:]
+    unfreeze = "unfreeze" in options
+    options = [o for o in options if o != "unfreeze"]
+    balance = [int(b) for b in options[0].split(",")] if options else "parameters"
+    main(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]), balance, unfreeze)

@@ -23,9 +23,9 @@ TOLERANCE = 1e-5  # fp32: the stages and replicas add the same terms in another 
 WHOLE_MODEL_PARAMETERS = 8  # FeatureNet's parameter tensors
 
 
-def run(tmp: Path, stages: int, world: int, balance: str | None = None) -> dict[str, Any]:
+def run(tmp: Path, stages: int, world: int, *options: str) -> dict[str, Any]:
     argv = ["-m", "tests.strategies.pipeline_features", str(stages), str(world), str(tmp)]
-    run_script(argv + ([balance] if balance else []), timeout=240)
+    run_script(argv + list(options), timeout=240)
     result: dict[str, Any] = torch.load(tmp / "result.pt", weights_only=False)
     result["seen"] = [torch.load(tmp / f"rank{r}.pt")["seen_parameters"] for r in range(world)]
     return result
@@ -34,6 +34,11 @@ def run(tmp: Path, stages: int, world: int, balance: str | None = None) -> dict[
 @pytest.fixture(scope="module")
 def one_device(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return run(tmp_path_factory.mktemp("one_device"), 0, 1)
+
+
+@pytest.fixture(scope="module")
+def one_device_unfreezing(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return run(tmp_path_factory.mktemp("one_device_unfreezing"), 0, 1, "unfreeze")
 
 
 def close(a: object, b: object) -> bool:
@@ -53,7 +58,37 @@ def close(a: object, b: object) -> bool:
 def test_lightning_features_behave_as_on_one_device(
     tmp_path: Path, one_device: dict[str, Any], stages: int, world: int, balance: str | None
 ) -> None:
-    got = run(tmp_path, stages, world, balance)
+    got = run(tmp_path, stages, world, *([balance] if balance else []))
+    assert_same_run(got, one_device, stages, world)
+    assert torch.equal(got["params"]["body.0.weight"], one_device["params"]["body.0.weight"])  # frozen stays put
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("stages", "world", "balance"),
+    [(2, 4, None), (2, 2, "2,4")],
+    ids=["S2xD2-new-param-group", "S2xD1-frozen-stage-comes-alive"],
+)
+def test_parameters_unfrozen_during_training_are_trained_as_on_one_device(
+    tmp_path: Path, one_device_unfreezing: dict[str, Any], stages: int, world: int, balance: str | None
+) -> None:
+    """BaseFinetuning adds body[0] in a new parameter group at epoch 1; body[2] (in the optimizer, frozen) is
+    unfrozen at epoch 2. With balance 2,4 stage 0 holds only body[0] and a Tanh: it starts with nothing to train."""
+    got = run(tmp_path, stages, world, *([balance] if balance else []), "unfreeze")
+    assert got["epochs_run"] >= 3, "the run must reach the second unfreeze for this test to mean anything"
+    assert_same_run(got, one_device_unfreezing, stages, world)
+    initial = initial_parameters()
+    for name in ("body.0.weight", "body.2.weight"):
+        assert (got["params"][name] - initial[name]).abs().max().item() > 1e-3, f"{name} never trained"
+
+
+def initial_parameters() -> dict[str, torch.Tensor]:
+    from tests.strategies.pipeline_features import FeatureNet
+
+    return {n: p.detach().clone() for n, p in FeatureNet().named_parameters()}
+
+
+def assert_same_run(got: dict[str, Any], one_device: dict[str, Any], stages: int, world: int) -> None:
     # decisions across ranks: the checkpoints kept, their scores, the stopping epoch
     assert got["best"] == one_device["best"]
     assert got["kept"].__len__() == 2
@@ -74,7 +109,6 @@ def test_lightning_features_behave_as_on_one_device(
     # the trained parameters (a frozen block included) and evaluation after fit
     for name, value in one_device["params"].items():
         assert (got["params"][name] - value).abs().max().item() <= TOLERANCE, name
-    assert torch.equal(got["params"]["body.0.weight"], one_device["params"]["body.0.weight"])  # frozen stays put
     for key in ("validate", "test"):
         assert got[key][0].keys() == one_device[key][0].keys()
         assert all(close(got[key][0][k], v) for k, v in one_device[key][0].items()), key

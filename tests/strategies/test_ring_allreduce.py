@@ -215,13 +215,10 @@ def test_importing_twice_and_reloading_registers_without_raising() -> None:
 
     importlib.reload(lightning_dp_strategies)
     lightning_dp_strategies.register_all()
-    for name, start_method in [
-        ("ring_allreduce", "popen"),
-        ("ring_allreduce_spawn", "spawn"),
-        ("ring_allreduce_notebook", "fork"),
-    ]:
-        assert StrategyRegistry[name]["init_params"] == {"start_method": start_method}
-        assert StrategyRegistry[name]["strategy"].__name__ == "RingAllReduceStrategy"
+    for prefix, cls in [("ring_allreduce", "RingAllReduceStrategy"), ("hybrid_pipeline", "HybridPipelineStrategy")]:
+        for suffix, start_method in [("", "popen"), ("_spawn", "spawn"), ("_notebook", "fork")]:
+            assert StrategyRegistry[prefix + suffix]["init_params"] == {"start_method": start_method}
+            assert StrategyRegistry[prefix + suffix]["strategy"].__name__ == cls
     # a name another package registered first is left alone, with a warning
     sentinel = type("Theirs", (lightning_dp_strategies.RingAllReduceStrategy,), {"__module__": "their_package"})
     StrategyRegistry.register("ring_allreduce", sentinel, override=True)

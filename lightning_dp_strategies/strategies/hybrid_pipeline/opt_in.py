@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
 from torch import Tensor, nn
 
 from lightning_dp_strategies.pipeline import PipelineRunner
+from lightning_dp_strategies.pipeline.activations import Activation, describe, is_activation, signature
 
 __all__ = ["OPT_IN_EXAMPLE", "PipelinedBody", "ReplayBody", "check_opt_in", "split_batch"]
 
@@ -33,33 +35,38 @@ OPT_IN_EXAMPLE = """
 class ReplayBody:
     """Stands in for the body during ``training_step``: returns the output the pipeline computed for this batch."""
 
-    def __init__(self, output: Tensor, inputs: Tensor, name: str) -> None:
+    def __init__(self, output: Activation, inputs: Activation, name: str) -> None:
         self.output = output
         self.inputs = inputs
         self.name = name
 
-    def __call__(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        if not isinstance(x, Tensor) or x.shape != self.inputs.shape:
+    def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Activation:
+        if not is_activation(x) or signature(x) != signature(self.inputs):
             raise RuntimeError(
-                f"training_step called self.{self.name} on {_describe(x)}, but the pipeline ran this step on the "
-                f"batch's inputs of shape {tuple(self.inputs.shape)}. Under HybridPipelineStrategy the body runs "
-                "once per step, on the inputs `pipeline_split_batch` returns (by default batch[0]); call it on those."
+                f"training_step called self.{self.name} on {describe(x)}, but the pipeline ran this step on the "
+                f"batch's inputs, {describe(self.inputs)}. Under HybridPipelineStrategy the body runs once per step, "
+                "on the inputs `pipeline_split_batch` returns (by default batch[0]); call it on those."
             )
         return self.output
 
 
 class PipelinedBody:
-    """Stands in for the body during evaluation: runs the forward-only pipeline and returns the last output."""
+    """Stands in for the body during evaluation: runs the forward-only pipeline and returns the last output.
 
-    def __init__(self, runner: PipelineRunner) -> None:
+    ``check`` sees every input first (the strategy checks the blocks' outputs on the first one)."""
+
+    def __init__(self, runner: PipelineRunner, check: Callable[[Activation], None]) -> None:
         self.runner = runner
+        self.check = check
 
-    def __call__(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+    def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Activation:
+        if not is_activation(x):
+            raise TypeError(
+                f"The pipelined body takes one tensor or a tuple of tensors, got {describe(x)}; call it on what "
+                "`pipeline_split_batch` returns as inputs."
+            )
+        self.check(x)
         return self.runner.share_output(self.runner.forward(x))
-
-
-def _describe(x: object) -> str:
-    return f"a tensor of shape {tuple(x.shape)}" if isinstance(x, Tensor) else f"a {type(x).__name__}"
 
 
 def check_opt_in(module: pl.LightningModule) -> str:
@@ -90,7 +97,8 @@ def check_opt_in(module: pl.LightningModule) -> str:
     return name
 
 
-def split_batch(module: pl.LightningModule, batch: Any) -> tuple[Tensor, Tensor]:
+def split_batch(module: pl.LightningModule, batch: Any) -> tuple[Activation, Tensor]:
+    """The batch's inputs (a tensor, or a tuple of tensors for a first block that takes a tuple) and target."""
     split = getattr(module, "pipeline_split_batch", None)
     if callable(split):
         inputs, target = split(batch)
@@ -102,9 +110,11 @@ def split_batch(module: pl.LightningModule, batch: Any) -> tuple[Tensor, Tensor]
             f"{type(batch).__name__}: by default the batch is `(inputs, target, ...)`. Define "
             "`pipeline_split_batch(self, batch) -> (inputs, target)` on the LightningModule."
         )
-    if not isinstance(inputs, Tensor) or not isinstance(target, Tensor):
+    if isinstance(inputs, list):
+        inputs = tuple(inputs)
+    if not is_activation(inputs) or not isinstance(target, Tensor):
         raise TypeError(
-            f"The pipeline takes one input tensor and one target tensor, got {_describe(inputs)} and "
-            f"{_describe(target)}; return tensors from `pipeline_split_batch`."
+            f"The pipeline takes inputs (one tensor or a tuple of tensors) and one target tensor, got "
+            f"{describe(inputs)} and {describe(target)}; return those from `pipeline_split_batch`."
         )
     return inputs, target

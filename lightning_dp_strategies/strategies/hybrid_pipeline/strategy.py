@@ -39,7 +39,6 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.optimizer import _optimizer_to_device, _optimizers_to_device
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.trainer.states import TrainerFn
@@ -58,6 +57,7 @@ from lightning_dp_strategies.pipeline import (
     clip_grad_norm_across,
     keep_owned_parameters,
 )
+from lightning_dp_strategies.pipeline.activations import Activation, batch_size, check_blocks, is_activation
 from lightning_dp_strategies.pipeline.checkpoint import (
     all_gather_stages,
     load_stage_optimizer_state,
@@ -71,7 +71,6 @@ from lightning_dp_strategies.pipeline.runner import PipelineStats
 from lightning_dp_strategies.plan import HYBRID_PIPELINE, CostModel
 from lightning_dp_strategies.reducers import Reducer
 from lightning_dp_strategies.strategies._grad_sync import destroy_groups
-from lightning_dp_strategies.strategies._registry import register_name
 from lightning_dp_strategies.strategies.bucketed import BucketedDataParallel
 from lightning_dp_strategies.strategies.hybrid_pipeline.config import HybridPipelineConfig
 from lightning_dp_strategies.strategies.hybrid_pipeline.opt_in import (
@@ -134,6 +133,8 @@ class HybridPipelineStrategy(BucketedDataParallel):
 
     config: HybridPipelineConfig
     cost_model: ClassVar[CostModel] = HYBRID_PIPELINE
+    registered_name: ClassVar[str | None] = "hybrid_pipeline"
+    registered_description: ClassVar[str] = "Pipeline stages across ranks (GPipe/1F1B micro-batches) x data parallelism"
 
     def __init__(
         self,
@@ -183,6 +184,9 @@ class HybridPipelineStrategy(BucketedDataParallel):
         self._mesh: Any = None
         self._pending: dict[nn.Parameter, Tensor | None] = {}
         self._batch_checked = False
+        self._blocks_checked = False
+        self._owned_ids: set[int] = set()
+        self._trainable: tuple[bool, ...] | None = None  # requires_grad of the body's parameters, as the stages know it
         self._warned_loss = False
         self._failed = False
         self._trained = False
@@ -264,9 +268,13 @@ class HybridPipelineStrategy(BucketedDataParallel):
                 f"{type(self).__name__} does not support precision='16-mixed': its loss scaling would have to run "
                 "inside the pipeline schedule. Use precision='bf16-mixed' or '32-true'."
             )
-        self._batch_checked = self._trained = self._failed = False
+        self._batch_checked = self._blocks_checked = self._trained = self._failed = False
+        self._trainable = None
         self._check_ranks_agree()  # the whole model, before it is partitioned and rank 0's weights broadcast
         self._partition(module, body_name)
+        example = getattr(module, "example_input_array", None)
+        if is_activation(example):
+            self._check_blocks(example, "`example_input_array` (the body's input)")  # else on the first batch
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._sync_replicas()
@@ -286,8 +294,8 @@ class HybridPipelineStrategy(BucketedDataParallel):
             if layout.replicas > 1:
                 self._build_buckets(allow_no_trainable=True)  # a stage of frozen blocks averages nothing
             self.setup_optimizers(trainer)  # the user's configure_optimizers sees the whole module, as on one device
-            for optimizer in self.optimizers:
-                keep_owned_parameters(optimizer, {id(p) for _, p in self._owned_parameters()})
+            self._owned_ids = {id(p) for _, p in self._owned_parameters()}
+            self._follow_user_changes()
         self._optimizers_layout = self.layout if fitting else None
         self._precision_view = global_norm_view(self.precision_plugin, self._clip_grad_by_norm)
         self.setup_precision_plugin()
@@ -325,17 +333,28 @@ class HybridPipelineStrategy(BucketedDataParallel):
 
     def _balance_by_time(self, module: pl.LightningModule, blocks: list[nn.Module]) -> list[int]:
         sample = getattr(module, "example_input_array", None)
-        if not isinstance(sample, Tensor):
+        if not is_activation(sample):
             raise ValueError(
                 "balance='time' measures each block on `example_input_array`, which "
-                f"{type(module).__name__} does not set to a tensor. Set `self.example_input_array = "
-                "torch.randn(batch, ...)` in __init__, or use balance='parameters' or an explicit list."
+                f"{type(module).__name__} does not set to a tensor or a tuple of tensors. Set "
+                "`self.example_input_array = torch.randn(batch, ...)` in __init__, or use balance='parameters' or an "
+                "explicit list."
             )
         box: list[Any] = [None]
         if self.global_rank == 0:
             box[0] = balance_by_time(blocks, sample, self.config.pipeline_stages)
         dist.broadcast_object_list(box, src=0)  # timings differ per process: every rank uses rank 0's balance
         return list(box[0])
+
+    def _check_blocks(self, inputs: Activation, source: str = "the first batch's inputs") -> None:
+        """Once per run, check on fake tensors what each block of the body returns for ``inputs`` (every rank alike)."""
+        module, layout = self.lightning_module, self.layout
+        if self._blocks_checked or module is None or layout is None:
+            return
+        body = module._modules[layout.body_name]  # the real body, also while a stand-in shadows it
+        assert isinstance(body, nn.Sequential)
+        check_blocks(list(body), inputs, source)
+        self._blocks_checked = True
 
     def _sync_replicas(self) -> None:
         """Every replica of a stage starts from replica 0's parameters and buffers (as DDP does from rank 0)."""
@@ -403,8 +422,10 @@ class HybridPipelineStrategy(BucketedDataParallel):
         assert module is not None and runner is not None and layout is not None
         batch = args[0] if args else kwargs["batch"]
         inputs, target = split_batch(module, batch)
+        self._follow_user_changes()
+        self._check_blocks(inputs)
         if not self._batch_checked:
-            check_micro_batches(int(inputs.shape[0]), self.config.micro_batches, "the first training batch")
+            check_micro_batches(batch_size(inputs), self.config.micro_batches, "the first training batch")
             self._batch_checked = True
         scale = 1.0 / max(1, module.trainer.accumulate_grad_batches)
         with self.precision_plugin.train_step_context():
@@ -417,7 +438,22 @@ class HybridPipelineStrategy(BucketedDataParallel):
             self._check_loss(step_output, result.loss)
         return step_output
 
-    def _run_pipeline(self, inputs: Tensor, target: Tensor, scale: float) -> Any:
+    def _follow_user_changes(self) -> None:
+        """Pick up what user code changed since the last step: parameters frozen or unfrozen, parameter groups added.
+
+        Every rank sees the same change (the whole module is on every rank), so every stage rebuilds alike."""
+        module, layout, runner = self.lightning_module, self.layout, self.runner
+        assert module is not None and layout is not None and runner is not None
+        body = module._modules[layout.body_name]
+        assert body is not None
+        trainable = tuple(p.requires_grad for p in body.parameters())
+        if self._trainable is not None and trainable != self._trainable:
+            runner.reset()
+        self._trainable = trainable
+        for optimizer in self.optimizers:  # a group added during training holds the whole model's parameters
+            keep_owned_parameters(optimizer, self._owned_ids)
+
+    def _run_pipeline(self, inputs: Activation, target: Tensor, scale: float) -> Any:
         """Run the schedule; its gradients become pending and ``.grad`` is left as it was."""
         module, runner = self.lightning_module, self.runner
         assert module is not None and runner is not None
@@ -428,7 +464,7 @@ class HybridPipelineStrategy(BucketedDataParallel):
         if self.buckets is not None:
             self.buckets.sync_blocked = True  # per-micro-batch hooks stay silent: the averaging happens in backward
         try:
-            loss_fn: Callable[[Tensor, Tensor], Tensor] = getattr(module, "pipeline_loss")  # noqa: B009
+            loss_fn: Callable[[Any, Tensor], Tensor] = getattr(module, "pipeline_loss")  # noqa: B009
             result = runner.train_step(inputs, target, loss_fn, scale)
         except (RuntimeError, dist.DistBackendError) as error:
             if "Connection" not in str(error) and "Timed out" not in str(error) and "timeout" not in str(error):
@@ -511,7 +547,7 @@ class HybridPipelineStrategy(BucketedDataParallel):
     def _evaluate(self, hook: str, context: Any, *args: Any, **kwargs: Any) -> Any:
         module, runner = self.lightning_module, self.runner
         assert module is not None and runner is not None
-        with context, self._body_replaced(PipelinedBody(runner)):
+        with context, self._body_replaced(PipelinedBody(runner, self._check_blocks)):
             return getattr(module, hook)(*args, **kwargs)
 
     @override
@@ -635,13 +671,3 @@ class HybridPipelineStrategy(BucketedDataParallel):
         if self._mesh is not None:
             destroy_groups([self._mesh.get_group(name) for name in ("pipeline", "data_parallel")])
         self._mesh = None
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        register_name(
-            strategy_registry,
-            "hybrid_pipeline",
-            cls,
-            description="Pipeline stages across ranks (GPipe/1F1B micro-batches) x data-parallel replicas",
-        )
