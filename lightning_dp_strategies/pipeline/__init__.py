@@ -13,9 +13,13 @@ together with the data-parallel gradient buckets.
 - :mod:`.layout`: where a rank sits in the stages x replicas mesh, what it owns, and its stage's blocks.
 - :mod:`.state`: optimizer state of the stages <-> one state dict of the whole model.
 - :mod:`.checkpoint`: the whole model's checkpoint gathered from the stages, and each stage's part of one.
+- :mod:`.activations`: what travels between blocks and stages (a tensor or a tuple of tensors), and the fake-tensor
+  check of a body.
+- :mod:`.materialize`: deferred initialization, each stage allocating and initializing only its own blocks.
 """
 
 from lightning_dp_strategies.pipeline.clipping import clip_grad_norm_across
+from lightning_dp_strategies.pipeline.materialize import has_meta, materialize
 from lightning_dp_strategies.pipeline.memory import ActivationMeter
 from lightning_dp_strategies.pipeline.microbatch import check_micro_batches, effective_micro_batches
 from lightning_dp_strategies.pipeline.partition import (
@@ -62,8 +66,10 @@ __all__ = [
     "effective_schedule",
     "full_group_names",
     "gpipe_bubble",
+    "has_meta",
     "keep_owned_parameters",
     "make_schedule",
+    "materialize",
     "merge_optimizer_states",
     "name_optimizer_state",
     "select_optimizer_state",

@@ -67,6 +67,7 @@ from lightning_dp_strategies.pipeline.checkpoint import (
     whole_optimizer_state,
 )
 from lightning_dp_strategies.pipeline.layout import Layout, StageBody, check_mesh, prefix_of
+from lightning_dp_strategies.pipeline.materialize import has_meta, materialize
 from lightning_dp_strategies.pipeline.runner import PipelineStats
 from lightning_dp_strategies.plan import HYBRID_PIPELINE, CostModel
 from lightning_dp_strategies.reducers import Reducer
@@ -275,6 +276,7 @@ class HybridPipelineStrategy(BucketedDataParallel):
         example = getattr(module, "example_input_array", None)
         if is_activation(example):
             self._check_blocks(example, "`example_input_array` (the body's input)")  # else on the first batch
+        self._materialize_owned(module, body_name)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._sync_replicas()
@@ -331,7 +333,56 @@ class HybridPipelineStrategy(BucketedDataParallel):
         self._stage_body = StageBody({i: blocks[i] for i in layout.local_blocks})
         self.layout = layout
 
+    def _materialize_owned(self, module: pl.LightningModule, body_name: str) -> None:
+        """Allocate and initialize the meta-device blocks this stage owns (deferred init); the others stay on meta.
+
+        Block ``i`` is initialized under the seed ``rank 0's torch.initial_seed() + i`` (modules outside the body, on
+        the last stage, under ``+ len(body)``), so the values do not depend on the number of stages."""
+        layout = self.layout
+        assert layout is not None
+        if not has_meta(module):
+            return
+        box = [torch.initial_seed() % 2**31]
+        dist.broadcast_object_list(box, src=0)
+        body = module._modules[body_name]
+        assert isinstance(body, nn.Sequential)
+        owned: list[tuple[int, nn.Module]] = [(i, body[i]) for i in layout.local_blocks]
+        if layout.is_last:
+            outside = [child for name, child in module.named_children() if name != body_name]
+            owned += [(len(body) + k, child) for k, child in enumerate(outside)]
+        materialize(owned, self.root_device, seed=int(box[0]))
+        stray = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if layout.owns(n) and t.is_meta]
+        if stray:
+            raise TypeError(
+                f"{stray[0]} is on the meta device and belongs to no block the strategy can initialize. Build "
+                "tensors that are not in a submodule on a real device."
+            )
+
+    @override
+    def model_to_device(self) -> None:
+        """Move the module to this rank's device, leaving the blocks of other stages that were never built on meta."""
+        assert self.model is not None
+        device = self.root_device
+        self.model._apply(lambda t: t if t.is_meta else t.to(device))
+
+    @override
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Iterator[None]:
+        """``trainer.init_module(empty_init=True)`` builds the module on the meta device: each stage then allocates
+        and initializes only its own blocks at setup."""
+        if not empty_init:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+            yield
+
     def _balance_by_time(self, module: pl.LightningModule, blocks: list[nn.Module]) -> list[int]:
+        if any(has_meta(block) for block in blocks):
+            raise ValueError(
+                "balance='time' measures each block, but the body was built on the meta device (deferred "
+                "initialization). Use balance='parameters' (computed from the shapes) or an explicit list."
+            )
         sample = getattr(module, "example_input_array", None)
         if not is_activation(sample):
             raise ValueError(
@@ -597,6 +648,13 @@ class HybridPipelineStrategy(BucketedDataParallel):
         module, layout = self.lightning_module, self.layout
         assert module is not None
         if layout is None or self.config.pipeline_stages == 1:
+            if has_meta(module):
+                raise RuntimeError(
+                    f"{type(module).__name__} was built on the meta device, and after `fit` each rank holds only the "
+                    "blocks of its own stage, so there is no whole model to save here. Save during `fit` (a "
+                    "`ModelCheckpoint`, or `trainer.save_checkpoint` in a callback): the stages' parts are gathered "
+                    "onto rank 0 then. Load that file with `Model.load_from_checkpoint` or `ckpt_path=`."
+                )
             return module.state_dict()
         whole = whole_model_state(module, layout)
         return module.state_dict() if whole is None else whole
@@ -639,12 +697,15 @@ class HybridPipelineStrategy(BucketedDataParallel):
 
     # ------------------------------------------------------------------ teardown: the whole module again
     def _load_trained_stages(self) -> None:
-        """After training, load into this rank's module the values the other stages trained (its copies are stale)."""
+        """After training, load into this rank's module the values the other stages trained (its copies are stale).
+
+        A module built on the meta device keeps on each rank only its own stage's blocks."""
         module, layout = self.lightning_module, self.layout
         if module is None or layout is None:
             return
         trained: dict[str, Tensor] = {}
-        if self._trained and not self._failed and dist.is_initialized() and self.config.pipeline_stages > 1:
+        gather = self._trained and not self._failed and dist.is_initialized() and self.config.pipeline_stages > 1
+        if gather and not has_meta(module):  # built on meta: each rank keeps its own stage, nothing is gathered
             for part in all_gather_stages(stage_state(module, layout), layout):
                 trained.update(part)
         self._stage_body = None
@@ -666,7 +727,16 @@ class HybridPipelineStrategy(BucketedDataParallel):
         self._load_trained_stages()
         self.runner = None
         self._pending = {}
-        super().teardown()  # closes the buckets and reducer, destroys the gradient groups
+        module = self.lightning_module
+        if module is not None and has_meta(module):
+            # Lightning's teardown calls module.cpu(), which cannot copy a meta tensor: for that call only, an instance
+            # attribute (removed right after) moves what has storage and leaves the other stages' blocks on meta
+            module.__dict__["cpu"] = lambda: module._apply(lambda t: t if t.is_meta else t.cpu())
+        try:
+            super().teardown()  # closes the buckets and reducer, destroys the gradient groups
+        finally:
+            if module is not None:
+                module.__dict__.pop("cpu", None)
         # every fit/validate/predict makes a fresh mesh: repeated calls in one process must not pile groups up
         if self._mesh is not None:
             destroy_groups([self._mesh.get_group(name) for name in ("pipeline", "data_parallel")])

@@ -1,0 +1,125 @@
+"""A LightningModule that builds its body on the meta device in ``configure_model``, on one device and pipelined.
+
+Run as ``python -m tests.strategies.pipeline_deferred STAGES WORLD OUTDIR`` (``STAGES=0``: one device, where the
+module initializes every block itself with :func:`materialize`, as each stage does for its own). Every rank writes
+``OUTDIR/rank{r}.pt``: which blocks hold storage at the start and the end of ``fit`` and after it, and what
+``trainer.save_checkpoint`` after ``fit`` did; rank 0 adds the trained parameters from the checkpoint
+``ModelCheckpoint`` wrote during ``fit`` and ``validate`` after ``fit``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_dp_strategies import HybridPipelineStrategy
+from lightning_dp_strategies.pipeline.materialize import materialize
+from tests.strategies.pipeline_features import ReplicaShards
+
+GLOBAL_BATCH, SAMPLES = 16, 64
+
+
+def build_body() -> nn.Sequential:
+    return nn.Sequential(
+        nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.LayerNorm(32), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 3)
+    )
+
+
+class DeferredNet(L.LightningModule):
+    pipeline_body = "body"
+
+    def __init__(self, one_device: bool) -> None:
+        super().__init__()
+        self.one_device = one_device
+
+    def configure_model(self) -> None:
+        if hasattr(self, "body"):
+            return
+        with torch.device("meta"):
+            self.body = build_body()
+        if self.one_device:  # what each stage does for its own blocks
+            materialize(enumerate(self.body), torch.device("cpu"), seed=torch.initial_seed())
+
+    def pipeline_loss(self, output: Tensor, target: Tensor) -> Tensor:
+        return F.cross_entropy(output, target)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        loss = self.pipeline_loss(self.body(x), y)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", self.pipeline_loss(self.body(x), y), sync_dist=True)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+
+def built(module: L.LightningModule) -> list[bool]:
+    """Per block of the body: whether it holds storage (is not on the meta device)."""
+    return [not any(t.is_meta for t in block.parameters()) for block in module._modules["body"]]  # type: ignore[union-attr]
+
+
+class Where(L.Callback):
+    def __init__(self) -> None:
+        self.seen: dict[str, list[bool]] = {}
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.seen["start"] = built(module)
+
+    def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.seen["end"] = built(module)
+
+
+def data(samples: int, seed: int) -> TensorDataset:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(samples, 8, generator=generator)
+    return TensorDataset(x, (x[:, :3] + 0.3 * torch.randn(samples, 3, generator=generator)).argmax(1))
+
+
+def main(stages: int, world: int, out: Path) -> None:
+    L.seed_everything(7, verbose=False)
+    strategy: Any = HybridPipelineStrategy(pipeline_stages=stages, micro_batches=2) if stages else "auto"
+    replicas = world // stages if stages else 1
+    where = Where()
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=world if stages else 1,
+        max_epochs=2,
+        use_distributed_sampler=False,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[where, L.pytorch.callbacks.ModelCheckpoint(dirpath=out / "ckpt", filename="last")],
+    )
+    replica = trainer.global_rank % replicas
+    batch = GLOBAL_BATCH // replicas
+    train = DataLoader(data(SAMPLES, 1), batch_size=batch, sampler=ReplicaShards(SAMPLES, replica, replicas))
+    val = DataLoader(data(32, 2), batch_size=batch, sampler=ReplicaShards(32, replica, replicas))
+    model = DeferredNet(one_device=stages == 0)
+    trainer.fit(model, train, val)
+    result: dict[str, Any] = {**where.seen, "after": built(model)}
+    try:
+        trainer.save_checkpoint(out / f"after-fit-{trainer.global_rank}.ckpt")
+        result["save_after_fit"] = "saved"
+    except RuntimeError as error:
+        result["save_after_fit"] = str(error)
+    result["validate"] = trainer.validate(model, val, verbose=False)
+    if trainer.global_rank == 0:
+        state = torch.load(out / "ckpt" / "last.ckpt", weights_only=False)["state_dict"]
+        result["params"] = {k: v.clone() for k, v in state.items()}
+    torch.save(result, out / f"rank{trainer.global_rank}.pt")
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]))

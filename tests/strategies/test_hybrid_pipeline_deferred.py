@@ -1,0 +1,43 @@
+"""hybrid_pipeline with a body built on the meta device in ``configure_model`` (deferred initialization).
+
+Each stage allocates and initializes only its own blocks; the other stages' blocks stay on the meta device through
+``fit`` and after it. Training matches one device initializing every block the same way (``materialize``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.helpers.distributed import run_script
+
+pytestmark = pytest.mark.numerics
+
+TOLERANCE = 1e-5  # fp32: the stages and replicas add the same terms in another order
+WITH_PARAMETERS = [0, 2, 3, 4, 6]  # the body's blocks that have parameters (Linear, LayerNorm)
+
+
+def run(tmp: Path, stages: int, world: int) -> list[dict[str, Any]]:
+    run_script(["-m", "tests.strategies.pipeline_deferred", str(stages), str(world), str(tmp)], timeout=200)
+    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+@pytest.mark.timeout(300)
+def test_each_stage_builds_only_its_own_blocks_and_trains_as_on_one_device(tmp_path: Path) -> None:
+    (one_device,) = run(tmp_path / "one", 0, 1)
+    ranks = run(tmp_path / "s2d2", 2, 4)
+    stage_blocks = {0: {0, 2}, 1: {3, 4, 6}}  # balance="parameters" from the shapes on meta: blocks 0-2 and 3-6
+    for rank, got in enumerate(ranks):
+        owned = stage_blocks[rank // 2]
+        for moment in ("start", "end", "after"):
+            built = {i for i in WITH_PARAMETERS if got[moment][i]}
+            assert built == owned, f"rank {rank} at {moment}: built {sorted(built)}, owns {sorted(owned)}"
+        assert "built on the meta device" in got["save_after_fit"] and "Save during `fit`" in got["save_after_fit"]
+        assert abs(got["validate"][0]["val_loss"] - one_device["validate"][0]["val_loss"]) <= TOLERANCE
+    # the checkpoint saved during fit holds the whole trained model, gathered onto rank 0
+    assert ranks[0]["params"].keys() == one_device["params"].keys()
+    for name, value in one_device["params"].items():
+        assert (ranks[0]["params"][name] - value).abs().max().item() <= TOLERANCE, name
