@@ -15,8 +15,6 @@ import torch
 
 from tests.helpers.distributed import run_script
 
-pytestmark = pytest.mark.numerics
-
 TOLERANCE = 1e-5  # fp32: micro-batches and replicas add the same terms in another order
 # bf16-mixed against bf16-mixed on one device: bf16 matmuls round per micro-batch instead of per batch. Measured on
 # AVX-512: parameters 0.7e-3 to 0.9e-3 apart after 12 Adam steps, logged losses 1e-3 to 2e-3; bf16 against fp32 on one
@@ -36,6 +34,7 @@ def one_device(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return run(tmp_path_factory.mktemp("one_device"), 0, 1)
 
 
+@pytest.mark.numerics
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("stages", "world"), [(2, 2), (2, 4), (3, 3)], ids=["S2xD1", "S2xD2", "S3xD1"])
 def test_tuple_activations_train_as_on_one_device(
@@ -111,6 +110,7 @@ def test_notebook_name_trains_where_the_spawn_name_is_refused(tmp_path: Path, on
     assert_parity(got, one_device, replicas=1)
 
 
+@pytest.mark.numerics
 @pytest.mark.timeout(240)
 def test_bf16_mixed_trains_as_bf16_mixed_on_one_device(tmp_path: Path, one_device: dict[str, Any]) -> None:
     reference = run(tmp_path / "one", 0, 1, LDPS_PRECISION="bf16-mixed")
