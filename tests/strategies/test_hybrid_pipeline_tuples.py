@@ -34,9 +34,15 @@ def one_device(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return run(tmp_path_factory.mktemp("one_device"), 0, 1)
 
 
-@pytest.mark.numerics
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("stages", "world"), [(2, 2), (2, 4), (3, 3)], ids=["S2xD1", "S2xD2", "S3xD1"])
+@pytest.mark.parametrize(
+    ("stages", "world"),
+    [
+        pytest.param(2, 2, id="S2xD1"),
+        pytest.param(2, 4, id="S2xD2", marks=pytest.mark.numerics),  # stands for the others under CI's other kernels
+        pytest.param(3, 3, id="S3xD1"),
+    ],
+)
 def test_tuple_activations_train_as_on_one_device(
     tmp_path: Path, one_device: dict[str, Any], stages: int, world: int
 ) -> None:
