@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["has_meta", "materialize"]
+__all__ = ["check_initializable", "has_meta", "materialize"]
 
 
 def has_meta(module: nn.Module) -> bool:
@@ -32,13 +32,31 @@ def has_meta(module: nn.Module) -> bool:
 
 
 def _uninitializable(block: nn.Module) -> list[str]:
-    """Submodules with tensors of their own but no ``reset_parameters`` to initialize them."""
+    """Submodules with meta tensors of their own but no ``reset_parameters`` to initialize them."""
     names = []
     for name, sub in block.named_modules():
         own = [*sub.parameters(recurse=False), *sub.buffers(recurse=False)]
         if own and any(t.is_meta for t in own) and not callable(getattr(sub, "reset_parameters", None)):
             names.append(name or type(block).__name__)
     return names
+
+
+def check_initializable(blocks: Iterable[tuple[int, nn.Module]], what: str = "block") -> None:
+    """Raise, naming the first one, if a meta-device block has a submodule that :func:`materialize` cannot initialize.
+
+    Examples:
+        >>> with torch.device("meta"):
+        ...     check_initializable([(0, nn.Linear(2, 2))])  # Linear has reset_parameters()
+    """
+    for index, block in blocks:
+        missing = _uninitializable(block)
+        if missing:
+            raise TypeError(
+                f"{what.capitalize()} {index} ({type(block).__name__}) was built on the meta device, but "
+                f"{', '.join(missing)} cannot be initialized: it has parameters or buffers of its own and no "
+                "`reset_parameters()` method. Define `reset_parameters()` on it (initialize its tensors in place), or "
+                "build this block on a real device."
+            )
 
 
 def materialize(blocks: Iterable[tuple[int, nn.Module]], device: torch.device, seed: int, what: str = "block") -> None:
@@ -55,15 +73,7 @@ def materialize(blocks: Iterable[tuple[int, nn.Module]], device: torch.device, s
         (True, False)
     """
     pending = [(index, block) for index, block in blocks if has_meta(block)]
-    for index, block in pending:
-        missing = _uninitializable(block)
-        if missing:
-            raise TypeError(
-                f"{what.capitalize()} {index} ({type(block).__name__}) was built on the meta device, but "
-                f"{', '.join(missing)} cannot be initialized: it has parameters or buffers of its own and no "
-                "`reset_parameters()` method. Define `reset_parameters()` on it (initialize its tensors in place), or "
-                "build this block on a real device."
-            )
+    check_initializable(pending, what)
     cuda: list[Any] = [device] if device.type == "cuda" else []
     for index, block in pending:
         block.to_empty(device=device)

@@ -4,11 +4,13 @@ Run as ``python -m tests.strategies.pipeline_deferred STAGES WORLD OUTDIR`` (``S
 module initializes every block itself with :func:`materialize`, as each stage does for its own). Every rank writes
 ``OUTDIR/rank{r}.pt``: which blocks hold storage at the start and the end of ``fit`` and after it, and what
 ``trainer.save_checkpoint`` after ``fit`` did; rank 0 adds the trained parameters from the checkpoint
-``ModelCheckpoint`` wrote during ``fit`` and ``validate`` after ``fit``.
+``ModelCheckpoint`` wrote during ``fit`` and ``validate`` after ``fit``. ``LDPS_UNINITIALIZABLE=1`` ends the body with a
+block that cannot be initialized from meta.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,10 +28,20 @@ from tests.strategies.pipeline_features import ReplicaShards
 GLOBAL_BATCH, SAMPLES = 16, 64
 
 
-def build_body() -> nn.Sequential:
-    return nn.Sequential(
-        nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.LayerNorm(32), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 3)
-    )
+class Scale(nn.Module):
+    """A block with a parameter of its own and no ``reset_parameters()``: it cannot be initialized from meta."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(3))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.gain
+
+
+def build_body(uninitializable: bool = False) -> nn.Sequential:
+    blocks = [nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.LayerNorm(32), nn.Linear(32, 32), nn.Tanh()]
+    return nn.Sequential(*blocks, nn.Linear(32, 3), *([Scale()] if uninitializable else []))
 
 
 class DeferredNet(L.LightningModule):
@@ -43,7 +55,7 @@ class DeferredNet(L.LightningModule):
         if hasattr(self, "body"):
             return
         with torch.device("meta"):
-            self.body = build_body()
+            self.body = build_body(uninitializable=bool(os.environ.get("LDPS_UNINITIALIZABLE")))
         if self.one_device:  # what each stage does for its own blocks
             materialize(enumerate(self.body), torch.device("cpu"), seed=torch.initial_seed())
 

@@ -14,8 +14,6 @@ import torch
 
 from tests.helpers.distributed import run_script
 
-pytestmark = pytest.mark.numerics
-
 TOLERANCE = 1e-5  # fp32: the stages and replicas add the same terms in another order
 WITH_PARAMETERS = [0, 2, 3, 4, 6]  # the body's blocks that have parameters (Linear, LayerNorm)
 
@@ -25,6 +23,7 @@ def run(tmp: Path, stages: int, world: int) -> list[dict[str, Any]]:
     return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
+@pytest.mark.numerics
 @pytest.mark.timeout(300)
 def test_each_stage_builds_only_its_own_blocks_and_trains_as_on_one_device(tmp_path: Path) -> None:
     (one_device,) = run(tmp_path / "one", 0, 1)
@@ -41,3 +40,14 @@ def test_each_stage_builds_only_its_own_blocks_and_trains_as_on_one_device(tmp_p
     assert ranks[0]["params"].keys() == one_device["params"].keys()
     for name, value in one_device["params"].items():
         assert (ranks[0]["params"][name] - value).abs().max().item() <= TOLERANCE, name
+
+
+@pytest.mark.timeout(150)
+def test_a_block_no_stage_can_initialize_fails_at_setup_on_every_rank(tmp_path: Path) -> None:
+    argv = ["-m", "tests.strategies.pipeline_deferred", "2", "2", str(tmp_path)]
+    with pytest.raises(AssertionError) as failure:
+        run_script(argv, timeout=120, env={"LDPS_UNINITIALIZABLE": "1"})
+    output = str(failure.value)
+    message = "Block 7 (Scale) was built on the meta device"
+    assert output.count(message) >= 2, output[-4000:]  # stage 0 does not own it and still raises
+    assert "Define `reset_parameters()`" in output

@@ -67,7 +67,7 @@ from lightning_dp_strategies.pipeline.checkpoint import (
     whole_optimizer_state,
 )
 from lightning_dp_strategies.pipeline.layout import Layout, StageBody, check_mesh, prefix_of
-from lightning_dp_strategies.pipeline.materialize import has_meta, materialize
+from lightning_dp_strategies.pipeline.materialize import check_initializable, has_meta, materialize
 from lightning_dp_strategies.pipeline.runner import PipelineStats
 from lightning_dp_strategies.plan import HYBRID_PIPELINE, CostModel
 from lightning_dp_strategies.reducers import Reducer
@@ -346,21 +346,24 @@ class HybridPipelineStrategy(BucketedDataParallel):
         dist.broadcast_object_list(box, src=0)
         body = module._modules[body_name]
         assert isinstance(body, nn.Sequential)
-        owned: list[tuple[int, nn.Module]] = [(i, body[i]) for i in layout.local_blocks]
-        if layout.is_last:
-            outside = [child for name, child in module.named_children() if name != body_name]
-            owned += [(len(body) + k, child) for k, child in enumerate(outside)]
-        materialize(owned, self.root_device, seed=int(box[0]))
-        stray = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if layout.owns(n) and t.is_meta]
+        outside = [child for name, child in module.named_children() if name != body_name]
+        everything = [*enumerate(body), *[(len(body) + k, child) for k, child in enumerate(outside)]]
+        # checked on every rank over every block, so that a block no stage can initialize fails on all of them
+        check_initializable(everything)
+        own = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+        stray = [n for n, t in own if t.is_meta]
         if stray:
             raise TypeError(
-                f"{stray[0]} is on the meta device and belongs to no block the strategy can initialize. Build "
-                "tensors that are not in a submodule on a real device."
+                f"{type(module).__name__} holds tensors of its own ({', '.join(stray)}) on the meta device, outside "
+                "any submodule, where no `reset_parameters()` can initialize them. Build them on a real device, or "
+                "move them into a submodule."
             )
+        mine = [(i, b) for i, b in everything if i in layout.local_blocks or (i >= len(body) and layout.is_last)]
+        materialize(mine, self.root_device, seed=int(box[0]))
 
     @override
     def model_to_device(self) -> None:
-        """Move the module to this rank's device, leaving the blocks of other stages that were never built on meta."""
+        """Move the module to this rank's device; other stages' blocks, never built here, stay on the meta device."""
         assert self.model is not None
         device = self.root_device
         self.model._apply(lambda t: t if t.is_meta else t.to(device))
