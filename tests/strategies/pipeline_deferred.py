@@ -18,14 +18,13 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_dp_strategies import HybridPipelineStrategy
 from lightning_dp_strategies.pipeline.materialize import materialize
-from tests.strategies.pipeline_features import ReplicaShards
+from tests.strategies.pipeline_features import cpu_trainer, data, loader
 
-GLOBAL_BATCH, SAMPLES = 16, 64
+SAMPLES = 64
 
 
 class Scale(nn.Module):
@@ -33,7 +32,7 @@ class Scale(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.gain = nn.Parameter(torch.ones(3))
+        self.gain = nn.Parameter(torch.ones(4))
 
     def forward(self, x: Tensor) -> Tensor:
         return x * self.gain
@@ -41,7 +40,7 @@ class Scale(nn.Module):
 
 def build_body(uninitializable: bool = False) -> nn.Sequential:
     blocks = [nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.LayerNorm(32), nn.Linear(32, 32), nn.Tanh()]
-    return nn.Sequential(*blocks, nn.Linear(32, 3), *([Scale()] if uninitializable else []))
+    return nn.Sequential(*blocks, nn.Linear(32, 4), *([Scale()] if uninitializable else []))
 
 
 class DeferredNet(L.LightningModule):
@@ -92,32 +91,18 @@ class Where(L.Callback):
         self.seen["end"] = built(module)
 
 
-def data(samples: int, seed: int) -> TensorDataset:
-    generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(samples, 8, generator=generator)
-    return TensorDataset(x, (x[:, :3] + 0.3 * torch.randn(samples, 3, generator=generator)).argmax(1))
-
-
 def main(stages: int, world: int, out: Path) -> None:
     L.seed_everything(7, verbose=False)
-    strategy: Any = HybridPipelineStrategy(pipeline_stages=stages, micro_batches=2) if stages else "auto"
-    replicas = world // stages if stages else 1
     where = Where()
-    trainer = L.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=world if stages else 1,
+    trainer, replica, replicas = cpu_trainer(
+        stages,
+        world,
         max_epochs=2,
-        use_distributed_sampler=False,
         logger=False,
-        enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[where, L.pytorch.callbacks.ModelCheckpoint(dirpath=out / "ckpt", filename="last")],
+        callbacks=[where, ModelCheckpoint(dirpath=out / "ckpt", filename="last")],
     )
-    replica = trainer.global_rank % replicas
-    batch = GLOBAL_BATCH // replicas
-    train = DataLoader(data(SAMPLES, 1), batch_size=batch, sampler=ReplicaShards(SAMPLES, replica, replicas))
-    val = DataLoader(data(32, 2), batch_size=batch, sampler=ReplicaShards(32, replica, replicas))
+    train, val = loader(data(SAMPLES, 1), replica, replicas), loader(data(32, 2), replica, replicas)
     model = DeferredNet(one_device=stages == 0)
     trainer.fit(model, train, val)
     result: dict[str, Any] = {**where.seen, "after": built(model)}

@@ -128,9 +128,30 @@ def data(samples: int, seed: int) -> TensorDataset:
     return TensorDataset(x, (x[:, :4] + 0.5 * torch.randn(samples, 4, generator=generator)).argmax(1))
 
 
-def loader(dataset: TensorDataset, replica: int, replicas: int) -> DataLoader:
+def loader(dataset: TensorDataset, replica: int, replicas: int, global_batch: int = GLOBAL_BATCH) -> DataLoader:
+    """Replica ``replica``'s share of every global batch of ``global_batch`` samples."""
     sampler = ReplicaShards(len(dataset), replica, replicas)
-    return DataLoader(dataset, batch_size=GLOBAL_BATCH // replicas, sampler=sampler)
+    return DataLoader(dataset, batch_size=global_batch // replicas, sampler=sampler)
+
+
+def cpu_trainer(stages: int, world: int, strategy: Any = None, **options: Any) -> tuple[L.Trainer, int, int]:
+    """A CPU Trainer on one device (``stages=0``, the reference) or on ``world`` processes under ``strategy`` (default
+    ``HybridPipelineStrategy(stages, micro_batches=2)``), with Lightning's distributed sampler off: each replica reads
+    its share through :func:`loader`. Returns the trainer, this rank's replica and the number of replicas."""
+    if stages == 0:
+        strategy, devices, replicas = "auto", 1, 1
+    else:
+        strategy = strategy or HybridPipelineStrategy(pipeline_stages=stages, micro_batches=2, timeout=60)
+        devices, replicas = world, world // stages
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=devices,
+        use_distributed_sampler=False,
+        enable_progress_bar=False,
+        **options,
+    )
+    return trainer, trainer.global_rank % replicas, replicas
 
 
 class Summary(L.Callback):
@@ -142,25 +163,20 @@ class Summary(L.Callback):
 
 
 def main(stages: int, world: int, out: Path, balance: Any = "parameters", unfreeze: bool = False) -> None:
-    strategy: Any = "auto"
-    if stages:
-        strategy = HybridPipelineStrategy(pipeline_stages=stages, micro_batches=2, balance=balance)
-    replicas = 1 if stages == 0 else world // stages
+    strategy = HybridPipelineStrategy(pipeline_stages=stages, micro_batches=2, balance=balance) if stages else None
     checkpoints = [
         ModelCheckpoint(dirpath=out / "ckpt", monitor="val_loss", mode="min", save_top_k=1, filename="min-{epoch}"),
         ModelCheckpoint(dirpath=out / "ckpt", monitor="val_acc", mode="max", save_top_k=2, filename="max-{epoch}"),
     ]
     stopping = EarlyStopping(monitor="val_loss", mode="min", patience=1, min_delta=0.03)
     timer, summary = Timer(duration="00:00:10:00"), Summary()
-    trainer = L.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=world if stages else 1,
+    trainer, replica, replicas = cpu_trainer(
+        stages,
+        world,
+        strategy,
         max_epochs=8,
-        use_distributed_sampler=False,
         logger=CSVLogger(out, name="logs", version=0),
         log_every_n_steps=1,
-        enable_progress_bar=False,
         callbacks=[
             *checkpoints,
             stopping,
@@ -170,7 +186,6 @@ def main(stages: int, world: int, out: Path, balance: Any = "parameters", unfree
             *([Unfreeze()] if unfreeze else []),
         ],
     )
-    replica = trainer.global_rank % replicas
     model = FeatureNet(unfreeze)
     train, val = loader(data(SAMPLES, 1), replica, replicas), loader(data(VAL_SAMPLES, 2), replica, replicas)
     trainer.fit(model, train, val)

@@ -25,10 +25,9 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.loggers import CSVLogger
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
 
-from lightning_dp_strategies import HybridPipelineStrategy
-from tests.strategies.pipeline_features import ReplicaShards
+from tests.strategies.pipeline_features import cpu_trainer, loader
 
 GLOBAL_BATCH, SAMPLES, TOKENS, WIDTH = 8, 48, 5, 12
 
@@ -141,34 +140,20 @@ def data(samples: int, seed: int) -> TensorDataset:
     return TensorDataset(tokens, mask, target)
 
 
-def loader(dataset: TensorDataset, replica: int, replicas: int) -> DataLoader:
-    sampler = ReplicaShards(len(dataset), replica, replicas)
-    return DataLoader(dataset, batch_size=GLOBAL_BATCH // replicas, sampler=sampler)
-
-
 def main(stages: int, world: int, out: Path, bad: str | None = None) -> None:
-    strategy: Any = "auto"
-    if os.environ.get("LDPS_STRATEGY"):
-        strategy = os.environ["LDPS_STRATEGY"]  # a registered name: its defaults (2 stages, 4 micro-batches)
-    elif stages:
-        strategy = HybridPipelineStrategy(pipeline_stages=stages, micro_batches=2, timeout=60)
-    replicas = 1 if stages == 0 else world // stages
-    trainer = L.Trainer(
-        strategy=strategy,
-        precision=os.environ.get("LDPS_PRECISION", "32-true"),  # type: ignore[arg-type]
-        accelerator="cpu",
-        devices=world if stages else 1,
+    trainer, replica, replicas = cpu_trainer(
+        stages,
+        world,
+        os.environ.get("LDPS_STRATEGY"),  # a registered name: its defaults (2 stages, 4 micro-batches)
+        precision=os.environ.get("LDPS_PRECISION", "32-true"),
         max_epochs=2,
-        use_distributed_sampler=False,
         logger=CSVLogger(out, name="logs", version=0),
         log_every_n_steps=1,
-        enable_progress_bar=False,
         enable_checkpointing=False,
     )
-    replica = trainer.global_rank % replicas
     model = TupleNet(bad)
-    val = loader(data(16, 2), replica, replicas)
-    trainer.fit(model, loader(data(SAMPLES, 1), replica, replicas), val)
+    val = loader(data(16, 2), replica, replicas, GLOBAL_BATCH)
+    trainer.fit(model, loader(data(SAMPLES, 1), replica, replicas, GLOBAL_BATCH), val)
     result: dict[str, Any] = {"params": {n: p.detach().clone() for n, p in model.named_parameters()}}
     if trainer.global_rank == 0:  # read now: a forked validate/predict starts a fresh metrics file
         with open(out / "logs" / "version_0" / "metrics.csv") as f:

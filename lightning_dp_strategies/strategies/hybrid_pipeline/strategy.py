@@ -731,15 +731,16 @@ class HybridPipelineStrategy(BucketedDataParallel):
         self.runner = None
         self._pending = {}
         module = self.lightning_module
-        if module is not None and has_meta(module):
+        shadowed = module if module is not None and has_meta(module) and "cpu" not in module.__dict__ else None
+        if shadowed is not None:
             # Lightning's teardown calls module.cpu(), which cannot copy a meta tensor: for that call only, an instance
             # attribute (removed right after) moves what has storage and leaves the other stages' blocks on meta
-            module.__dict__["cpu"] = lambda: module._apply(lambda t: t if t.is_meta else t.cpu())
+            shadowed.__dict__["cpu"] = lambda: shadowed._apply(lambda t: t if t.is_meta else t.cpu())
         try:
             super().teardown()  # closes the buckets and reducer, destroys the gradient groups
         finally:
-            if module is not None:
-                module.__dict__.pop("cpu", None)
+            if shadowed is not None:
+                shadowed.__dict__.pop("cpu")
         # every fit/validate/predict makes a fresh mesh: repeated calls in one process must not pile groups up
         if self._mesh is not None:
             destroy_groups([self._mesh.get_group(name) for name in ("pipeline", "data_parallel")])
