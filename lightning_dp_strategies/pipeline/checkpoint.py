@@ -1,10 +1,13 @@
 """The whole model's checkpoint from the stages' parts, and each stage's part of a whole-model checkpoint.
 
 A stage holds the state of its own blocks, and the last stage also the state outside the body
-(:meth:`Layout.owns`). Saving gathers the parts of replica 0 onto its first stage (global rank 0), which merges them
-in the whole model's key and parameter order: the result is what one device would save, so it loads under any
-strategy. Loading takes from such a checkpoint what this stage holds. The functions are collectives over the
-pipeline group: every stage of a replica calls the same one.
+(:meth:`Layout.owns`). For a save, the stages of replica 0 describe their parts to global rank 0 (shapes, no data);
+rank 0 builds the whole model's state in its own key and parameter order, with meta-device stand-ins for the other
+stages' tensors, which :func:`~lightning_dp_strategies.pipeline.streamed.write_streamed` fills in one tensor at a
+time as the file is written. The result is what one device would save, so it loads under any strategy. Loading
+takes from such a checkpoint what this stage holds. The save functions are collectives over every rank (the default
+group, which outlives the strategy's own groups, so saving after ``fit`` works); the load functions over the
+pipeline group.
 """
 
 from __future__ import annotations
@@ -24,10 +27,10 @@ from lightning_dp_strategies.pipeline.state import (
     name_optimizer_state,
     select_optimizer_state,
 )
+from lightning_dp_strategies.pipeline.streamed import Inbox, Outbox
 
 __all__ = [
     "all_gather_stages",
-    "gather_to_first_stage",
     "load_stage_optimizer_state",
     "load_stage_state",
     "param_group_names",
@@ -37,13 +40,17 @@ __all__ = [
 ]
 
 
-def gather_to_first_stage(local: Any, layout: Layout) -> list[Any] | None:
-    """``local`` of every stage of replica 0, on its first stage; ``None`` on every other rank."""
-    if layout.replica != 0:
+def _describe_to_rank_zero(local: Any, layout: Layout, outbox: Outbox, inbox: Inbox) -> list[Any] | None:
+    """Per stage of replica 0, its ``local`` on global rank 0 (stage 0's as it is, the others' as stand-ins filled in
+    when the checkpoint is written); ``None`` on every other rank. A collective over every rank."""
+    sends = layout.replica == 0 and layout.stage != 0
+    described = outbox.describe(local) if sends else None
+    rank = dist.get_rank()
+    out: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(described, out, dst=0)
+    if out is None:
         return None
-    out: list[Any] | None = [None] * layout.stages if layout.stage == 0 else None
-    dist.gather_object(local, out, group=layout.pipeline_group, group_dst=0)
-    return out
+    return [local, *(inbox.adopt(out[s * layout.replicas], s * layout.replicas) for s in range(1, layout.stages))]
 
 
 def all_gather_stages(local: Any, layout: Layout) -> list[Any]:
@@ -54,16 +61,25 @@ def all_gather_stages(local: Any, layout: Layout) -> list[Any]:
 
 
 def stage_state(module: nn.Module, layout: Layout) -> dict[str, Tensor]:
-    """The entries of ``module.state_dict()`` this stage owns, on the CPU."""
-    return {k: v.detach().cpu() for k, v in module.state_dict().items() if layout.owns(k)}
+    """The entries of ``module.state_dict()`` this stage owns (detached, on their device)."""
+    return {k: v.detach() for k, v in module.state_dict().items() if layout.owns(k)}
 
 
-def whole_model_state(module: nn.Module, layout: Layout) -> dict[str, Any] | None:
-    """The whole model's ``state_dict`` in its own key order on global rank 0, ``None`` elsewhere."""
-    parts = gather_to_first_stage(stage_state(module, layout), layout)
+def _on_cpu(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _on_cpu(v) for k, v in obj.items()}
+    return obj.cpu() if isinstance(obj, Tensor) else obj
+
+
+def whole_model_state(module: nn.Module, layout: Layout, outbox: Outbox, inbox: Inbox) -> dict[str, Any]:
+    """The whole model's ``state_dict`` in its own key order on global rank 0 (the other stages' tensors as stand-ins
+    in ``inbox``), this stage's own entries elsewhere (those of replica 0 queued in ``outbox``)."""
+    local = stage_state(module, layout)
+    parts = _describe_to_rank_zero(local, layout, outbox, inbox)
     if parts is None:
-        return None
+        return local
     merged = {k: v for part in parts for k, v in part.items()}
+    merged.update(_on_cpu(local))
     return OrderedDict((k, merged[k]) for k in layout.full_keys if k in merged)
 
 
@@ -73,12 +89,18 @@ def param_group_names(optimizer: Optimizer, module: nn.Module) -> list[list[str]
     return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
 
 
-def whole_optimizer_state(optimizer: Optimizer, module: nn.Module, layout: Layout) -> dict[str, Any] | None:
-    """The optimizer state of the whole model on global rank 0, numbered as one optimizer over the module would be."""
+def whole_optimizer_state(
+    optimizer: Optimizer, module: nn.Module, layout: Layout, outbox: Outbox, inbox: Inbox
+) -> dict[str, Any] | None:
+    """The optimizer state of the whole model on global rank 0, numbered as one optimizer over the module would be
+    (the other stages' tensors as stand-ins in ``inbox``); ``None`` elsewhere."""
     owned = {n for n, _ in module.named_parameters() if layout.owns(n)}
     named = name_optimizer_state(optimizer.state_dict(), param_group_names(optimizer, module), owned)
-    parts = gather_to_first_stage(named, layout)
-    return None if parts is None else merge_optimizer_states(parts, layout.param_order)
+    parts = _describe_to_rank_zero(named, layout, outbox, inbox)
+    if parts is None:
+        return None
+    parts[0] = {**named, "state": _on_cpu(named["state"])}
+    return merge_optimizer_states(parts, layout.param_order)
 
 
 def load_stage_state(module: nn.Module, layout: Layout, state: Mapping[str, Any], strict: bool = True) -> None:

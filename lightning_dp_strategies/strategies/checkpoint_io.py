@@ -19,7 +19,8 @@ from __future__ import annotations
 import contextlib
 import os
 import uuid
-from typing import Any
+from collections.abc import Callable
+from typing import IO, Any
 
 import fsspec
 import torch
@@ -27,7 +28,7 @@ from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from lightning.fabric.utilities.types import _PATH
 from typing_extensions import override
 
-__all__ = ["AtomicCheckpointIO", "with_atomic_default"]
+__all__ = ["AtomicCheckpointIO", "atomic_write", "with_atomic_default"]
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -70,23 +71,58 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if fsspec.utils.get_protocol(str(path)) != "file":
             super().save_checkpoint(checkpoint, path)
             return
-        target = os.path.abspath(fsspec.core.strip_protocol(str(path)))
-        folder = os.path.dirname(target)
-        os.makedirs(folder, exist_ok=True)
-        temp = os.path.join(folder, f".{os.path.basename(target)}.{uuid.uuid4().hex[:12]}.tmp")
-        # O_EXCL: never write into a file someone else holds; mode 0o666 lets the umask apply as for open(..., "wb")
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
-        try:
-            with os.fdopen(fd, "wb") as file:
-                torch.save(checkpoint, file)
-                file.flush()
-                os.fsync(file.fileno())
-            os.replace(temp, target)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.remove(temp)
-            raise
-        _fsync_folder(folder)
+        atomic_write(path, lambda file: torch.save(checkpoint, file))
+
+    @override
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        map_location: Callable | None = lambda storage, loc: storage,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Load as ``TorchCheckpointIO`` does; a local file in ``torch.save``'s zip format is memory-mapped
+        (``mmap=True``), so a tensor's bytes are read only when it is used: a pipeline stage reads only its own part."""
+        if fsspec.utils.get_protocol(str(path)) == "file":
+            local = fsspec.core.strip_protocol(str(path))
+            if os.path.isfile(local) and _is_zip(local):
+                return torch.load(local, map_location=map_location, weights_only=weights_only, mmap=True)
+        return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+
+
+def _is_zip(path: str) -> bool:
+    with open(path, "rb") as file:
+        return file.read(4) == b"PK\x03\x04"
+
+
+def atomic_write(path: _PATH, write: Callable[[IO[bytes]], None]) -> None:
+    """Call ``write(file)`` on a temporary file in ``path``'s folder, ``fsync`` it and ``os.replace`` it onto ``path``.
+
+    On an exception the temporary file is removed and ``path`` is left as it was. ``path`` is a local path.
+
+    Examples:
+        >>> import tempfile, pathlib
+        >>> target = pathlib.Path(tempfile.mkdtemp()) / "state.pt"
+        >>> atomic_write(target, lambda file: torch.save({"step": 3}, file))
+        >>> torch.load(target)["step"]
+        3
+    """
+    target = os.path.abspath(fsspec.core.strip_protocol(str(path)))
+    folder = os.path.dirname(target)
+    os.makedirs(folder, exist_ok=True)
+    temp = os.path.join(folder, f".{os.path.basename(target)}.{uuid.uuid4().hex[:12]}.tmp")
+    # O_EXCL: never write into a file someone else holds; mode 0o666 lets the umask apply as for open(..., "wb")
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+    try:
+        with os.fdopen(fd, "wb") as file:
+            write(file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(temp)
+        raise
+    _fsync_folder(folder)
 
 
 def _fsync_folder(folder: str) -> None:

@@ -51,7 +51,8 @@ class Net(L.LightningModule):
 def _snapshot(module: L.LightningModule) -> dict[str, Any]:
     optimizer = module.trainer.optimizers[0]
     return {
-        "params": {n: p.detach().clone() for n, p in module.named_parameters()},
+        # hybrid_pipeline: the other stages' blocks are on the meta device on this rank (nothing to compare)
+        "params": {n: p.detach().clone() for n, p in module.named_parameters() if not p.is_meta},
         "momentum": [optimizer.state[p].get("momentum_buffer") for p in module.parameters() if p in optimizer.state],
     }
 
@@ -70,7 +71,7 @@ class Recorder(L.Callback):
             self.result["after"] = _snapshot(module)
 
     def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-        self.result["final"] = {n: p.detach().clone() for n, p in module.named_parameters()}
+        self.result["final"] = _snapshot(module)["params"]
         self.result["skipped_steps"] = trainer.strategy.nonfinite.skipped_steps  # type: ignore[attr-defined]
         torch.save(self.result, self.outdir / f"result-rank{trainer.global_rank}.pt")
 

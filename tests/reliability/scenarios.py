@@ -192,7 +192,8 @@ WRITES: list[str] = []
 
 
 def record_checkpoint_writes() -> None:
-    """Wrap ``AtomicCheckpointIO.save_checkpoint`` (the strategies' default) to note every file this rank writes."""
+    """Wrap ``AtomicCheckpointIO.save_checkpoint`` (the strategies' default) and hybrid_pipeline's streamed write to
+    note every file this rank writes."""
     original = AtomicCheckpointIO.save_checkpoint
 
     def save_checkpoint(self: AtomicCheckpointIO, checkpoint: dict[str, Any], path: Any, **kwargs: Any) -> None:
@@ -200,13 +201,25 @@ def record_checkpoint_writes() -> None:
         original(self, checkpoint, path, **kwargs)
 
     AtomicCheckpointIO.save_checkpoint = save_checkpoint  # type: ignore[method-assign]
+    # hybrid_pipeline streams its checkpoints into an atomic write of its own (no whole checkpoint in memory)
+    from lightning_dp_strategies.strategies.hybrid_pipeline import strategy as hybrid
+
+    streamed = hybrid.atomic_write
+
+    def atomic_write(path: Any, write: Any) -> None:
+        WRITES.append(Path(path).name)
+        streamed(path, write)
+
+    hybrid.atomic_write = atomic_write  # type: ignore[assignment]
 
 
 def main(mode: str, strategy: str, outdir: Path, tag: str = "seeded") -> None:
     record_checkpoint_writes()
     if mode == "resume":
         full = fit(strategy, outdir, "full", TOTAL_STEPS)
-        full.save_checkpoint(outdir / "full-after-fit.ckpt")  # after teardown: hybrid_pipeline's module is whole again
+        full.save_checkpoint(
+            outdir / "full-after-fit.ckpt"
+        )  # after teardown: hybrid_pipeline streams the stages to rank 0
         fit(strategy, outdir, "stopped", STOP_STEP, checkpoint_every_step=True)
         trainer = fit(strategy, outdir, "resumed", TOTAL_STEPS, ckpt_path=outdir / "ckpts" / "last.ckpt")
     elif mode == "seeded":

@@ -193,3 +193,16 @@ def test_the_old_module_path_still_resolves_with_a_deprecation_warning() -> None
         assert old.AtomicCheckpointIO is AtomicCheckpointIO
     with pytest.raises(AttributeError):
         old.NotAName  # noqa: B018
+
+
+def test_a_local_checkpoint_is_memory_mapped_and_a_legacy_one_still_loads(tmp_path: Path, mocker: Any) -> None:
+    """A zip-format file is loaded with ``mmap=True`` (a tensor's bytes are read from the file when used); the legacy
+    format, which cannot be mapped, loads as before."""
+    io = AtomicCheckpointIO()
+    io.save_checkpoint(OLD, tmp_path / "new.ckpt")
+    torch.save(OLD, tmp_path / "legacy.ckpt", _use_new_zipfile_serialization=False)
+    load = mocker.spy(torch, "load")
+    assert torch.equal(io.load_checkpoint(tmp_path / "new.ckpt")["weights"], OLD["weights"])
+    assert load.call_args.kwargs.get("mmap") is True
+    assert torch.equal(io.load_checkpoint(tmp_path / "legacy.ckpt")["weights"], OLD["weights"])
+    assert not load.call_args.kwargs.get("mmap")

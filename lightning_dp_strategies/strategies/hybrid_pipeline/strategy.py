@@ -35,11 +35,13 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, ClassVar, Literal
 
+import fsspec
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.optimizer import _optimizer_to_device, _optimizers_to_device
+from lightning.pytorch.callbacks import BaseFinetuning
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
@@ -59,20 +61,21 @@ from lightning_dp_strategies.pipeline import (
 )
 from lightning_dp_strategies.pipeline.activations import Activation, batch_size, check_blocks, is_activation
 from lightning_dp_strategies.pipeline.checkpoint import (
-    all_gather_stages,
     load_stage_optimizer_state,
     load_stage_state,
-    stage_state,
     whole_model_state,
     whole_optimizer_state,
 )
 from lightning_dp_strategies.pipeline.layout import Layout, StageBody, check_mesh, prefix_of
 from lightning_dp_strategies.pipeline.materialize import check_initializable, has_meta, materialize
+from lightning_dp_strategies.pipeline.placement import release, return_to_rank_zero, share_units
 from lightning_dp_strategies.pipeline.runner import PipelineStats
+from lightning_dp_strategies.pipeline.streamed import Inbox, Outbox, write_streamed
 from lightning_dp_strategies.plan import HYBRID_PIPELINE, CostModel
 from lightning_dp_strategies.reducers import Reducer
 from lightning_dp_strategies.strategies._grad_sync import destroy_groups
 from lightning_dp_strategies.strategies.bucketed import BucketedDataParallel
+from lightning_dp_strategies.strategies.checkpoint_io import AtomicCheckpointIO, atomic_write
 from lightning_dp_strategies.strategies.hybrid_pipeline.config import HybridPipelineConfig
 from lightning_dp_strategies.strategies.hybrid_pipeline.opt_in import (
     PipelinedBody,
@@ -193,6 +196,9 @@ class HybridPipelineStrategy(BucketedDataParallel):
         self._trained = False
         self._metric_groups: list[tuple[Any, Any]] = []
         self._stage_body: StageBody | None = None  # this stage's blocks, what the runner runs
+        self._whole_on_rank_zero = False  # rank 0 held the whole model at setup: it gets it back at teardown
+        self._outbox = Outbox()  # this stage's tensors for the checkpoint being saved (replica 0, stages > 0)
+        self._inbox = Inbox()  # on rank 0: the stand-ins of the other stages' tensors in that checkpoint
         self._precision_view: Precision | None = None
         # statistics
         self.pipeline_stats = PipelineStats()
@@ -276,7 +282,7 @@ class HybridPipelineStrategy(BucketedDataParallel):
         example = getattr(module, "example_input_array", None)
         if is_activation(example):
             self._check_blocks(example, "`example_input_array` (the body's input)")  # else on the first batch
-        self._materialize_owned(module, body_name)
+        self._place_blocks(module, body_name, keep_others=fitting and self._finetuning(trainer))
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._sync_replicas()
@@ -333,23 +339,32 @@ class HybridPipelineStrategy(BucketedDataParallel):
         self._stage_body = StageBody({i: blocks[i] for i in layout.local_blocks})
         self.layout = layout
 
-    def _materialize_owned(self, module: pl.LightningModule, body_name: str) -> None:
-        """Allocate and initialize the meta-device blocks this stage owns (deferred init); the others stay on meta.
+    @staticmethod
+    def _finetuning(trainer: pl.Trainer) -> bool:
+        return any(isinstance(callback, BaseFinetuning) for callback in trainer.callbacks)  # type: ignore[attr-defined]
 
-        Block ``i`` is initialized under the seed ``rank 0's torch.initial_seed() + i`` (modules outside the body, on
-        the last stage, under ``+ len(body)``), so the values do not depend on the number of stages."""
+    def _place_blocks(self, module: pl.LightningModule, body_name: str, keep_others: bool = False) -> None:
+        """Give this rank the blocks of its stage and every submodule outside the body, and release the other blocks.
+
+        A block no rank holds (built on the meta device: deferred init) is allocated and initialized by the ranks
+        that need it, block ``i`` under the seed ``rank 0's torch.initial_seed() + i`` (submodules outside the body
+        under ``+ len(body) + k``), so the values do not depend on the number of stages. A block another rank holds
+        (after an earlier run each rank holds only its stage) is received from rank 0, or else from the rank that
+        holds it. The other stages' blocks are moved to the meta device (with ``keep_others`` at teardown), and rank 0
+        gets them back at teardown if it held them at setup.
+
+        ``keep_others`` is for ``BaseFinetuning``, which compares parameters by value (``torch.equal``), something a
+        meta tensor cannot do; a body built on the meta device is refused then."""
         layout = self.layout
         assert layout is not None
-        if not has_meta(module):
-            return
-        box = [torch.initial_seed() % 2**31]
-        dist.broadcast_object_list(box, src=0)
         body = module._modules[body_name]
         assert isinstance(body, nn.Sequential)
         outside = [child for name, child in module.named_children() if name != body_name]
-        everything = [*enumerate(body), *[(len(body) + k, child) for k, child in enumerate(outside)]]
-        # checked on every rank over every block, so that a block no stage can initialize fails on all of them
-        check_initializable(everything)
+        units: list[nn.Module] = [*body, *outside]
+        world, replicas = self.world_size, layout.replicas
+        ranges = [range(s * replicas, (s + 1) * replicas) for s in range(layout.stages)]
+        owners = [set(ranges[stage]) for stage, count in enumerate(layout.balance) for _ in range(count)]
+        needed_by = [*owners, *[set(range(world)) for _ in outside]]  # every stage runs training_step's replay
         own = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
         stray = [n for n, t in own if t.is_meta]
         if stray:
@@ -358,8 +373,35 @@ class HybridPipelineStrategy(BucketedDataParallel):
                 "any submodule, where no `reset_parameters()` can initialize them. Build them on a real device, or "
                 "move them into a submodule."
             )
-        mine = [(i, b) for i, b in everything if i in layout.local_blocks or (i >= len(body) and layout.is_last)]
-        materialize(mine, self.root_device, seed=int(box[0]))
+        if world == 1:
+            nowhere = [i for i, unit in enumerate(units) if has_meta(unit)]
+            self._whole_on_rank_zero = not nowhere
+        else:
+            shared = share_units(units, needed_by, self.root_device, self._comm_device())
+            self._whole_on_rank_zero, nowhere = shared.whole_on_rank_zero, shared.nowhere
+        if keep_others and nowhere:
+            raise ValueError(
+                "A BaseFinetuning callback compares parameters by value (`torch.equal`), which the blocks of other "
+                f"stages, on the meta device, cannot do; {type(module).__name__} builds its body on the meta device. "
+                "Build the body eagerly in __init__ (each rank then keeps every block while fitting), or unfreeze in "
+                "the LightningModule's own hooks (`requires_grad_` on the blocks, a new group with `add_param_group`)."
+            )
+        # checked on every rank over every block, so that a block no stage can initialize fails on all of them
+        check_initializable([(i, units[i]) for i in nowhere])
+        if nowhere:
+            box = [torch.initial_seed() % 2**31]
+            if world > 1:
+                dist.broadcast_object_list(box, src=0)
+            mine = [(i, units[i]) for i in nowhere if self.global_rank in needed_by[i]]
+            materialize(mine, self.root_device, seed=int(box[0]))
+        if not keep_others:
+            release([block for i, block in enumerate(body) if i not in layout.local_blocks])
+
+    def _comm_device(self) -> torch.device:
+        """Where point-to-point tensors travel: the CPU on gloo, this rank's device otherwise."""
+        if dist.is_initialized() and dist.get_backend() == "gloo":
+            return torch.device("cpu")
+        return self.root_device
 
     @override
     def model_to_device(self) -> None:
@@ -381,23 +423,30 @@ class HybridPipelineStrategy(BucketedDataParallel):
             yield
 
     def _balance_by_time(self, module: pl.LightningModule, blocks: list[nn.Module]) -> list[int]:
-        if any(has_meta(block) for block in blocks):
-            raise ValueError(
-                "balance='time' measures each block, but the body was built on the meta device (deferred "
-                "initialization). Use balance='parameters' (computed from the shapes) or an explicit list."
-            )
-        sample = getattr(module, "example_input_array", None)
-        if not is_activation(sample):
-            raise ValueError(
-                "balance='time' measures each block on `example_input_array`, which "
-                f"{type(module).__name__} does not set to a tensor or a tuple of tensors. Set "
-                "`self.example_input_array = torch.randn(batch, ...)` in __init__, or use balance='parameters' or an "
-                "explicit list."
-            )
+        """Rank 0 measures the blocks and every rank uses its balance (timings differ per process); rank 0's
+        refusal is raised on every rank."""
         box: list[Any] = [None]
         if self.global_rank == 0:
-            box[0] = balance_by_time(blocks, sample, self.config.pipeline_stages)
-        dist.broadcast_object_list(box, src=0)  # timings differ per process: every rank uses rank 0's balance
+            sample = getattr(module, "example_input_array", None)
+            if any(has_meta(block) for block in blocks):
+                box[0] = (
+                    "balance='time' measures each block, but rank 0 holds the body on the meta device (deferred "
+                    "initialization, or it was built eagerly on another rank only). Use balance='parameters' "
+                    "(computed from the shapes) or an explicit list."
+                )
+            elif not is_activation(sample):
+                box[0] = (
+                    "balance='time' measures each block on `example_input_array`, which "
+                    f"{type(module).__name__} does not set to a tensor or a tuple of tensors. Set "
+                    "`self.example_input_array = torch.randn(batch, ...)` in __init__, or use balance='parameters' or "
+                    "an explicit list."
+                )
+            else:
+                box[0] = balance_by_time(blocks, sample, self.config.pipeline_stages)
+        if self.world_size > 1:
+            dist.broadcast_object_list(box, src=0)
+        if isinstance(box[0], str):
+            raise ValueError(box[0])
         return list(box[0])
 
     def _check_blocks(self, inputs: Activation, source: str = "the first batch's inputs") -> None:
@@ -645,38 +694,75 @@ class HybridPipelineStrategy(BucketedDataParallel):
         return bool(votes == self.world_size) if all else bool(votes)
 
     # ------------------------------------------------------------------ checkpoints: the whole model
+    def _saving_layout(self) -> Layout | None:
+        """The layout the stages' tensors follow: this run's, or after ``fit`` the last fit's (each rank still holds
+        its stage's blocks and optimizer state); ``None`` when one rank holds everything."""
+        layout = self.layout or (self._optimizers_layout if dist.is_initialized() else None)
+        return None if layout is None or self.config.pipeline_stages == 1 else layout
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The whole model's ``state_dict`` on rank 0 (gathered from the stages), this stage's elsewhere."""
-        module, layout = self.lightning_module, self.layout
+        """The whole model's ``state_dict`` on rank 0, this stage's part elsewhere.
+
+        During a run (and after ``fit`` for a module built on the meta device) the other stages' tensors are meta
+        stand-ins on rank 0, filled in by :meth:`save_checkpoint` as the file is written; after ``fit`` rank 0 holds
+        an eagerly built module whole and returns its own ``state_dict``. A collective: every rank calls it, as
+        Lightning's ``trainer.save_checkpoint`` does."""
+        module = self.lightning_module
         assert module is not None
-        if layout is None or self.config.pipeline_stages == 1:
-            if has_meta(module):
+        self._outbox, self._inbox = Outbox(), Inbox()
+        layout = self._saving_layout()
+        if layout is None or (self.layout is None and self._whole_on_rank_zero):
+            if self.is_global_zero and has_meta(module):
                 raise RuntimeError(
-                    f"{type(module).__name__} was built on the meta device, and after `fit` each rank holds only the "
-                    "blocks of its own stage, so there is no whole model to save here. Save during `fit` (a "
-                    "`ModelCheckpoint`, or `trainer.save_checkpoint` in a callback): the stages' parts are gathered "
-                    "onto rank 0 then. Load that file with `Model.load_from_checkpoint` or `ckpt_path=`."
+                    f"{type(module).__name__} has blocks on the meta device on rank 0 and no run of this strategy "
+                    "holds the others, so there is no whole model to save. Save during or after `fit` with this "
+                    "strategy, or load the trained state first."
                 )
             return module.state_dict()
-        whole = whole_model_state(module, layout)
-        return module.state_dict() if whole is None else whole
+        return whole_model_state(module, layout, self._outbox, self._inbox)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """The whole model's optimizer state on rank 0, numbered as a single-device optimizer over the module.
-
-        Also after ``fit``, when every rank's module holds the trained values but each stage's optimizer still holds
-        only its own parameters: ``trainer.save_checkpoint`` then gathers the stages' states too, so it must run on
-        every rank (as Lightning requires of it anyway).
-        """
-        layout = self.layout or (self._optimizers_layout if dist.is_initialized() else None)
+        """The whole model's optimizer state on rank 0, numbered as a single-device optimizer over the module (the
+        other stages' tensors as stand-ins, as in :meth:`lightning_module_state_dict`). Also after ``fit``, when
+        each stage's optimizer still holds only its own parameters; a collective, like it."""
+        layout = self._saving_layout()
         optimizer = getattr(optimizer, "_optimizer", optimizer)
         module = self.lightning_module
-        if layout is None or module is None or self.config.pipeline_stages == 1:
+        if layout is None or module is None:
             return optimizer.state_dict()
-        whole = whole_optimizer_state(optimizer, module, layout)
+        whole = whole_optimizer_state(optimizer, module, layout, self._outbox, self._inbox)
         return optimizer.state_dict() if whole is None else whole
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Rank 0 writes the checkpoint while the other stages of replica 0 send their tensors one at a time.
+
+        With the default ``AtomicCheckpointIO`` and a local path the file is streamed (no rank holds more than its
+        own stage and one tensor in flight); any other ``checkpoint_io`` receives the whole checkpoint on rank 0 first.
+        """
+        outbox, inbox = self._outbox, self._inbox
+        self._outbox, self._inbox = Outbox(), Inbox()
+        device = self._comm_device()
+        if not self.is_global_zero:
+            outbox.send(lambda tensor: dist.send(tensor.to(device), dst=0))
+            return
+        if not len(inbox):
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+            return
+
+        def receive(src: int, buffer: Tensor) -> None:
+            dist.recv(buffer, src=src)
+
+        try:
+            streams = type(self.checkpoint_io) is AtomicCheckpointIO and storage_options is None
+            if streams and fsspec.utils.get_protocol(str(filepath)) == "file":
+                atomic_write(filepath, lambda file: write_streamed(checkpoint, file, inbox, receive, device))
+            else:
+                self.checkpoint_io.save_checkpoint(inbox.fill(checkpoint, receive, device), filepath, storage_options)
+        finally:
+            inbox.drain(receive, device)  # after a failure: no sender is left waiting
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -699,21 +785,28 @@ class HybridPipelineStrategy(BucketedDataParallel):
             _optimizer_to_device(optimizer, self.root_device)
 
     # ------------------------------------------------------------------ teardown: the whole module again
-    def _load_trained_stages(self) -> None:
-        """After training, load into this rank's module the values the other stages trained (its copies are stale).
-
-        A module built on the meta device keeps on each rank only its own stage's blocks."""
+    def _return_to_rank_zero(self) -> None:
+        """After a run, rank 0 receives what the other stages hold (their blocks, and the state outside the body that
+        the last stage owns) if it held the whole model at setup; the other ranks keep their own stage."""
         module, layout = self.lightning_module, self.layout
         if module is None or layout is None:
             return
-        trained: dict[str, Tensor] = {}
-        gather = self._trained and not self._failed and dist.is_initialized() and self.config.pipeline_stages > 1
-        if gather and not has_meta(module):  # built on meta: each rank keeps its own stage, nothing is gathered
-            for part in all_gather_stages(stage_state(module, layout), layout):
-                trained.update(part)
+        whole = self._whole_on_rank_zero and not self._failed and dist.is_initialized()
+        if whole and self.config.pipeline_stages > 1:
+            body = module._modules[layout.body_name]
+            assert isinstance(body, nn.Sequential)
+            last = (layout.stages - 1) * layout.replicas
+            outside = [child for name, child in module.named_children() if name != layout.body_name]
+            direct = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+            units: list[Any] = [*body, *outside, direct]
+            owners = [stage * layout.replicas for stage, n in enumerate(layout.balance) for _ in range(n)]
+            owners += [last] * (len(outside) + 1)
+            return_to_rank_zero(units, owners, self.root_device, self._comm_device())
+        if self.global_rank != 0:  # blocks kept for BaseFinetuning: the other stages trained them, these are stale
+            body = module._modules[layout.body_name]
+            assert isinstance(body, nn.Sequential)
+            release([block for i, block in enumerate(body) if i not in layout.local_blocks])
         self._stage_body = None
-        if trained:
-            module.load_state_dict({k: v for k, v in trained.items()}, strict=False)
         self.layout = None
 
     @override
@@ -727,7 +820,7 @@ class HybridPipelineStrategy(BucketedDataParallel):
         for metric, group in self._metric_groups:
             metric.process_group = group
         self._metric_groups = []
-        self._load_trained_stages()
+        self._return_to_rank_zero()
         self.runner = None
         self._pending = {}
         module = self.lightning_module
