@@ -12,10 +12,13 @@ together with the data-parallel gradient buckets.
 - :mod:`.clipping`: gradient clipping by the global norm across stages.
 - :mod:`.layout`: where a rank sits in the stages x replicas mesh, what it owns, and its stage's blocks.
 - :mod:`.state`: optimizer state of the stages <-> one state dict of the whole model.
-- :mod:`.checkpoint`: the whole model's checkpoint gathered from the stages, and each stage's part of one.
+- :mod:`.checkpoint`: the whole model's checkpoint from the stages' parts, and each stage's part of one.
 - :mod:`.activations`: what travels between blocks and stages (a tensor or a tuple of tensors), and the fake-tensor
   check of a body.
 - :mod:`.materialize`: deferred initialization, each stage allocating and initializing only its own blocks.
+- :mod:`.placement`: which rank holds which blocks with storage; blocks sent to the ranks that need them, and back to
+  rank 0 after a run.
+- :mod:`.streamed`: a whole-model checkpoint written by one rank while the others send their tensors one at a time.
 """
 
 from lightning_dp_strategies.pipeline.clipping import clip_grad_norm_across

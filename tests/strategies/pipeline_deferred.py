@@ -5,7 +5,7 @@ module initializes every block itself with :func:`materialize`, as each stage do
 ``OUTDIR/rank{r}.pt``: which blocks hold storage at the start and the end of ``fit`` and after it, and ``validate``
 after ``fit``; rank 0 adds the trained parameters from the checkpoint ``ModelCheckpoint`` wrote during ``fit`` and
 from the one ``trainer.save_checkpoint`` wrote after it. ``LDPS_UNINITIALIZABLE=1`` ends the body with a
-block that cannot be initialized from meta.
+block that cannot be initialized from meta; ``LDPS_FINETUNING=1`` adds a ``BaseFinetuning`` callback.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import BaseFinetuning, ModelCheckpoint
 from torch import Tensor, nn
 
 from lightning_dp_strategies.pipeline.materialize import materialize
@@ -91,6 +91,14 @@ class Where(L.Callback):
         self.seen["end"] = built(module)
 
 
+class FreezeNothing(BaseFinetuning):
+    def freeze_before_training(self, pl_module: L.LightningModule) -> None:
+        pass
+
+    def finetune_function(self, pl_module: L.LightningModule, epoch: int, optimizer: Any) -> None:
+        pass
+
+
 def main(stages: int, world: int, out: Path) -> None:
     L.seed_everything(7, verbose=False)
     where = Where()
@@ -100,7 +108,11 @@ def main(stages: int, world: int, out: Path) -> None:
         max_epochs=2,
         logger=False,
         enable_model_summary=False,
-        callbacks=[where, ModelCheckpoint(dirpath=out / "ckpt", filename="last")],
+        callbacks=[
+            where,
+            ModelCheckpoint(dirpath=out / "ckpt", filename="last"),
+            *([FreezeNothing()] if os.environ.get("LDPS_FINETUNING") else []),
+        ],
     )
     train, val = loader(data(SAMPLES, 1), replica, replicas), loader(data(32, 2), replica, replicas)
     model = DeferredNet(one_device=stages == 0)

@@ -51,3 +51,14 @@ def test_a_block_no_stage_can_initialize_fails_at_setup_on_every_rank(tmp_path: 
     message = "Block 7 (Scale) was built on the meta device"
     assert output.count(message) >= 2, output[-4000:]  # stage 0 does not own it and still raises
     assert "Define `reset_parameters()`" in output
+
+
+@pytest.mark.timeout(150)
+def test_a_finetuning_callback_with_a_body_on_meta_fails_at_setup_on_every_rank(tmp_path: Path) -> None:
+    """BaseFinetuning compares parameters with torch.equal, which the other stages' meta blocks cannot run."""
+    argv = ["-m", "tests.strategies.pipeline_deferred", "2", "2", str(tmp_path)]
+    with pytest.raises(AssertionError) as failure:
+        run_script(argv, timeout=120, env={"LDPS_FINETUNING": "1"})
+    output = str(failure.value)
+    assert output.count("A BaseFinetuning callback compares parameters by value") >= 2, output[-4000:]
+    assert "Build the body eagerly" in output and "aten::equal" not in output
