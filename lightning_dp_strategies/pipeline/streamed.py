@@ -45,11 +45,8 @@ class Remote:
 def _map(obj: Any, leaf: Callable[[Any], Any]) -> Any:
     """``obj`` with ``leaf`` applied to every value inside its dicts, lists and tuples (other objects stay)."""
     if isinstance(obj, dict):
-        return (
-            type(obj)((k, _map(v, leaf)) for k, v in obj.items())
-            if isinstance(obj, OrderedDict)
-            else {k: _map(v, leaf) for k, v in obj.items()}
-        )
+        mapped = {k: _map(v, leaf) for k, v in obj.items()}
+        return OrderedDict(mapped) if isinstance(obj, OrderedDict) else mapped
     if isinstance(obj, list):
         return [_map(v, leaf) for v in obj]
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):

@@ -120,6 +120,11 @@ def main(stages: int, world: int, out: Path) -> None:
     result: dict[str, Any] = {**where.seen, "after": built(model)}
     trainer.save_checkpoint(out / "after-fit.ckpt")  # every rank calls it; rank 0 writes, the stages stream to it
     result["validate"] = trainer.validate(model, val, verbose=False)
+    try:  # no run holds the other stages now: every rank must refuse alike (none may wait in the save's barrier)
+        trainer.save_checkpoint(out / "after-validate.ckpt")
+        result["save_after_validate"] = "saved"
+    except RuntimeError as error:
+        result["save_after_validate"] = str(error)
     if trainer.global_rank == 0:
         for key, name in (("params", out / "ckpt" / "last.ckpt"), ("after_fit_params", out / "after-fit.ckpt")):
             state = torch.load(name, weights_only=False)["state_dict"]

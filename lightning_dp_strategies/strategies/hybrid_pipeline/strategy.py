@@ -713,7 +713,8 @@ class HybridPipelineStrategy(BucketedDataParallel):
         self._outbox, self._inbox = Outbox(), Inbox()
         layout = self._saving_layout()
         if layout is None or (self.layout is None and self._whole_on_rank_zero):
-            if self.is_global_zero and has_meta(module):
+            # every rank raises alike: after an eager fit only ranks other than 0 hold meta blocks, and that is fine
+            if has_meta(module) and (self.is_global_zero or not self._whole_on_rank_zero):
                 raise RuntimeError(
                     f"{type(module).__name__} has blocks on the meta device on rank 0 and no run of this strategy "
                     "holds the others, so there is no whole model to save. Save during or after `fit` with this "
