@@ -100,6 +100,11 @@ class CommStats:
     """Backward passes whose gradients were reduced."""
     skipped_backwards: int = 0
     """Backward passes that did not communicate (gradient accumulation, ``no_sync``)."""
+    pipeline_bytes_sent: int = 0
+    """Bytes this rank sent to neighbouring pipeline stages: activations forward, their gradients backward
+    (``hybrid_pipeline`` only)."""
+    pipeline_bytes_received: int = 0
+    """Bytes this rank received from neighbouring pipeline stages (``hybrid_pipeline`` only)."""
 
     def __sub__(self, other: CommStats) -> CommStats:
         return CommStats(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})

@@ -22,6 +22,7 @@ COLUMNS = (
     ("samples_per_second", "samples/s", "{:.0f}"),
     ("step_ms", "step ms", "{:.1f}"),
     ("comm_mb_per_step", "comm MB/step", "{:.3f}"),
+    ("pipeline_mb_per_step", "p2p MB/step", "{:.3f}"),
     ("exposed_comm_ms", "exposed ms", "{:.2f}"),
     ("pipeline_bubble", "bubble", "{:.0%}"),
     ("final_loss", "final loss", "{:.4f}"),
@@ -39,7 +40,7 @@ def format_table(results: Sequence[RunResult]) -> str:
         >>> failed = RunResult("ddp", processes=2, devices=2, status="failed", error="exit 1")
         >>> lines = format_table([row, failed]).splitlines()
         >>> lines[2].split(), lines[-1]
-        (['single', '1', '1', '5120', '12.5', '-', '-', '-', '-', '-', '-', 'ok'], '  ddp: exit 1')
+        (['single', '1', '1', '5120', '12.5', '-', '-', '-', '-', '-', '-', '-', 'ok'], '  ddp: exit 1')
     """
     rows = [
         ["-" if getattr(result, key) is None else fmt.format(getattr(result, key)) for key, _, fmt in COLUMNS]
@@ -100,11 +101,16 @@ def write_figure(results: Sequence[RunResult], path: Path) -> bool:
     names = [r.strategy for r in ok]
     ax_tp.bar(names, [r.samples_per_second or 0 for r in ok], color="tab:blue")
     ax_tp.set_title("throughput (samples/s, higher is better)")
-    bars = ax_comm.bar(names, [r.comm_mb_per_step or 0 for r in ok], color="tab:orange")
+    gradients = [r.comm_mb_per_step or 0 for r in ok]
+    bars = ax_comm.bar(names, gradients, color="tab:orange", label="gradients (sent)")
+    pipeline = [r.pipeline_mb_per_step or 0 for r in ok]
+    if any(pipeline):
+        ax_comm.bar(names, pipeline, bottom=gradients, color="tab:green", label="activations between stages")
+        ax_comm.legend(fontsize="small")
     for bar, r in zip(bars, ok, strict=True):
-        if r.comm_mb_per_step is None:  # one process (nothing sent), or a strategy that does not count its bytes
+        if r.comm_mb_per_step is None and r.pipeline_mb_per_step is None:  # one process, or nothing counted
             ax_comm.annotate("not measured", (bar.get_x() + bar.get_width() / 2, 0), ha="center", va="bottom")
-    ax_comm.set_title("gradient bytes sent (MB per step per rank)")
+    ax_comm.set_title("communication (MB per step, rank 0)")
     for r in ok:
         ax_loss.plot(range(1, len(r.loss_curve) + 1), r.loss_curve, label=r.strategy)
     ax_loss.set_title("training loss (rank 0's shard of each global batch)")

@@ -82,6 +82,7 @@ class RunResult:
     step_ms: float | None = None
     samples_per_second: float | None = None
     comm_mb_per_step: float | None = None
+    pipeline_mb_per_step: float | None = None
     exposed_comm_ms: float | None = None
     pipeline_bubble: float | None = None
     final_loss: float | None = None
@@ -100,6 +101,7 @@ class _Recorder(L.Callback):
         self.step_ms: list[float] = []
         self.losses: list[float] = []
         self.comm_bytes: list[float] = []
+        self.pipeline_bytes: list[float] = []
         self.exposed_ms: list[float] = []
         self.bubbles: list[float] = []
 
@@ -116,6 +118,9 @@ class _Recorder(L.Callback):
         if stats is not None:
             self.comm_bytes.append(float(getattr(stats, "bytes_sent", 0)))
             self.exposed_ms.append(float(getattr(stats, "exposed_seconds", 0.0)) * 1e3)
+            # hybrid_pipeline: activations and their gradients between stages, both directions, on this rank
+            exchanged = getattr(stats, "pipeline_bytes_sent", 0) + getattr(stats, "pipeline_bytes_received", 0)
+            self.pipeline_bytes.append(float(exchanged))
         pipeline = getattr(trainer.strategy, "pipeline_stats", None)  # hybrid_pipeline: idle over total, this rank
         if pipeline is not None and not pipeline.last.warmup:
             self.bubbles.append(float(pipeline.last.bubble))
@@ -145,6 +150,7 @@ def run_worker(name: str, config: DemoConfig, devices: int, out: Path) -> None:
             "step_ms": recorder.step_ms,
             "losses": recorder.losses,
             "comm_bytes": recorder.comm_bytes,
+            "pipeline_bytes": recorder.pipeline_bytes,
             "exposed_ms": recorder.exposed_ms,
             "bubbles": recorder.bubbles,
         }
@@ -214,6 +220,8 @@ def run_one(
     if data["comm_bytes"]:
         result.comm_mb_per_step = statistics.median(_steady(data["comm_bytes"])) / 1e6
         result.exposed_comm_ms = statistics.median(_steady(data["exposed_ms"]))
+    if any(data.get("pipeline_bytes", [])):
+        result.pipeline_mb_per_step = statistics.median(_steady(data["pipeline_bytes"])) / 1e6
     if data["bubbles"]:
         result.pipeline_bubble = statistics.median(_steady(data["bubbles"]))
     return result

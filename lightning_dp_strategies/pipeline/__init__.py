@@ -5,8 +5,8 @@ together with the data-parallel gradient buckets.
 
 - :mod:`.partition`: cut a sequence of blocks into contiguous stages (explicit balance, by parameters, by time).
 - :mod:`.microbatch`: how a batch is cut into equal micro-batches, and the checks before training.
-- :mod:`.schedule`: ``"gpipe"`` and ``"1f1b"``: a pure clock-table model of each and the glue to
-  ``torch.distributed.pipelining``.
+- :mod:`.schedule`: GPipe, 1F1B, and the interleaved and zero-bubble schedules with several chunks per rank: a pure
+  clock-table model of each and the glue to ``torch.distributed.pipelining``.
 - :mod:`.runner`: one rank's side of a pipeline step, with the measured bubble.
 - :mod:`.memory`: activation memory measured with saved-tensor hooks (any device).
 - :mod:`.clipping`: gradient clipping by the global norm across stages.
@@ -34,11 +34,20 @@ from lightning_dp_strategies.pipeline.partition import (
 )
 from lightning_dp_strategies.pipeline.runner import LossFn, PipelineRunner, StepResult, StepStats
 from lightning_dp_strategies.pipeline.schedule import (
+    LOOPED,
     SCHEDULES,
+    SPLIT_BACKWARD,
+    V_SHAPED,
+    check_schedule,
+    chunk_ranks,
     clock_table,
+    default_virtual_stages,
     effective_schedule,
     gpipe_bubble,
     make_schedule,
+    rank_order,
+    schedule_bubble,
+    schedule_micro_batches,
     stage_order,
     table_bubble,
     table_in_flight,
@@ -52,7 +61,10 @@ from lightning_dp_strategies.pipeline.state import (
 )
 
 __all__ = [
+    "LOOPED",
     "SCHEDULES",
+    "SPLIT_BACKWARD",
+    "V_SHAPED",
     "ActivationMeter",
     "LossFn",
     "PipelineRunner",
@@ -63,8 +75,11 @@ __all__ = [
     "balance_costs",
     "check_balance",
     "check_micro_batches",
+    "check_schedule",
+    "chunk_ranks",
     "clip_grad_norm_across",
     "clock_table",
+    "default_virtual_stages",
     "effective_micro_batches",
     "effective_schedule",
     "full_group_names",
@@ -75,6 +90,9 @@ __all__ = [
     "materialize",
     "merge_optimizer_states",
     "name_optimizer_state",
+    "rank_order",
+    "schedule_bubble",
+    "schedule_micro_batches",
     "select_optimizer_state",
     "stage_order",
     "stage_ranges",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch.distributed as dist
@@ -42,7 +43,10 @@ pipeline_stages x data_parallel grid. Use devices=2 or 4, or pipeline_stages in 
 
 @dataclass
 class Layout:
-    """Where this rank sits and what it holds; built at setup."""
+    """Where this rank sits and what it holds; built at setup.
+
+    The body is cut into ``len(balance)`` contiguous chunks; chunk ``c`` runs on pipeline rank (stage)
+    ``chunk_ranks[c]`` (one chunk per stage unless a schedule interleaves several per rank)."""
 
     stage: int
     replica: int
@@ -50,25 +54,53 @@ class Layout:
     pipeline_group: dist.ProcessGroup
     data_group: dist.ProcessGroup
     body_name: str
-    balance: list[int]
+    balance: list[int]  # blocks per chunk, in body order
     full_keys: list[str]  # the whole module's state_dict keys, in order
     param_order: list[str]  # the whole module's parameter names, in order
     body_prefix: str = ""
+    chunk_ranks: list[int] | None = None  # the stage of each chunk; None: chunk c on stage c
+
+    @property
+    def ranks(self) -> list[int]:
+        return list(range(len(self.balance))) if self.chunk_ranks is None else self.chunk_ranks
 
     @property
     def stages(self) -> int:
-        return len(self.balance)
+        """Pipeline stages (ranks of a replica)."""
+        return max(self.ranks) + 1
 
     @property
-    def local_blocks(self) -> range:
-        return stage_ranges(self.balance)[self.stage]
+    def chunks(self) -> list[int]:
+        """The chunks this stage runs, in body order."""
+        return [c for c, rank in enumerate(self.ranks) if rank == self.stage]
+
+    def chunk_blocks(self, chunk: int) -> range:
+        return stage_ranges(self.balance)[chunk]
+
+    @cached_property
+    def local_blocks(self) -> list[int]:
+        """The blocks of this stage's chunks."""
+        return [i for c in self.chunks for i in self.chunk_blocks(c)]
+
+    def block_stage(self, block: int) -> int:
+        """The stage that runs block ``block``."""
+        for chunk, blocks in enumerate(stage_ranges(self.balance)):
+            if block in blocks:
+                return self.ranks[chunk]
+        raise IndexError(block)
+
+    @property
+    def last_stage(self) -> int:
+        """The stage running the last chunk: it computes the loss and owns the state outside the body."""
+        return self.ranks[-1]
 
     @property
     def is_last(self) -> bool:
-        return self.stage == self.stages - 1
+        return self.stage == self.last_stage
 
     def owns(self, name: str) -> bool:
-        """Whether this stage holds the authoritative value of state ``name`` (body keys: its blocks; others: last)."""
+        """Whether this stage holds the authoritative value of state ``name`` (body keys: its blocks; others: the
+        stage of the last chunk)."""
         if name.startswith(self.body_prefix):
             block = int(name[len(self.body_prefix) :].split(".", 1)[0])
             return block in self.local_blocks

@@ -14,14 +14,14 @@ micro-batch losses are weighted ``scale / M``.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 from lightning_dp_strategies.pipeline.activations import (
     Activation,
@@ -34,7 +34,13 @@ from lightning_dp_strategies.pipeline.activations import (
 )
 from lightning_dp_strategies.pipeline.memory import ActivationMeter
 from lightning_dp_strategies.pipeline.microbatch import effective_micro_batches
-from lightning_dp_strategies.pipeline.schedule import TimedStage, make_schedule
+from lightning_dp_strategies.pipeline.schedule import (
+    TimedStage,
+    chunk_ranks,
+    default_virtual_stages,
+    make_schedule,
+    schedule_micro_batches,
+)
 
 __all__ = ["LossFn", "PipelineRunner", "PipelineStats", "StepResult", "StepStats"]
 
@@ -64,6 +70,10 @@ class StepStats:
     peak_activation_bytes: int = 0
     """Peak bytes saved for backward during the step, the parameters and the batch itself excluded (0 unless
     ``measure_activations``)."""
+    p2p_bytes_sent: int = 0
+    """Bytes this rank sent to neighbouring stages: activations forward and their gradients backward."""
+    p2p_bytes_received: int = 0
+    """Bytes this rank received from neighbouring stages."""
 
     @property
     def bubble(self) -> float:
@@ -92,8 +102,8 @@ class StepResult:
 
 @dataclass
 class _Entry:
-    stage: TimedStage
-    schedule: PipelineScheduleSingle
+    stages: list[TimedStage]
+    schedule: _PipelineSchedule
     micro_batches: int
 
 
@@ -102,14 +112,16 @@ class PipelineRunner:
 
     Args:
         module: this stage's blocks (a :class:`~lightning_dp_strategies.pipeline.layout.StageBody`): called with
-            the tensors the previous stage sent, it returns one tensor or a tuple of them.
+            the tensors the previous stage sent, it returns one tensor or a tuple of them. Under a schedule with
+            several chunks per rank, a list of them: this rank's chunks in body order.
         stage_index: this rank's stage.
-        num_stages: stages in the pipeline.
+        num_stages: stages in the pipeline (ranks of the pipeline group).
         group: the pipeline group, its ranks ordered by stage (group rank ``s`` runs stage ``s``).
         device: where this stage runs.
-        schedule: ``"gpipe"`` or ``"1f1b"``.
+        schedule: one of :data:`~lightning_dp_strategies.pipeline.schedule.SCHEDULES`.
         micro_batches: micro-batches per step.
         measure_activations: record the peak bytes saved for backward in each step's statistics.
+        virtual_stages: chunks per rank (the schedule's default when ``None``).
 
     Example (on every rank of a 2-stage pipeline, under ``torch.distributed``)::
 
@@ -121,7 +133,7 @@ class PipelineRunner:
 
     def __init__(
         self,
-        module: nn.Module,
+        module: nn.Module | Sequence[nn.Module],
         stage_index: int,
         num_stages: int,
         group: dist.ProcessGroup | None,
@@ -129,9 +141,18 @@ class PipelineRunner:
         schedule: str = "1f1b",
         micro_batches: int = 1,
         measure_activations: bool = False,
+        virtual_stages: int | None = None,
     ) -> None:
         # configuration
-        self.module = module
+        self.modules: list[nn.Module] = [module] if isinstance(module, nn.Module) else list(module)
+        self.virtual_stages = default_virtual_stages(schedule) if virtual_stages is None else virtual_stages
+        ranks = chunk_ranks(schedule, num_stages, self.virtual_stages)
+        self.chunks = [c for c, rank in enumerate(ranks) if rank == stage_index]
+        self.last_rank = ranks[-1]
+        if len(self.modules) != len(self.chunks):
+            raise ValueError(
+                f"stage {stage_index} runs chunks {self.chunks} under {schedule!r}: pass that many modules"
+            )
         self.stage_index = stage_index
         self.num_stages = num_stages
         self.group = group
@@ -152,13 +173,13 @@ class PipelineRunner:
 
     @property
     def is_first(self) -> bool:
-        """Whether this rank runs the first stage (it consumes the inputs)."""
-        return self.stage_index == 0
+        """Whether this rank runs the first chunk (it consumes the inputs)."""
+        return 0 in self.chunks
 
     @property
     def is_last(self) -> bool:
-        """Whether this rank runs the last stage (it produces the output and the loss)."""
-        return self.stage_index == self.num_stages - 1
+        """Whether this rank runs the last chunk (it produces the output and the loss)."""
+        return self.stage_index == self.last_rank
 
     # ------------------------------------------------------------------ stages per batch shape
     def reset(self) -> None:
@@ -174,11 +195,31 @@ class PipelineRunner:
         entry = self._entries.get(key)
         if entry is not None:
             return entry, False
-        stage = TimedStage(self.module, self.stage_index, self.num_stages, self.device, group=self.group)
+        actions: list[str] = []
+        total = self.num_stages * self.virtual_stages
+        stages = [
+            TimedStage(
+                module,
+                chunk,
+                total,
+                self.device,
+                group=self.group,
+                actions=actions,
+                label_chunks=total > self.num_stages,
+            )
+            for module, chunk in zip(self.modules, self.chunks, strict=True)
+        ]
         loss = self._weighted_loss if training else None
-        entry = _Entry(stage, make_schedule(self.schedule, stage, micro_batches, loss), micro_batches)
+        entry = _Entry(stages, make_schedule(self.schedule, stages, micro_batches, loss), micro_batches)
         self._entries[key] = entry
         return entry, True
+
+    def _micro_batches(self, batch: int) -> int:
+        """The most equal micro-batches, at most the configured count, that cut ``batch`` and the schedule runs."""
+        micro = effective_micro_batches(batch, self.micro_batches)
+        while not schedule_micro_batches(self.schedule, self.num_stages, micro):
+            micro = effective_micro_batches(batch, micro - 1)
+        return micro
 
     def _weighted_loss(self, output: Any, target: Tensor) -> Tensor:
         assert self._loss_fn is not None
@@ -198,7 +239,7 @@ class PipelineRunner:
         (``1 / accumulate_grad_batches``).
         """
         batch = batch_size(inputs)
-        micro = effective_micro_batches(batch, self.micro_batches)
+        micro = self._micro_batches(batch)
         entry, new = self._entry(("train", micro, *self._shape_key(inputs, target)), micro, training=True)
         self._loss_fn, self._weight = loss_fn, scale / micro
         losses: list[Tensor] = []
@@ -215,7 +256,7 @@ class PipelineRunner:
 
     def forward(self, inputs: Activation) -> Activation | None:
         """Forward only (evaluation): the whole batch's output on the last stage, ``None`` elsewhere."""
-        micro = effective_micro_batches(batch_size(inputs), self.micro_batches)
+        micro = self._micro_batches(batch_size(inputs))
         entry, new = self._entry(("eval", micro, *self._shape_key(inputs, None)), micro, training=False)
         args = as_args(inputs) if self.is_first else ()
         output, _ = self._timed(entry, new, args, {})
@@ -224,10 +265,12 @@ class PipelineRunner:
     def _timed(
         self, entry: _Entry, new: bool, args: tuple[Tensor, ...], kwargs: dict[str, Any]
     ) -> tuple[Activation | None, StepStats]:
-        entry.stage.compute_seconds = 0.0
-        entry.stage.actions = []
+        for stage in entry.stages:
+            stage.compute_seconds = 0.0
+            stage.bytes_sent = stage.bytes_received = 0
+        entry.stages[0].actions.clear()  # shared by the stages of this rank
         # the batch is data, not activations: its storage (shared by the micro-batch views) is not counted
-        excluded = [*self.module.parameters(), *args]
+        excluded = [*(p for module in self.modules for p in module.parameters()), *args]
         meter = ActivationMeter(exclude=excluded) if self.measure_activations else None
         start = time.perf_counter()
         if meter is not None:
@@ -238,12 +281,14 @@ class PipelineRunner:
         stats = StepStats(
             micro_batches=entry.micro_batches,
             step_seconds=time.perf_counter() - start,
-            compute_seconds=entry.stage.compute_seconds,
+            compute_seconds=sum(stage.compute_seconds for stage in entry.stages),
+            p2p_bytes_sent=sum(stage.bytes_sent for stage in entry.stages),
+            p2p_bytes_received=sum(stage.bytes_received for stage in entry.stages),
             warmup=new,
             peak_activation_bytes=meter.peak_bytes if meter is not None else 0,
         )
         self.last_stats = stats
-        self.last_order = list(entry.stage.actions)
+        self.last_order = list(entry.stages[0].actions)
         return detach(output), stats
 
     # ------------------------------------------------------------------ the output, on every stage
@@ -259,7 +304,7 @@ class PipelineRunner:
                 meta = _output_meta(output)
             if self.num_stages > 1:
                 box = [meta]
-                dist.broadcast_object_list(box, group=self.group, group_src=self.num_stages - 1)
+                dist.broadcast_object_list(box, group=self.group, group_src=self.last_rank)
                 meta = box[0]
             self._output_meta[self._last_key] = meta
         if isinstance(meta, str):
@@ -273,7 +318,7 @@ class PipelineRunner:
         else:
             buffers = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in meta]
         for buffer in buffers:
-            dist.broadcast(buffer, group=self.group, group_src=self.num_stages - 1)
+            dist.broadcast(buffer, group=self.group, group_src=self.last_rank)
         return from_args(buffers)
 
 
@@ -297,6 +342,12 @@ class PipelineStats:
     """Training steps run."""
     bubble_sum: float = 0.0
     measured_steps: int = 0
+    p2p_bytes_sent: int = 0
+    """Bytes this rank sent to neighbouring stages over all training steps (activations and their gradients)."""
+    p2p_bytes_received: int = 0
+    """Bytes this rank received from neighbouring stages over all training steps."""
+    peak_activation_bytes: int = 0
+    """The largest ``peak_activation_bytes`` of any training step (0 unless activations are measured)."""
 
     @property
     def mean_bubble(self) -> float:
@@ -306,6 +357,9 @@ class PipelineStats:
     def record(self, stats: StepStats) -> None:
         self.last = stats
         self.steps += 1
+        self.p2p_bytes_sent += stats.p2p_bytes_sent
+        self.p2p_bytes_received += stats.p2p_bytes_received
+        self.peak_activation_bytes = max(self.peak_activation_bytes, stats.peak_activation_bytes)
         if not stats.warmup:
             self.bubble_sum += stats.bubble
             self.measured_steps += 1

@@ -13,9 +13,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_dp_strategies.pipeline import (
+    LOOPED,
+    V_SHAPED,
     PipelineRunner,
+    chunk_ranks,
     clip_grad_norm_across,
     effective_schedule,
+    rank_order,
     stage_order,
     stage_ranges,
 )
@@ -90,7 +94,36 @@ def _transparency(rank: int, world: int) -> None:
             with torch.inference_mode():
                 out = runner.share_output(runner.forward(x[:6]))
             assert torch.allclose(out, reference_out[:6], atol=1e-6)
+    if world == 2:
+        _virtual_stages(rank, world, x, y, expected)
     dist.barrier()
+
+
+def _virtual_stages(rank: int, world: int, x: torch.Tensor, y: torch.Tensor, expected: dict[str, torch.Tensor]) -> None:
+    """The schedules with two chunks per rank: the five blocks in four chunks, placed as each schedule places them."""
+    ranges = stage_ranges([1, 1, 2, 1])
+    for schedule in (*LOOPED, *V_SHAPED):
+        full = make_body()
+        chunks = [c for c, r in enumerate(chunk_ranks(schedule, world, 2)) if r == rank]
+        modules = [nn.Sequential(*[full[i] for i in ranges[c]]) for c in chunks]
+        names = {f"{i}.{n}": p for c in chunks for i in ranges[c] for n, p in full[i].named_parameters()}
+        for micro in (4, 2, 1):
+            runner = PipelineRunner(modules, rank, world, None, torch.device("cpu"), schedule, micro)
+            full.zero_grad(set_to_none=True)
+            result = runner.train_step(x, y, F.cross_entropy)
+            for name, p in names.items():
+                assert p.grad is not None, f"{schedule} {name}"
+                diff = (p.grad - expected[name]).abs().max().item()
+                assert diff <= 1e-6, f"{schedule} M={micro} rank {rank} {name}: {diff}"
+            # the order torch ran is the one the clock-table model simulates
+            assert runner.last_order == rank_order(schedule, world, micro, rank), schedule
+            assert result.stats.p2p_bytes_sent > 0
+            with torch.no_grad():
+                reference_out = make_body()(x)
+            assert torch.allclose(runner.share_output(result.output), reference_out, atol=1e-6), schedule
+            with torch.inference_mode():
+                out = runner.share_output(runner.forward(x[:6]))
+            assert torch.allclose(out, reference_out[:6], atol=1e-6), f"{schedule}: evaluation"
 
 
 @pytest.mark.timeout(180)

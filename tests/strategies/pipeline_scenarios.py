@@ -60,6 +60,14 @@ SUITES: dict[str, list[Case]] = {
         Case("s2d2-native", world=4, micro_batches=2, reducer="native"),  # the replicas average with gloo's all-reduce
     ],
 }
+# the schedules with two chunks per rank (the 5 blocks cut into 4 chunks), each with clipping and accumulation
+VIRTUAL = ("interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv")
+SUITES["schedules2"] = [
+    Case(f"s2d1-{s}", micro_batches=4, schedule=s, clip=0.05, accumulate=2, epochs=1) for s in VIRTUAL
+]
+SUITES["schedules4"] = [
+    Case(f"s2d2-{s}", world=4, micro_batches=2, schedule=s, clip=0.05, accumulate=2, epochs=1) for s in VIRTUAL
+]
 CKPT = Case("ckpt", world=4, micro_batches=2, schedule="gpipe")
 VAL_SAMPLES = 16
 
@@ -124,6 +132,8 @@ class Recorder(L.Callback):
                 "mean_bubble": strategy.pipeline_stats.mean_bubble,
                 "micro_batches": strategy.pipeline_stats.last.micro_batches,
                 "steps": strategy.pipeline_stats.steps,
+                "p2p_total": (strategy.pipeline_stats.p2p_bytes_sent, strategy.pipeline_stats.p2p_bytes_received),
+                "p2p_step": (strategy.step_stats.pipeline_bytes_sent, strategy.step_stats.pipeline_bytes_received),
                 "ring_operations": strategy.comm_stats.ring_operations,
                 "skipped": strategy.comm_stats.skipped_backwards,
                 "reducer": type(strategy.buckets.reducer).__name__ if strategy.buckets is not None else None,
@@ -227,6 +237,11 @@ def run_suite(suite: str, outdir: Path) -> None:
         groups.append(live_groups())
     if suite == "world4":
         run_checkpoints(outdir)
+        groups.append(live_groups())
+    if suite.startswith("schedules"):
+        # after fit, a save gathers the chunks of every stage (under "zbv" rank 0 runs the first and the last)
+        trainer, _ = run_case(replace(SUITES[suite][-1], name="saved"), outdir)
+        trainer.save_checkpoint(outdir / "saved.ckpt")
         groups.append(live_groups())
     torch.save(groups, outdir / f"groups-rank{dist.get_rank()}.pt")
     torch.save(untouched, outdir / f"untouched-rank{dist.get_rank()}.pt")

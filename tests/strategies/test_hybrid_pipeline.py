@@ -109,6 +109,9 @@ def test_parity_two_stages_one_replica_both_schedules_1_and_4_micro_batches_clip
     m4 = load_ranks(out, "s2d1-1f1b-m4", 2)
     # 38 samples in batches of 4: the last batch of 2 ran as 2 equal micro-batches (4 do not divide it)
     assert all(r["micro_batches"] == 2 for r in m4)
+    # the activations (stage 0 -> 1) and their gradients (1 -> 0) were counted: a 16-wide fp32 row per sample
+    assert [r["p2p_total"] for r in m4] == [(2 * 38 * 64, 2 * 38 * 64)] * 2
+    assert [r["p2p_step"] for r in m4] == [(2 * 64, 2 * 64)] * 2  # the last step: a batch of 2
     # predict ran forward-only through the pipeline; afterwards every rank holds the whole module again
     x, _ = make_data(VAL_SAMPLES, seed=7).tensors
     with torch.no_grad():
@@ -196,7 +199,7 @@ def test_world_size_not_divisible_by_stages_fails_when_the_trainer_is_built() ->
     [
         ({"pipeline_stages": 0}, "`pipeline_stages` must be an integer >= 1"),
         ({"micro_batches": 2.0}, "`micro_batches` must be an integer >= 1"),
-        ({"schedule": "interleaved"}, r"use one of \['gpipe', '1f1b'\]"),
+        ({"schedule": "interleaved"}, r"use one of \['gpipe', '1f1b', 'interleaved_1f1b', 'looped_bfs'"),
         ({"balance": "memory"}, "Unknown `balance` 'memory'"),
         ({"balance": [2, 0]}, "each >= 1"),
         ({"balance": [1, 1, 1]}, "number of blocks of each of the 2 stages"),

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_dp_strategies.pipeline import SCHEDULES, check_balance
+from lightning_dp_strategies.pipeline import SCHEDULES, check_balance, check_schedule, default_virtual_stages
 from lightning_dp_strategies.strategies._options import check_flag
 from lightning_dp_strategies.strategies.bucketed import BucketedConfig
 
@@ -22,6 +22,18 @@ class HybridPipelineConfig(BucketedConfig):
     schedule: str = "1f1b"
     balance: tuple[int, ...] | str = "parameters"
     log_pipeline_stats: bool = False
+    virtual_stages: int | None = None
+    measure_activations: bool = False
+
+    @property
+    def chunks_per_rank(self) -> int:
+        """``virtual_stages``, or the schedule's default (1 for GPipe and 1F1B, 2 for the others)."""
+        return default_virtual_stages(self.schedule) if self.virtual_stages is None else self.virtual_stages
+
+    @property
+    def chunks(self) -> int:
+        """Chunks the body is cut into: ``pipeline_stages x chunks_per_rank``."""
+        return self.pipeline_stages * self.chunks_per_rank
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -31,8 +43,10 @@ class HybridPipelineConfig(BucketedConfig):
                 raise ValueError(f"`{name}` must be an integer >= 1, got {value!r}.")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"Unknown pipeline `schedule` {self.schedule!r}: use one of {list(SCHEDULES)}.")
-        object.__setattr__(self, "balance", _check_balance_option(self.balance, self.pipeline_stages))
+        check_schedule(self.schedule, self.pipeline_stages, self.micro_batches, self.chunks_per_rank)
+        object.__setattr__(self, "balance", _check_balance_option(self.balance, self.chunks))
         check_flag("log_pipeline_stats", self.log_pipeline_stats)
+        check_flag("measure_activations", self.measure_activations)
 
 
 def _check_balance_option(balance: object, stages: int) -> tuple[int, ...] | str:

@@ -70,6 +70,7 @@ from lightning_dp_strategies.pipeline.layout import Layout, StageBody, check_mes
 from lightning_dp_strategies.pipeline.materialize import check_initializable, has_meta, materialize
 from lightning_dp_strategies.pipeline.placement import release, return_to_rank_zero, share_units
 from lightning_dp_strategies.pipeline.runner import PipelineStats
+from lightning_dp_strategies.pipeline.schedule import chunk_ranks
 from lightning_dp_strategies.pipeline.streamed import Inbox, Outbox, write_streamed
 from lightning_dp_strategies.plan import HYBRID_PIPELINE, CostModel
 from lightning_dp_strategies.reducers import Reducer
@@ -111,9 +112,15 @@ class HybridPipelineStrategy(BucketedDataParallel):
     Args:
         pipeline_stages: number of stages ``S``; the world size must be a multiple of it.
         micro_batches: micro-batches per step ``M``; the per-replica batch size must be a multiple of it.
-        schedule: ``"1f1b"`` (default; holds at most ``S - s`` micro-batches of activations on stage ``s``) or
-            ``"gpipe"`` (all forwards, then all backwards; holds ``M``).
-        balance: blocks per stage (e.g. ``[3, 2]``), ``"parameters"`` (default: even parameter counts) or
+        schedule: ``"1f1b"`` (default; holds at most ``S - s`` micro-batches of activations on stage ``s``),
+            ``"gpipe"`` (all forwards, then all backwards; holds ``M``), or a schedule with ``virtual_stages``
+            chunks per rank and a smaller bubble: ``"interleaved_1f1b"``, ``"looped_bfs"``, and the zero-bubble
+            ``"interleaved_zb"`` and ``"zbv"`` (exactly two chunks per rank, in a V), which split each backward into
+            input- and weight-gradient passes.
+        virtual_stages: chunks of the body per rank (``None``: 1 for GPipe and 1F1B, 2 for the others); the body is
+            cut into ``pipeline_stages x virtual_stages`` chunks, balanced as ``balance`` says.
+        balance: blocks per chunk (e.g. ``[3, 2]``; one chunk per stage unless ``virtual_stages > 1``),
+            ``"parameters"`` (default: even parameter counts) or
             ``"time"`` (even measured forward+backward time on ``module.example_input_array``, measured on rank 0).
         bucket_cap_mb: gradient bucket cap in MiB, as ``"ring_allreduce"``.
         first_bucket_cap_mb: cap of the first bucket in MiB.
@@ -121,6 +128,8 @@ class HybridPipelineStrategy(BucketedDataParallel):
             ``"ring"``; ``"native"``, ``"per_tensor"`` or a callable ``reducer(bucket) -> Future``).
         log_pipeline_stats: log ``pipeline/bubble`` (rank 0's) and the communication counters every
             ``log_every_n_steps``.
+        measure_activations: record the peak bytes saved for backward in every step (``pipeline_stats``); costs a
+            hook per saved tensor.
         nonfinite_grads: check the reduced gradients for NaN/Inf before each optimizer step: ``None`` (no check,
             the default), ``"skip"`` (skip the step on every rank alike, counted in ``nonfinite.skipped_steps``) or
             ``"raise"`` (``FloatingPointError`` on every rank).
@@ -138,13 +147,16 @@ class HybridPipelineStrategy(BucketedDataParallel):
     config: HybridPipelineConfig
     cost_model: ClassVar[CostModel] = HYBRID_PIPELINE
     registered_name: ClassVar[str | None] = "hybrid_pipeline"
-    registered_description: ClassVar[str] = "Pipeline stages across ranks (GPipe/1F1B micro-batches) x data parallelism"
+    registered_description: ClassVar[str] = (
+        "Pipeline stages across ranks (GPipe, 1F1B, interleaved and zero-bubble schedules) x data parallelism"
+    )
 
     def __init__(
         self,
         pipeline_stages: int = 2,
         micro_batches: int = 4,
-        schedule: Literal["gpipe", "1f1b"] = "1f1b",
+        schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv"] = "1f1b",
+        virtual_stages: int | None = None,
         balance: Sequence[int] | Literal["parameters", "time"] = "parameters",
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[Any] | None = None,
@@ -155,6 +167,7 @@ class HybridPipelineStrategy(BucketedDataParallel):
         first_bucket_cap_mb: float = 1.0,
         reducer: str | Reducer | None = None,
         log_pipeline_stats: bool = False,
+        measure_activations: bool = False,
         nonfinite_grads: Literal["skip", "raise"] | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = None,
@@ -169,6 +182,8 @@ class HybridPipelineStrategy(BucketedDataParallel):
                 schedule=schedule,
                 balance=balance,  # type: ignore[arg-type]  # a sequence, made a tuple by validation
                 log_pipeline_stats=log_pipeline_stats,
+                virtual_stages=virtual_stages,
+                measure_activations=measure_activations,
             ),
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -195,12 +210,13 @@ class HybridPipelineStrategy(BucketedDataParallel):
         self._failed = False
         self._trained = False
         self._metric_groups: list[tuple[Any, Any]] = []
-        self._stage_body: StageBody | None = None  # this stage's blocks, what the runner runs
+        self._stage_bodies: list[StageBody] = []  # this stage's chunks of blocks, what the runner runs
         self._whole_on_rank_zero = False  # rank 0 held the whole model at setup: it gets it back at teardown
         self._outbox = Outbox()  # this stage's tensors for the checkpoint being saved (replica 0, stages > 0)
         self._inbox = Inbox()  # on rank 0: the stand-ins of the other stages' tensors in that checkpoint
         self._precision_view: Precision | None = None
         # statistics
+        self._p2p_since_step = [0, 0]  # bytes sent to and received from neighbouring stages since the last step
         self.pipeline_stats = PipelineStats()
         """Bubble and timing of this rank's pipeline steps."""
 
@@ -286,16 +302,18 @@ class HybridPipelineStrategy(BucketedDataParallel):
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._sync_replicas()
-        layout, stage_body = self.layout, self._stage_body
-        assert layout is not None and stage_body is not None
+        layout = self.layout
+        assert layout is not None and self._stage_bodies
         self.runner = PipelineRunner(
-            stage_body,
+            self._stage_bodies,
             layout.stage,
             self.config.pipeline_stages,
             layout.pipeline_group,
             self.root_device,
             self.config.schedule,
             self.config.micro_batches,
+            measure_activations=self.config.measure_activations,
+            virtual_stages=self.config.chunks_per_rank,
         )
         self._set_metric_groups(module)
         if fitting:
@@ -316,13 +334,21 @@ class HybridPipelineStrategy(BucketedDataParallel):
         The module, and its ``nn.Sequential`` body, stay as they are: the blocks are shared, not moved."""
         body = getattr(module, body_name)
         blocks = list(body)
-        stages = self.config.pipeline_stages
-        if isinstance(self.config.balance, tuple):
-            balance = check_balance(self.config.balance, len(blocks), stages)
-        elif self.config.balance == "time":
+        config = self.config
+        chunks = config.chunks
+        if config.chunks_per_rank > 1 and 0 < len(blocks) < chunks:
+            raise ValueError(
+                f"schedule={config.schedule!r} cuts the body into pipeline_stages x virtual_stages = "
+                f"{config.pipeline_stages} x {config.chunks_per_rank} = {chunks} chunks, but it has {len(blocks)} "
+                f"blocks. Split the body into at least {chunks} blocks, lower virtual_stages (or pipeline_stages), or "
+                "use schedule='1f1b'."
+            )
+        if isinstance(config.balance, tuple):
+            balance = check_balance(config.balance, len(blocks), chunks)
+        elif config.balance == "time":
             balance = self._balance_by_time(module, blocks)
         else:
-            balance = balance_by_parameters(blocks, stages)
+            balance = balance_by_parameters(blocks, chunks)
         mesh = self._mesh
         layout = Layout(
             stage=self.global_rank // self.data_parallel_size,
@@ -335,8 +361,9 @@ class HybridPipelineStrategy(BucketedDataParallel):
             full_keys=list(module.state_dict().keys()),
             param_order=[n for n, _ in module.named_parameters()],
             body_prefix=prefix_of(module, body),
+            chunk_ranks=chunk_ranks(config.schedule, config.pipeline_stages, config.chunks_per_rank),
         )
-        self._stage_body = StageBody({i: blocks[i] for i in layout.local_blocks})
+        self._stage_bodies = [StageBody({i: blocks[i] for i in layout.chunk_blocks(c)}) for c in layout.chunks]
         self.layout = layout
 
     @staticmethod
@@ -363,7 +390,7 @@ class HybridPipelineStrategy(BucketedDataParallel):
         units: list[nn.Module] = [*body, *outside]
         world, replicas = self.world_size, layout.replicas
         ranges = [range(s * replicas, (s + 1) * replicas) for s in range(layout.stages)]
-        owners = [set(ranges[stage]) for stage, count in enumerate(layout.balance) for _ in range(count)]
+        owners = [set(ranges[layout.block_stage(i)]) for i in range(len(body))]
         needed_by = [*owners, *[set(range(world)) for _ in outside]]  # every stage runs training_step's replay
         own = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
         stray = [n for n, t in own if t.is_meta]
@@ -442,7 +469,7 @@ class HybridPipelineStrategy(BucketedDataParallel):
                     "an explicit list."
                 )
             else:
-                box[0] = balance_by_time(blocks, sample, self.config.pipeline_stages)
+                box[0] = balance_by_time(blocks, sample, self.config.chunks)
         if self.world_size > 1:
             dist.broadcast_object_list(box, src=0)
         if isinstance(box[0], str):
@@ -537,6 +564,8 @@ class HybridPipelineStrategy(BucketedDataParallel):
             with self._body_replaced(ReplayBody(output, inputs, layout.body_name)):
                 step_output = module.training_step(*args, **kwargs)
         self.pipeline_stats.record(result.stats)
+        self._p2p_since_step[0] += result.stats.p2p_bytes_sent
+        self._p2p_since_step[1] += result.stats.p2p_bytes_received
         if result.loss is not None:
             self._check_loss(step_output, result.loss)
         return step_output
@@ -623,6 +652,11 @@ class HybridPipelineStrategy(BucketedDataParallel):
 
     @override
     def _log_step(self) -> None:
+        # the step's pipeline ran in Lightning's closure: every training step since the last optimizer step counts
+        stats = self.step_stats.copy()
+        stats.pipeline_bytes_sent, stats.pipeline_bytes_received = self._p2p_since_step
+        self._p2p_since_step = [0, 0]
+        self.step_stats = stats
         module = self.lightning_module
         if self._should_log(self.config.log_pipeline_stats) and module is not None and module.logger is not None:
             last = self.pipeline_stats.last
@@ -796,18 +830,18 @@ class HybridPipelineStrategy(BucketedDataParallel):
         if whole and self.config.pipeline_stages > 1:
             body = module._modules[layout.body_name]
             assert isinstance(body, nn.Sequential)
-            last = (layout.stages - 1) * layout.replicas
+            last = layout.last_stage * layout.replicas
             outside = [child for name, child in module.named_children() if name != layout.body_name]
             direct = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
             units: list[Any] = [*body, *outside, direct]
-            owners = [stage * layout.replicas for stage, n in enumerate(layout.balance) for _ in range(n)]
+            owners = [layout.block_stage(i) * layout.replicas for i in range(len(body))]
             owners += [last] * (len(outside) + 1)
             return_to_rank_zero(units, owners, self.root_device, self._comm_device())
         if self.global_rank != 0:  # blocks kept for BaseFinetuning: the other stages trained them, these are stale
             body = module._modules[layout.body_name]
             assert isinstance(body, nn.Sequential)
             release([block for i, block in enumerate(body) if i not in layout.local_blocks])
-        self._stage_body = None
+        self._stage_bodies = []
         self.layout = None
 
     @override

@@ -1,0 +1,159 @@
+"""End to end, as a user sees it: a Trainer step under ``hybrid_pipeline`` per schedule and micro-batch count.
+
+One run, every configuration in turn on the same machine: the one-device step (the reference ``T1``), then
+``hybrid_pipeline`` with S = 2 stages and D = 1 (two processes, CPU/gloo, one intra-op thread each) for each schedule
+and M. The model is an MLP of 8 blocks ``Linear(768, 768) + Tanh`` and a head, batch 128, SGD. Per configuration:
+
+- ``step ms``: the median time from one ``on_train_batch_start`` to the next on rank 0 (the pipeline's period, with
+  everything Lightning does per step);
+- ``ideal/measured``: the perfect pipeline of the schedule, ``T1 / S / (1 - formula bubble)``, over the measured step;
+- ``bubble``: the measured bubble (1 - compute / step, the mean over the ranks of their median over steps), beside the
+  schedule's formula (the clock-table model, every action one tick; backward twice a forward for the zero-bubble
+  schedules, which split it in two);
+- ``act MiB``: the peak bytes saved for backward on the busiest rank (``measure_activations``);
+- ``p2p MB/step``: activations and their gradients sent between stages per step (both directions, every rank).
+
+Usage::
+
+    python benchmarks/bench_pipeline_schedules.py [--steps 30] [--schedules 1f1b,gpipe] [--micro 1,2,4,8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+WIDTH, BLOCKS, BATCH, STAGES = 768, 8, 128, 2
+
+
+def _run(config: dict[str, Any], out: str) -> None:
+    """One configuration, in this process (and, through the strategy's launcher, its other ranks)."""
+    import lightning as L
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_dp_strategies import HybridPipelineStrategy
+
+    torch.set_num_threads(1)
+
+    class Net(L.LightningModule):
+        pipeline_body = "body"
+
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            blocks: list[nn.Module] = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(BLOCKS)]
+            self.body = nn.Sequential(*blocks, nn.Linear(WIDTH, 10))
+
+        def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(output, target)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return self.pipeline_loss(self.body(x), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    class Clock(L.Callback):
+        def __init__(self) -> None:
+            self.starts: list[float] = []
+
+        def on_train_batch_start(self, *args: Any) -> None:
+            self.starts.append(time.perf_counter())
+
+    steps = config["steps"] + 3
+    gen = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(BATCH * steps, WIDTH, generator=gen), torch.randint(0, 10, (BATCH * steps,)))
+    clock = Clock()
+    if config["schedule"] == "one device":
+        strategy: Any = "auto"
+        devices = 1
+    else:
+        strategy = HybridPipelineStrategy(
+            pipeline_stages=STAGES,
+            micro_batches=config["micro"],
+            schedule=config["schedule"],
+            measure_activations=True,
+        )
+        devices = STAGES
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=devices,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[clock],
+    )
+    trainer.fit(Net(), DataLoader(data, batch_size=BATCH))
+    periods = [b - a for a, b in zip(clock.starts[3:], clock.starts[4:], strict=False)]
+    result: dict[str, Any] = {"step": statistics.median(periods)}
+    if isinstance(strategy, HybridPipelineStrategy):
+        stats = strategy.pipeline_stats
+        result.update(
+            bubble=stats.mean_bubble,
+            activations=stats.peak_activation_bytes,
+            p2p=strategy.step_stats.pipeline_bytes_sent,
+        )
+    Path(out, f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=30, help="measured steps per configuration")
+    parser.add_argument("--schedules", default="gpipe,1f1b", help="comma-separated schedules")
+    parser.add_argument("--micro", default="1,2,4,8", help="comma-separated micro-batch counts")
+    parser.add_argument("--config", help=argparse.SUPPRESS)  # one configuration, in a child process
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.config:
+        _run(json.loads(args.config), args.out)
+        return
+
+    from lightning_dp_strategies.pipeline import schedule_bubble
+
+    def measure(config: dict[str, Any]) -> list[dict[str, Any]]:
+        with tempfile.TemporaryDirectory() as out:
+            command = [sys.executable, __file__, "--config", json.dumps(config), "--out", out]
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+            subprocess.run(command, check=True, timeout=600, env=env, cwd=ROOT, capture_output=True)
+            return [json.loads(p.read_text()) for p in sorted(Path(out).glob("rank*.json"))]
+
+    one = measure({"schedule": "one device", "steps": args.steps})[0]["step"]
+    print(f"S={STAGES}, D=1, {BLOCKS} blocks of Linear({WIDTH}) + Tanh, batch {BATCH}, CPU/gloo, one thread per rank")
+    print(f"one device: {one * 1e3:.1f} ms/step\n")
+    header = f"{'schedule':>12} {'M':>3} {'step ms':>8} {'ideal ms':>9} {'ideal/measured':>15} "
+    print(header + f"{'bubble':>7} {'formula':>8} {'diff':>6} {'act MiB':>8} {'p2p MB/step':>12}")
+    for schedule in args.schedules.split(","):
+        for micro in [int(m) for m in args.micro.split(",")]:
+            ranks = measure({"schedule": schedule, "micro": micro, "steps": args.steps})
+            step = ranks[0]["step"]
+            formula = schedule_bubble(schedule, STAGES, micro)
+            ideal = one / STAGES / (1 - formula)
+            bubble = sum(r["bubble"] for r in ranks) / len(ranks)
+            act = max(r["activations"] for r in ranks) / 2**20
+            p2p = sum(r["p2p"] for r in ranks) / 1e6
+            print(
+                f"{schedule:>12} {micro:>3} {step * 1e3:>8.1f} {ideal * 1e3:>9.1f} {ideal / step:>15.2f} "
+                f"{bubble:>7.3f} {formula:>8.3f} {bubble - formula:>+6.3f} {act:>8.2f} {p2p:>12.2f}"
+            )
+
+
+if __name__ == "__main__":
+    main()
