@@ -34,7 +34,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-WIDTH, BLOCKS, BATCH, STAGES = 768, 8, 128, 2
+BATCH, STAGES = 128, 2
 
 
 def _run(config: dict[str, Any], out: str) -> None:
@@ -55,8 +55,9 @@ def _run(config: dict[str, Any], out: str) -> None:
         def __init__(self) -> None:
             super().__init__()
             torch.manual_seed(0)
-            blocks: list[nn.Module] = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(BLOCKS)]
-            self.body = nn.Sequential(*blocks, nn.Linear(WIDTH, 10))
+            width = config["width"]
+            blocks = [nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(config["blocks"])]
+            self.body = nn.Sequential(*blocks, nn.Linear(width, 10))
 
         def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
             return F.cross_entropy(output, target)
@@ -71,13 +72,23 @@ def _run(config: dict[str, Any], out: str) -> None:
     class Clock(L.Callback):
         def __init__(self) -> None:
             self.starts: list[float] = []
+            self.schedule: list[float] = []
+            self.compute: list[float] = []
 
         def on_train_batch_start(self, *args: Any) -> None:
             self.starts.append(time.perf_counter())
 
-    steps = config["steps"] + 3
+        def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+            stats = getattr(trainer.strategy, "pipeline_stats", None)
+            if stats is not None:
+                self.schedule.append(stats.last.step_seconds)
+                self.compute.append(stats.last.compute_seconds)
+
+    steps = config["steps"] + 4
     gen = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(BATCH * steps, WIDTH, generator=gen), torch.randint(0, 10, (BATCH * steps,)))
+    data = TensorDataset(
+        torch.randn(BATCH * steps, config["width"], generator=gen), torch.randint(0, 10, (BATCH * steps,))
+    )
     clock = Clock()
     if config["schedule"] == "one device":
         strategy: Any = "auto"
@@ -87,7 +98,8 @@ def _run(config: dict[str, Any], out: str) -> None:
             pipeline_stages=STAGES,
             micro_batches=config["micro"],
             schedule=config["schedule"],
-            measure_activations=True,
+            virtual_stages=config.get("virtual"),
+            measure_activations=config.get("activations", False),
         )
         devices = STAGES
     trainer = L.Trainer(
@@ -107,9 +119,11 @@ def _run(config: dict[str, Any], out: str) -> None:
     if isinstance(strategy, HybridPipelineStrategy):
         stats = strategy.pipeline_stats
         result.update(
-            bubble=stats.mean_bubble,
+            bubble=statistics.median(1 - c / s for c, s in zip(clock.compute[3:], clock.schedule[3:], strict=True)),
+            compute=statistics.median(clock.compute[3:]),
+            schedule=statistics.median(clock.schedule[3:]),
             activations=stats.peak_activation_bytes,
-            p2p=strategy.step_stats.pipeline_bytes_sent,
+            p2p=strategy.step_stats.pipeline_bytes_sent + strategy.step_stats.pipeline_bytes_received,
         )
     Path(out, f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
@@ -117,8 +131,12 @@ def _run(config: dict[str, Any], out: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=30, help="measured steps per configuration")
-    parser.add_argument("--schedules", default="gpipe,1f1b", help="comma-separated schedules")
+    parser.add_argument(
+        "--schedules", default="gpipe,1f1b,interleaved_1f1b,looped_bfs,interleaved_zb,zbv", help="comma-separated"
+    )
     parser.add_argument("--micro", default="1,2,4,8", help="comma-separated micro-batch counts")
+    parser.add_argument("--width", type=int, default=768, help="width of each Linear block")
+    parser.add_argument("--blocks", type=int, default=8, help="Linear+Tanh blocks in the body")
     parser.add_argument("--config", help=argparse.SUPPRESS)  # one configuration, in a child process
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -126,9 +144,10 @@ def main() -> None:
         _run(json.loads(args.config), args.out)
         return
 
-    from lightning_dp_strategies.pipeline import schedule_bubble
+    from lightning_dp_strategies.pipeline import clock_table, schedule_bubble, schedule_micro_batches, table_in_flight
 
     def measure(config: dict[str, Any]) -> list[dict[str, Any]]:
+        config.update(width=args.width, blocks=args.blocks)
         with tempfile.TemporaryDirectory() as out:
             command = [sys.executable, __file__, "--config", json.dumps(config), "--out", out]
             env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
@@ -136,23 +155,41 @@ def main() -> None:
             return [json.loads(p.read_text()) for p in sorted(Path(out).glob("rank*.json"))]
 
     one = measure({"schedule": "one device", "steps": args.steps})[0]["step"]
-    print(f"S={STAGES}, D=1, {BLOCKS} blocks of Linear({WIDTH}) + Tanh, batch {BATCH}, CPU/gloo, one thread per rank")
-    print(f"one device: {one * 1e3:.1f} ms/step\n")
-    header = f"{'schedule':>12} {'M':>3} {'step ms':>8} {'ideal ms':>9} {'ideal/measured':>15} "
-    print(header + f"{'bubble':>7} {'formula':>8} {'diff':>6} {'act MiB':>8} {'p2p MB/step':>12}")
-    for schedule in args.schedules.split(","):
+    half = one / STAGES
+    model = f"{args.blocks} blocks of Linear({args.width}) + Tanh"
+    print(f"S={STAGES}, D=1, {model}, batch {BATCH}, CPU/gloo, one thread per rank")
+    print(f"one device: {one * 1e3:.1f} ms/step; T1/S = {half * 1e3:.1f} ms\n")
+    print("(a) step time and bubble (rank means; compute/(T1/S): a rank's compute over its share of T1)")
+    header = f"{'schedule':>16} {'M':>3} {'step ms':>8} {'ideal ms':>9} {'ideal/meas':>11} {'compute ms':>11} "
+    print(header + f"{'compute/(T1/S)':>15} {'bubble':>7} {'formula':>8} {'diff':>7} {'p2p MB/step':>12}")
+    schedules = args.schedules.split(",")
+    for schedule in schedules:
         for micro in [int(m) for m in args.micro.split(",")]:
+            if not schedule_micro_batches(schedule, STAGES, micro):
+                continue
             ranks = measure({"schedule": schedule, "micro": micro, "steps": args.steps})
             step = ranks[0]["step"]
             formula = schedule_bubble(schedule, STAGES, micro)
-            ideal = one / STAGES / (1 - formula)
+            ideal = half / (1 - formula)
+            compute = sum(r["compute"] for r in ranks) / len(ranks)
             bubble = sum(r["bubble"] for r in ranks) / len(ranks)
-            act = max(r["activations"] for r in ranks) / 2**20
-            p2p = sum(r["p2p"] for r in ranks) / 1e6
+            p2p = sum(r["p2p"] for r in ranks) / len(ranks) / 1e6
             print(
-                f"{schedule:>12} {micro:>3} {step * 1e3:>8.1f} {ideal * 1e3:>9.1f} {ideal / step:>15.2f} "
-                f"{bubble:>7.3f} {formula:>8.3f} {bubble - formula:>+6.3f} {act:>8.2f} {p2p:>12.2f}"
+                f"{schedule:>16} {micro:>3} {step * 1e3:>8.1f} {ideal * 1e3:>9.1f} {ideal / step:>11.2f} "
+                f"{compute * 1e3:>11.1f} {compute / half:>15.2f} {bubble:>7.3f} {formula:>8.3f} "
+                f"{bubble - formula:>+7.3f} {p2p:>12.3f}"
             )
+    micro = max(int(m) for m in args.micro.split(","))
+    print(f"\n(b) peak activation memory at M={micro} (bytes saved for backward, busiest rank)")
+    print(f"{'schedule':>16} {'MiB':>8} {'/ 1f1b':>7} {'model: chunks held (per rank)':>31}")
+    peaks = {}
+    for schedule in schedules:
+        ranks = measure({"schedule": schedule, "micro": micro, "steps": 2, "activations": True})
+        peaks[schedule] = max(r["activations"] for r in ranks)
+    for schedule, peak in peaks.items():
+        held = table_in_flight(clock_table(schedule, STAGES, micro))
+        ratio = peak / peaks["1f1b"] if peaks.get("1f1b") else float("nan")
+        print(f"{schedule:>16} {peak / 2**20:>8.2f} {ratio:>7.2f} {held!s:>31}")
 
 
 if __name__ == "__main__":

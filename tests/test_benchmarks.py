@@ -50,3 +50,13 @@ def test_step_phase_benchmark_prints_every_contender_against_ddp() -> None:
     out = _run("bench_step_phases.py", "--steps", "5", "--contenders", "buckets+noop,buckets+ring,ddp", *TINY)
     for name in ("buckets+noop", "buckets+ring", "ddp"):
         assert re.search(rf"^\s+{re.escape(name)}\s+(\d+\.\d\s+){{5}}\s*\d+\.\d{{3}}$", out, re.M), out
+
+
+@pytest.mark.timeout(300)
+def test_schedule_benchmark_prints_step_bubble_and_activations_per_schedule() -> None:
+    out = _run("bench_pipeline_schedules.py", "--schedules", "zbv", "--micro", "2", "--steps", "2", "--width", "32")
+    assert re.search(r"one device: \d+\.\d ms/step", out), out
+    # step, ideal, ideal/measured, compute, compute/(T1/S), bubble, formula (0.143 for zbv at M=2), diff, p2p
+    number = r"\s+[+-]?\d+\.\d+"
+    assert re.search(rf"^\s+zbv\s+2{number * 6}\s+0\.143{number * 2}$", out, re.M), out
+    assert re.search(r"^\s+zbv\s+\d+\.\d\d\s+\S+\s+\[\d, \d\]$", out, re.M), out  # MiB, / 1f1b, model
