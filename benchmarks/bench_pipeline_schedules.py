@@ -75,8 +75,10 @@ def _run(config: dict[str, Any], out: str) -> None:
             self.schedule: list[float] = []
             self.compute: list[float] = []
 
-        def on_train_batch_start(self, *args: Any) -> None:
+        def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
             self.starts.append(time.perf_counter())
+            if len(self.starts) == steps - 1 and config.get("activations"):
+                trainer.strategy.runner.measure_activations = True  # type: ignore[attr-defined]  # the last 2 steps
 
         def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
             stats = getattr(trainer.strategy, "pipeline_stats", None)
@@ -84,7 +86,7 @@ def _run(config: dict[str, Any], out: str) -> None:
                 self.schedule.append(stats.last.step_seconds)
                 self.compute.append(stats.last.compute_seconds)
 
-    steps = config["steps"] + 4
+    steps = config["steps"] + 6  # 3 to warm up, the measured ones, 1 more (a period ends there), 2 for activations
     gen = torch.Generator().manual_seed(0)
     data = TensorDataset(
         torch.randn(BATCH * steps, config["width"], generator=gen), torch.randint(0, 10, (BATCH * steps,))
@@ -99,7 +101,6 @@ def _run(config: dict[str, Any], out: str) -> None:
             micro_batches=config["micro"],
             schedule=config["schedule"],
             virtual_stages=config.get("virtual"),
-            measure_activations=config.get("activations", False),
         )
         devices = STAGES
     trainer = L.Trainer(
@@ -114,14 +115,14 @@ def _run(config: dict[str, Any], out: str) -> None:
         callbacks=[clock],
     )
     trainer.fit(Net(), DataLoader(data, batch_size=BATCH))
-    periods = [b - a for a, b in zip(clock.starts[3:], clock.starts[4:], strict=False)]
+    periods = [b - a for a, b in zip(clock.starts[3:-2], clock.starts[4:-1], strict=False)]
     result: dict[str, Any] = {"step": statistics.median(periods)}
     if isinstance(strategy, HybridPipelineStrategy):
         stats = strategy.pipeline_stats
         result.update(
-            bubble=statistics.median(1 - c / s for c, s in zip(clock.compute[3:], clock.schedule[3:], strict=True)),
-            compute=statistics.median(clock.compute[3:]),
-            schedule=statistics.median(clock.schedule[3:]),
+            bubble=statistics.median(1 - c / s for c, s in zip(clock.compute[3:-2], clock.schedule[3:-2], strict=True)),
+            compute=statistics.median(clock.compute[3:-2]),
+            schedule=statistics.median(clock.schedule[3:-2]),
             activations=stats.peak_activation_bytes,
             p2p=strategy.step_stats.pipeline_bytes_sent + strategy.step_stats.pipeline_bytes_received,
         )
@@ -163,11 +164,13 @@ def main() -> None:
     header = f"{'schedule':>16} {'M':>3} {'step ms':>8} {'ideal ms':>9} {'ideal/meas':>11} {'compute ms':>11} "
     print(header + f"{'compute/(T1/S)':>15} {'bubble':>7} {'formula':>8} {'diff':>7} {'p2p MB/step':>12}")
     schedules = args.schedules.split(",")
+    peaks: dict[str, tuple[int, int]] = {}
     for schedule in schedules:
         for micro in [int(m) for m in args.micro.split(",")]:
             if not schedule_micro_batches(schedule, STAGES, micro):
                 continue
-            ranks = measure({"schedule": schedule, "micro": micro, "steps": args.steps})
+            ranks = measure({"schedule": schedule, "micro": micro, "steps": args.steps, "activations": True})
+            peaks[schedule] = (micro, max(r["activations"] for r in ranks))  # the largest M's stays
             step = ranks[0]["step"]
             formula = schedule_bubble(schedule, STAGES, micro)
             ideal = half / (1 - formula)
@@ -179,17 +182,12 @@ def main() -> None:
                 f"{compute * 1e3:>11.1f} {compute / half:>15.2f} {bubble:>7.3f} {formula:>8.3f} "
                 f"{bubble - formula:>+7.3f} {p2p:>12.3f}"
             )
-    micro = max(int(m) for m in args.micro.split(","))
-    print(f"\n(b) peak activation memory at M={micro} (bytes saved for backward, busiest rank)")
-    print(f"{'schedule':>16} {'MiB':>8} {'/ 1f1b':>7} {'model: chunks held (per rank)':>31}")
-    peaks = {}
-    for schedule in schedules:
-        ranks = measure({"schedule": schedule, "micro": micro, "steps": 2, "activations": True})
-        peaks[schedule] = max(r["activations"] for r in ranks)
-    for schedule, peak in peaks.items():
+    print("\n(b) peak activation memory at each schedule's largest M (bytes saved for backward, busiest rank)")
+    print(f"{'schedule':>16} {'M':>3} {'MiB':>8} {'/ 1f1b':>7} {'model: chunks held (per rank)':>31}")
+    for schedule, (micro, peak) in peaks.items():
         held = table_in_flight(clock_table(schedule, STAGES, micro))
-        ratio = peak / peaks["1f1b"] if peaks.get("1f1b") else float("nan")
-        print(f"{schedule:>16} {peak / 2**20:>8.2f} {ratio:>7.2f} {held!s:>31}")
+        ratio = peak / peaks["1f1b"][1] if "1f1b" in peaks and peaks["1f1b"][0] == micro else float("nan")
+        print(f"{schedule:>16} {micro:>3} {peak / 2**20:>8.2f} {ratio:>7.2f} {held!s:>31}")
 
 
 if __name__ == "__main__":

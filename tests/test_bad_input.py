@@ -381,7 +381,13 @@ CATALOGUE = [
         "hybrid-schedule-unknown",
         lambda run: HybridPipelineStrategy(schedule="interleaved"),  # type: ignore[arg-type]
         ValueError,
-        r"use one of \['gpipe', '1f1b'\]",
+        r"use one of \['gpipe', '1f1b', 'interleaved_1f1b', 'looped_bfs', 'interleaved_zb', 'zbv'\]",
+    ),
+    Misuse(
+        "hybrid-chunks-for-1f1b",
+        lambda run: HybridPipelineStrategy(schedule="1f1b", virtual_stages=2),
+        ValueError,
+        r"use virtual_stages=1, or a schedule with several chunks per rank: \['interleaved_1f1b'",
     ),
     Misuse(
         "hybrid-balance-unknown-name",

@@ -59,4 +59,4 @@ def test_schedule_benchmark_prints_step_bubble_and_activations_per_schedule() ->
     # step, ideal, ideal/measured, compute, compute/(T1/S), bubble, formula (0.143 for zbv at M=2), diff, p2p
     number = r"\s+[+-]?\d+\.\d+"
     assert re.search(rf"^\s+zbv\s+2{number * 6}\s+0\.143{number * 2}$", out, re.M), out
-    assert re.search(r"^\s+zbv\s+\d+\.\d\d\s+\S+\s+\[\d, \d\]$", out, re.M), out  # MiB, / 1f1b, model
+    assert re.search(r"^\s+zbv\s+2\s+\d+\.\d\d\s+\S+\s+\[3, 4\]$", out, re.M), out  # M, MiB, / 1f1b, model
