@@ -1,0 +1,84 @@
+"""The packaging metadata, read statically: pyproject.toml, LICENSE, py.typed, the version and the changelog."""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    tomllib = pytest.importorskip("tomli")
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "lightning_dp_strategies"
+
+
+@pytest.fixture(scope="module")
+def pyproject() -> dict[str, Any]:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def literal_version() -> str:
+    """``__version__`` as setuptools reads it: a string literal assigned in ``__init__.py``, found without importing."""
+    tree = ast.parse((PACKAGE / "__init__.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["__version__"]:
+            assert isinstance(node.value, ast.Constant) and isinstance(node.value.value, str), ast.dump(node)
+            return node.value.value
+    raise AssertionError("no `__version__ = '...'` in lightning_dp_strategies/__init__.py")
+
+
+def test_classifiers_match_what_the_package_is(pyproject: dict[str, Any]) -> None:
+    project = pyproject["project"]
+    classifiers = project["classifiers"]
+    assert "Framework :: Pytest" not in classifiers  # not a pytest plugin
+    assert "Typing :: Typed" in classifiers
+    # setuptools >= 77 refuses License :: classifiers beside an SPDX expression
+    assert not [c for c in classifiers if c.startswith("License ::")]
+    versions = [re.fullmatch(r"Programming Language :: Python :: 3\.(\d+)", c) for c in classifiers]
+    minors = [int(m.group(1)) for m in versions if m]
+    lowest = int(project["requires-python"].removeprefix(">=3."))
+    assert min(minors) == lowest, (minors, project["requires-python"])
+    assert sys.version_info.minor in minors, f"the Python running the tests, 3.{sys.version_info.minor}, is not listed"
+
+
+def test_license_is_the_apache_text_and_declared_as_spdx(pyproject: dict[str, Any]) -> None:
+    text = (ROOT / "LICENSE").read_text()
+    assert text.lstrip().startswith("Apache License\n                           Version 2.0, January 2004")
+    assert "Copyright 2026 The lightning-dp-strategies authors" in text
+    assert pyproject["project"]["license"] == "Apache-2.0"
+    assert pyproject["project"]["license-files"] == ["LICENSE"]
+    assert pyproject["build-system"]["requires"] == ["setuptools>=77.0.3"]  # the first with PEP 639 fields
+
+
+def test_py_typed_ships_in_the_wheel(pyproject: dict[str, Any]) -> None:
+    assert (PACKAGE / "py.typed").is_file()
+    assert "py.typed" in pyproject["tool"]["setuptools"]["package-data"]["lightning_dp_strategies"]
+
+
+def test_the_version_lives_in_one_place(pyproject: dict[str, Any]) -> None:
+    project = pyproject["project"]
+    assert "version" not in project and "version" in project["dynamic"]
+    assert pyproject["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "lightning_dp_strategies.__version__"}
+    assert re.fullmatch(r"\d+\.\d+\.\d+", literal_version())
+
+
+def test_changelog_has_the_version_and_a_link_for_every_heading() -> None:
+    changelog = (ROOT / "CHANGELOG.md").read_text()
+    headings = re.findall(r"^## \[([^\]]+)\]", changelog, flags=re.MULTILINE)
+    assert headings[0] == "Unreleased"
+    assert headings[1] == literal_version(), "the newest released section is not the package's __version__"
+    links = set(re.findall(r"^\[([^\]]+)\]: https://", changelog, flags=re.MULTILINE))
+    assert set(headings) <= links, f"headings without a link reference: {set(headings) - links}"
+
+
+def test_urls_and_sdist_contents_are_declared(pyproject: dict[str, Any]) -> None:
+    assert {"Homepage", "Documentation", "Changelog", "Issues"} <= set(pyproject["project"]["urls"])
+    manifest = (ROOT / "MANIFEST.in").read_text()
+    assert "CHANGELOG.md" in manifest and "constraints.txt" in manifest
