@@ -13,9 +13,15 @@ and M. The model is an MLP of 8 blocks ``Linear(768, 768) + Tanh`` and a head, b
 - ``act MiB``: the peak bytes saved for backward on the busiest rank (``measure_activations``);
 - ``p2p MB/step``: activations and their gradients sent between stages per step (both directions, every rank).
 
+``--data-parallel 2`` measures instead the data-parallel reduction of S = 2 x D = 2 (four processes, 128 samples per
+replica), each schedule with the reduction started after the schedule (the strategy's ``_overlap_reduction``
+patched to ``False``: every bucket launched at ``backward``) and inside it (each chunk's buckets filled during its
+last backward pass): ``exposed ms`` is the wait for the reduction after the schedule, per step, the mean over ranks.
+
 Usage::
 
     python benchmarks/bench_pipeline_schedules.py [--steps 30] [--schedules 1f1b,gpipe] [--micro 1,2,4,8]
+    python benchmarks/bench_pipeline_schedules.py --data-parallel 2 [--schedules 1f1b,zbv] [--micro 4]
 """
 
 from __future__ import annotations
@@ -48,6 +54,9 @@ def _run(config: dict[str, Any], out: str) -> None:
     from lightning_dp_strategies import HybridPipelineStrategy
 
     torch.set_num_threads(1)
+    if config.get("overlap") is False:  # the reduction as before it overlapped: every bucket launched at backward
+        HybridPipelineStrategy._overlap_reduction = lambda self: False  # type: ignore[method-assign]
+    replicas = config.get("replicas", 1)
 
     class Net(L.LightningModule):
         pipeline_body = "body"
@@ -81,6 +90,8 @@ def _run(config: dict[str, Any], out: str) -> None:
                 trainer.strategy.runner.measure_activations = True  # type: ignore[attr-defined]  # the last 2 steps
 
         def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+            buckets = getattr(trainer.strategy, "buckets", None)
+            self.buckets = len(buckets.buckets) if buckets is not None else 0
             stats = getattr(trainer.strategy, "pipeline_stats", None)
             if stats is not None:
                 self.schedule.append(stats.last.step_seconds)
@@ -102,7 +113,7 @@ def _run(config: dict[str, Any], out: str) -> None:
             schedule=config["schedule"],
             virtual_stages=config.get("virtual"),
         )
-        devices = STAGES
+        devices = STAGES * replicas
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",
@@ -126,6 +137,13 @@ def _run(config: dict[str, Any], out: str) -> None:
             activations=stats.peak_activation_bytes,
             p2p=strategy.step_stats.pipeline_bytes_sent + strategy.step_stats.pipeline_bytes_received,
         )
+        totals = strategy.comm_stats
+        if totals.synced_backwards:
+            result.update(
+                exposed=totals.exposed_seconds / totals.synced_backwards,
+                overlapped=totals.overlapped_buckets / totals.synced_backwards,
+                buckets=clock.buckets,
+            )
     Path(out, f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 
@@ -138,6 +156,7 @@ def main() -> None:
     parser.add_argument("--micro", default="1,2,4,8", help="comma-separated micro-batch counts")
     parser.add_argument("--width", type=int, default=768, help="width of each Linear block")
     parser.add_argument("--blocks", type=int, default=8, help="Linear+Tanh blocks in the body")
+    parser.add_argument("--data-parallel", type=int, default=1, help="replicas D (2: the reduction's overlap)")
     parser.add_argument("--config", help=argparse.SUPPRESS)  # one configuration, in a child process
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -154,6 +173,29 @@ def main() -> None:
             env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
             subprocess.run(command, check=True, timeout=600, env=env, cwd=ROOT, capture_output=True)
             return [json.loads(p.read_text()) for p in sorted(Path(out).glob("rank*.json"))]
+
+    if args.data_parallel > 1:
+        replicas = args.data_parallel
+        model = f"{args.blocks} blocks of Linear({args.width}) + Tanh"
+        print(f"S={STAGES}, D={replicas}, {model}, batch {BATCH} per replica, CPU/gloo, one thread per rank")
+        columns = f"{'reduction':>18} {'step ms':>8} {'exposed ms':>11} {'launched in schedule':>21}"
+        print(f"{'schedule':>16} {'M':>3} {columns}")
+        for schedule in args.schedules.split(","):
+            for micro in [int(m) for m in args.micro.split(",")]:
+                steps: dict[bool, float] = {}
+                for overlap in (False, True):
+                    config = {"schedule": schedule, "micro": micro, "steps": args.steps, "replicas": replicas}
+                    ranks = measure({**config, "overlap": overlap})
+                    steps[overlap] = ranks[0]["step"]
+                    exposed = sum(r["exposed"] for r in ranks) / len(ranks)
+                    launched = f"{ranks[0]['overlapped']:.0f} of {ranks[0]['buckets']} buckets"
+                    where = "inside schedule" if overlap else "after schedule"
+                    print(
+                        f"{schedule:>16} {micro:>3} {where:>18} {steps[overlap] * 1e3:>8.1f} {exposed * 1e3:>11.2f} "
+                        f"{launched:>21}"
+                    )
+                print(f"{'':>16} {'':>3} {'after / inside':>18} {steps[False] / steps[True]:>8.2f}")
+        return
 
     one = measure({"schedule": "one device", "steps": args.steps})[0]["step"]
     half = one / STAGES

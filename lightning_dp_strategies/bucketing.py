@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import time
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -222,6 +222,11 @@ class GradientBuckets:
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._built_for: tuple[bool, ...] = ()
         self._armed = False
+        self._accepting: set[int] | None = None
+        """With ``arm(deferred=True)``: the ids of the parameters whose next gradient is final (see ``accept``)."""
+        self._base: dict[int, Tensor] = {}
+        self._flushed = False
+        self._slot_of: dict[int, tuple[int, int]] = {}
         self._next_launch = 0
         self._world_size = 1
         """The group's size, read at every ``arm()``: buckets built before ``init_process_group`` still average."""
@@ -246,6 +251,7 @@ class GradientBuckets:
             )
         assignment = assign_buckets([p for _, p in trainable], self.bucket_cap_mb, self.first_bucket_cap_mb)
         self.buckets = []
+        self._slot_of = {}
         for index, members in enumerate(assignment):
             params = [trainable[i][1] for i in members]
             offsets = [0, *(p.numel() for p in params)]
@@ -256,6 +262,7 @@ class GradientBuckets:
             bucket.reset()
             self.buckets.append(bucket)
             for slot, param in enumerate(params):
+                self._slot_of[id(param)] = (index, slot)
                 hook = functools.partial(self._on_grad_ready, index, slot)
                 self._hooks.append(param.register_post_accumulate_grad_hook(hook))
         self._built_for = self._trainable_signature()
@@ -272,15 +279,38 @@ class GradientBuckets:
         return sum(b.numel * b.buffer.element_size() for b in self.buckets)
 
     # ------------------------------------------------------------------ one backward
-    def arm(self) -> None:
-        """Reduce the gradients of the next backward pass (call right before it)."""
+    def arm(self, deferred: bool = False, base: Mapping[Parameter, Tensor | None] | None = None) -> None:
+        """Reduce the gradients of the next backward pass (call right before it).
+
+        ``deferred``: a parameter's gradient is taken only once :meth:`accept` named it (its next gradient is
+        final), for a backward made of several passes (micro-batches). ``base``: gradients accumulated earlier,
+        per parameter, that the reduction adds to the new ones (``.grad`` itself was cleared for the passes).
+        """
         if self._trainable_signature() != self._built_for:
             self._build()
         for bucket in self.buckets:
             bucket.reset()
         self._next_launch = 0
         self._world_size = dist.get_world_size(self.group) if dist.is_available() and dist.is_initialized() else 1
+        self._accepting = set() if deferred else None
+        self._base = {id(p): grad for p, grad in (base or {}).items() if grad is not None}
+        self._flushed = False
         self._armed = True
+
+    def accept(self, params: Iterable[Tensor]) -> None:
+        """The next gradient of each of ``params`` is final: bucket it as soon as it is accumulated."""
+        if self._accepting is not None:
+            self._accepting.update(id(p) for p in params if id(p) in self._slot_of)
+
+    def take(self, params: Iterable[Tensor]) -> None:
+        """The gradients of ``params`` are final now: bucket those not bucketed yet (gradients written without the
+        accumulate-grad hook, or none in the last pass) and launch the buckets that are complete."""
+        if not self._armed:
+            return
+        for param in params:
+            where = self._slot_of.get(id(param))
+            if where is not None and not self.buckets[where[0]].ready[where[1]]:
+                self._take(self.buckets[where[0]], where[1], param)
 
     def skip(self) -> None:
         """Count a backward pass that accumulates locally without communicating."""
@@ -298,6 +328,8 @@ class GradientBuckets:
                     stacklevel=2,
                 )
             return
+        if self._accepting is not None and id(param) not in self._accepting:
+            return  # an earlier pass of a deferred backward: more gradient is coming
         bucket = self.buckets[bucket_index]
         if bucket.ready[slot]:
             raise RuntimeError(
@@ -305,6 +337,9 @@ class GradientBuckets:
                 "Call backward once per step (sum the losses first), or run the extra backward inside "
                 "`strategy.no_backward_sync()`."
             )
+        self._take(bucket, slot, param)
+
+    def _take(self, bucket: Bucket, slot: int, param: Tensor) -> None:
         self._fill(bucket, slot, param)
         bucket.ready[slot] = True
         bucket.pending -= 1
@@ -314,6 +349,16 @@ class GradientBuckets:
     def _fill(self, bucket: Bucket, slot: int, param: Tensor) -> None:
         """Put ``param.grad / world_size`` into its slot and make ``.grad`` that slot; zeros and flag 0 without one."""
         view, grad = bucket.grad_view(slot), param.grad
+        base = self._base.get(id(param))
+        if base is not None:
+            if grad is None:
+                grad = base
+            else:  # base + grad, as adding the new gradient into .grad would, then averaged
+                torch.add(base, grad, out=view)
+                divide(view, self._world_size, out=view)
+                param.grad = view
+                bucket.flags[slot] = 1
+                return
         if grad is None:
             view.zero_()
             bucket.flags[slot] = 0
@@ -348,11 +393,11 @@ class GradientBuckets:
             )
             self._next_launch += 1
 
-    def finish(self) -> None:
-        """Launch what is left, wait for every bucket, and write the averaged gradients into ``.grad``."""
-        if not self._armed:
+    def flush(self) -> None:
+        """Fill every slot still empty from ``.grad`` and launch every bucket, without waiting."""
+        if not self._armed or self._flushed:
             return
-        self._armed = False
+        self._flushed = True
         self.totals.overlapped_buckets += self._next_launch
         for bucket in self.buckets[self._next_launch :]:
             for slot, param in enumerate(bucket.params):
@@ -361,6 +406,8 @@ class GradientBuckets:
                     bucket.ready[slot] = True
             bucket.pending = 0
         self._launch_in_order()
+
+    def _wait(self) -> None:
         waited = time.perf_counter()
         for bucket in self.buckets:
             assert bucket.future is not None
@@ -369,6 +416,14 @@ class GradientBuckets:
             except Exception as error:
                 raise RuntimeError(self._failure_message(bucket, error)) from error
         self.totals.exposed_seconds += time.perf_counter() - waited
+
+    def finish(self) -> None:
+        """Launch what is left, wait for every bucket, and write the averaged gradients into ``.grad``."""
+        if not self._armed:
+            return
+        self.flush()
+        self._armed = False
+        self._wait()
         for bucket, flags in zip(self.buckets, self._reduced_flags(), strict=True):
             for slot, param in enumerate(bucket.params):
                 if flags[slot] > 0:

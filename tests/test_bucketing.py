@@ -5,6 +5,8 @@ The oracle for every reduction is the per-rank gradients averaged by hand (each 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -187,6 +189,40 @@ def test_grad_points_at_its_bucket_slot_as_soon_as_its_hook_fires() -> None:
                 assert param.grad.data_ptr() == bucket.grad_view(slot).data_ptr(), bucket.names[slot]
     assert model.a.weight.grad is not None and model.never.weight.grad is None
     buckets.finish()
+    buckets.close()
+
+
+def test_a_deferred_backward_buckets_each_gradient_after_its_last_pass_with_what_accumulated_before() -> None:
+    """A pipeline stage makes one gradient in several backward passes (micro-batches): under ``arm(deferred=True)`` a
+    parameter is bucketed only from the pass after ``accept`` named it, ``take`` buckets gradients written without
+    the accumulate-grad hook, a bucket launches as soon as it is complete, and ``base`` is added in."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 1))
+    x1, x2 = torch.randn(4, 3), torch.randn(4, 3)
+    reference = copy.deepcopy(model)
+    for x in (x1, x2):
+        reference(x).sum().backward()
+    earlier = torch.full_like(model[0].weight, 0.5)  # accumulated on an earlier step, .grad cleared for the passes
+    launched: list[int] = []
+
+    def record(bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+        launched.append(bucket.index)
+        return completed(bucket.buffer)
+
+    buckets = GradientBuckets(model.named_parameters(), reducer=record)
+    buckets.arm(deferred=True, base={model[0].weight: earlier})
+    model(x1).sum().backward()
+    assert launched == [] and model[1].weight.grad is not None  # a first pass: more gradient is coming
+    buckets.accept(model[1].parameters())
+    model(x2).sum().backward()
+    assert launched == [], "the first layer's gradients are not final yet"
+    buckets.take(model[0].parameters())
+    assert launched == [0]
+    buckets.finish()
+    for name, param in model.named_parameters():
+        expected = reference.get_parameter(name).grad + (earlier if name == "0.weight" else 0)
+        torch.testing.assert_close(param.grad, expected, rtol=1e-6, atol=1e-7, msg=name)
+    assert buckets.totals.overlapped_buckets == 1
     buckets.close()
 
 

@@ -166,6 +166,11 @@ class PipelineRunner:
         self._last_key: Hashable = None
         self._loss_fn: LossFn | None = None
         self._weight = 1.0
+        self.before_last_backward: Callable[[list[nn.Parameter]], None] | None = None
+        """Called with a chunk's parameters right before the backward pass that completes their gradients for the
+        step (their data-parallel reduction can start during it)."""
+        self.after_last_backward: Callable[[list[nn.Parameter]], None] | None = None
+        """Called with a chunk's parameters right after that pass: their gradients are final."""
         # statistics
         self.last_stats = StepStats()
         self.last_order: list[str] = []
@@ -206,6 +211,7 @@ class PipelineRunner:
                 group=self.group,
                 actions=actions,
                 label_chunks=total > self.num_stages,
+                on_last_backward=self._on_last_backward,
             )
             for module, chunk in zip(self.modules, self.chunks, strict=True)
         ]
@@ -213,6 +219,11 @@ class PipelineRunner:
         entry = _Entry(stages, make_schedule(self.schedule, stages, micro_batches, loss), micro_batches)
         self._entries[key] = entry
         return entry, True
+
+    def _on_last_backward(self, stage: TimedStage, done: bool) -> None:
+        callback = self.after_last_backward if done else self.before_last_backward
+        if callback is not None:
+            callback(list(stage.submod.parameters()))
 
     def _micro_batches(self, batch: int) -> int:
         """The most equal micro-batches, at most the configured count, that cut ``batch`` and the schedule runs."""

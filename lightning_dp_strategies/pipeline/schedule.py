@@ -354,10 +354,20 @@ class TimedStage(PipelineStage):
     ``1 - compute_seconds / step_seconds`` is this rank's measured bubble. On CUDA each chunk is synchronised before
     the clock is read, which costs a little overlap. The stages of one rank share ``actions`` (pass the same list),
     labelled as :func:`rank_order` labels them (``label_chunks``: with the chunk index first, as ``"2F0"``).
+    ``on_last_backward(stage, done)`` runs right before (``done=False``) and after (``done=True``) the backward
+    pass (``B``, or ``W`` when backward is split) that completes this stage's parameter gradients for the step.
     """
 
-    def __init__(self, *args: Any, actions: list[str] | None = None, label_chunks: bool = False, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        actions: list[str] | None = None,
+        label_chunks: bool = False,
+        on_last_backward: Callable[[TimedStage, bool], None] | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
+        self.on_last_backward = on_last_backward
         self.compute_seconds = 0.0
         self.bytes_sent = 0
         """Bytes of activations (forward) and their gradients (backward) sent to neighbouring stages."""
@@ -401,6 +411,10 @@ class TimedStage(PipelineStage):
     def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
         return self._count(super().get_bwd_recv_ops(bwd_chunk_id), sent=False)
 
+    def _last_backward(self, last: bool, done: bool) -> None:
+        if last and self.on_last_backward is not None:
+            self.on_last_backward(self, done)
+
     def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
         chunk = args[0] if args else kwargs["fwd_chunk_id"]
         return self._timed(f"F{chunk}", lambda: super(TimedStage, self).forward_one_chunk(*args, **kwargs))
@@ -410,15 +424,22 @@ class TimedStage(PipelineStage):
         if not self.has_backward:
             super().backward_one_chunk(*args, **kwargs)
             return
-        kind = "B" if kwargs.get("full_backward", True) else "I"
+        full = kwargs.get("full_backward", args[2] if len(args) > 2 else True)
+        last = full and kwargs.get("last_backward", args[3] if len(args) > 3 else False)
+        self._last_backward(last, done=False)
+        kind = "B" if full else "I"
         self._timed(f"{kind}{chunk}", lambda: super(TimedStage, self).backward_one_chunk(*args, **kwargs))
+        self._last_backward(last, done=True)
 
     def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> None:
         chunk = args[0] if args else kwargs["bwd_chunk_id"]
         if not self.has_backward:
             super().backward_weight_one_chunk(*args, **kwargs)
             return
+        last = kwargs.get("last_backward", args[1] if len(args) > 1 else False)
+        self._last_backward(last, done=False)
         self._timed(f"W{chunk}", lambda: super(TimedStage, self).backward_weight_one_chunk(*args, **kwargs))
+        self._last_backward(last, done=True)
 
 
 def make_schedule(

@@ -63,6 +63,10 @@ def test_interleaved_and_zero_bubble_schedules_two_stages_one_replica(tmp_path: 
 def test_interleaved_and_zero_bubble_schedules_two_stages_two_replicas(tmp_path: Path) -> None:
     out = launch("schedules4", tmp_path, timeout=360)
     check_suite(out, SUITES["schedules4"])
+    for case in SUITES["schedules4"]:  # each bucket launched inside the schedule, at its chunks' last backward (W)
+        for result in load_ranks(out, case.name, case.world):
+            assert result["buckets"] > 0
+            assert result["overlapped"] == result["synced"] * result["buckets"], (case.name, result)
     check_activation_bytes(out, "schedules4")
     check_saved(out, "schedules4")
     assert_no_groups_left(out, 4)

@@ -14,7 +14,9 @@ wants ``training_step`` to return a loss that it then backpropagates, after zero
 
 1. :meth:`HybridPipelineStrategy.training_step` runs the schedule on the batch (the first stage feeds the inputs,
    the last computes ``pipeline_loss`` per micro-batch). The gradients it produces are held aside as *pending*
-   (``.grad`` is put back as it was, so Lightning's ``zero_grad`` that follows cannot erase them).
+   (``.grad`` is put back as it was, so Lightning's ``zero_grad`` that follows cannot erase them). On a step that
+   averages over replicas, each chunk's gradients go into the buckets instead, during its last backward pass, and
+   the buckets are launched while the remaining backwards run.
 2. The last stage's output is broadcast to every stage of the replica, and the LightningModule's own
    ``training_step`` runs with its body answering with that output: whatever it logs (the loss, metrics) is
    computed as on one device, on every rank, and reaches the logger and progress bar on rank 0. The loss it returns
@@ -44,6 +46,7 @@ from lightning.fabric.utilities.optimizer import _optimizer_to_device, _optimize
 from lightning.pytorch.callbacks import BaseFinetuning
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.optim import Optimizer
@@ -202,6 +205,9 @@ class HybridPipelineStrategy(BucketedDataParallel):
         self.runner: PipelineRunner | None = None
         self._mesh: Any = None
         self._pending: dict[nn.Parameter, Tensor | None] = {}
+        self._before: dict[nn.Parameter, Tensor | None] = {}  # .grad as it was before the running schedule
+        self._reducing = False  # the buckets took this step's gradients during the schedule; backward waits for them
+        self._zero_grad_follows = True  # Lightning zeroes gradients between this step's training_step and backward
         self._batch_checked = False
         self._blocks_checked = False
         self._owned_ids: set[int] = set()
@@ -547,6 +553,13 @@ class HybridPipelineStrategy(BucketedDataParallel):
             self._batch_checked = True
 
     @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None:  # Lightning's rule in _AutomaticOptimization._make_zero_grad_fn
+            self._zero_grad_follows = batch_idx % trainer.accumulate_grad_batches == 0
+
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         module, runner, layout = self.lightning_module, self.runner, self.layout
         assert module is not None and runner is not None and layout is not None
@@ -585,19 +598,44 @@ class HybridPipelineStrategy(BucketedDataParallel):
         for optimizer in self.optimizers:  # a group added during training holds the whole model's parameters
             keep_owned_parameters(optimizer, self._owned_ids)
 
+    def _overlap_reduction(self) -> bool:
+        """Whether this step's data-parallel reduction starts inside the schedule, as each chunk's gradients become
+        final: on the step that synchronises, under Lightning's own ``optimizer_zero_grad`` and backward."""
+        module = self.lightning_module
+        if self.buckets is None or self._sync_blocked or module is None:
+            return False
+        trainer = module.trainer
+        return not trainer.fit_loop._skip_backward and not is_overridden("optimizer_zero_grad", module)
+
     def _run_pipeline(self, inputs: Activation, target: Tensor, scale: float) -> Any:
-        """Run the schedule; its gradients become pending and ``.grad`` is left as it was."""
+        """Run the schedule; ``.grad`` is left as it was, and this step's gradients are pending (or, on a step that
+        synchronises, already in the buckets, their reduction started as each chunk finished its backward)."""
         module, runner = self.lightning_module, self.runner
         assert module is not None and runner is not None
         params = [p for _, p in self._owned_parameters() if p.requires_grad]
         before = {p: p.grad for p in params}
         for p in params:
             p.grad = None
+        reducing = self._overlap_reduction()
         if self.buckets is not None:
-            self.buckets.sync_blocked = True  # per-micro-batch hooks stay silent: the averaging happens in backward
+            if reducing:
+                # what zero_grad is about to clear is not part of this step's gradient; the rest accumulates
+                zeroed = self._optimized_ids() if self._zero_grad_follows else set()
+                base = {p: grad for p, grad in before.items() if id(p) not in zeroed}
+                # the buckets are about to be refilled, and .grad may be views of them: release what zero_grad clears
+                before = {p: grad if id(p) not in zeroed else None for p, grad in before.items()}
+                self.buckets.arm(deferred=True, base=base)
+                runner.before_last_backward, runner.after_last_backward = self.buckets.accept, self.buckets.take
+            else:
+                self.buckets.sync_blocked = True  # per-micro-batch hooks stay silent: averaging happens in backward
+        self._before = before
         try:
             loss_fn: Callable[[Any, Tensor], Tensor] = getattr(module, "pipeline_loss")  # noqa: B009
             result = runner.train_step(inputs, target, loss_fn, scale)
+            if reducing:
+                assert self.buckets is not None
+                self.buckets.flush()  # gradients no last backward completed (parameters outside the body)
+                self._reducing = True
         except (RuntimeError, dist.DistBackendError) as error:
             if "Connection" not in str(error) and "Timed out" not in str(error) and "timeout" not in str(error):
                 raise
@@ -606,12 +644,20 @@ class HybridPipelineStrategy(BucketedDataParallel):
                 f"while exchanging activations or gradients with a neighbouring stage: {error}\n{PEER_FAILURE_HINT}"
             ) from error
         finally:
-            self._pending = {p: p.grad for p in params}
-            for p, grad in before.items():
-                p.grad = grad
+            runner.before_last_backward = runner.after_last_backward = None
+            self._pending = {} if reducing else {p: p.grad for p in params}
+            self._restore_grads()
             if self.buckets is not None:
                 self.buckets.sync_blocked = self._sync_blocked
         return result
+
+    def _restore_grads(self) -> None:
+        for p, grad in self._before.items():
+            p.grad = grad
+        self._before = {}
+
+    def _optimized_ids(self) -> set[int]:
+        return {id(p) for optimizer in self.optimizers for group in optimizer.param_groups for p in group["params"]}
 
     def _check_loss(self, step_output: Any, pipeline_loss: Tensor) -> None:
         loss = step_output.get("loss") if isinstance(step_output, Mapping) else step_output
@@ -633,6 +679,12 @@ class HybridPipelineStrategy(BucketedDataParallel):
         module = self.lightning_module
         assert module is not None
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)  # on_before_backward
+        self._trained = True
+        if self._reducing:  # the buckets hold this step's gradients, added to what accumulated before
+            assert self.buckets is not None
+            self._reducing = False
+            self.buckets.finish()
+            return self.precision_plugin.post_backward(closure_loss, module)  # on_after_backward
         for p, grad in self._pending.items():
             if grad is None:
                 continue
@@ -641,7 +693,6 @@ class HybridPipelineStrategy(BucketedDataParallel):
             else:
                 p.grad.add_(grad)
         self._pending = {}
-        self._trained = True
         if self.buckets is not None:
             if self._sync_blocked:
                 self.buckets.skip()
@@ -846,7 +897,7 @@ class HybridPipelineStrategy(BucketedDataParallel):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        self._failed = True
+        self._failed, self._reducing = True, False
         super().on_exception(exception)
 
     @override
@@ -857,7 +908,7 @@ class HybridPipelineStrategy(BucketedDataParallel):
         self._metric_groups = []
         self._return_to_rank_zero()
         self.runner = None
-        self._pending = {}
+        self._pending, self._reducing = {}, False
         module = self.lightning_module
         shadowed = module if module is not None and has_meta(module) and "cpu" not in module.__dict__ else None
         if shadowed is not None:
