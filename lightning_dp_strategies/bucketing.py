@@ -349,25 +349,18 @@ class GradientBuckets:
     def _fill(self, bucket: Bucket, slot: int, param: Tensor) -> None:
         """Put ``param.grad / world_size`` into its slot and make ``.grad`` that slot; zeros and flag 0 without one."""
         view, grad = bucket.grad_view(slot), param.grad
-        base = self._base.get(id(param))
-        if base is not None:
-            if grad is None:
-                grad = base
-            else:  # base + grad, as adding the new gradient into .grad would, then averaged
-                torch.add(base, grad, out=view)
-                divide(view, self._world_size, out=view)
-                param.grad = view
-                bucket.flags[slot] = 1
-                return
-        if grad is None:
-            view.zero_()
-            bucket.flags[slot] = 0
-            return
-        if grad.is_sparse:
+        if grad is not None and grad.is_sparse:
             raise RuntimeError(
                 f"Parameter {bucket.names[slot]!r} has a sparse gradient, which bucketed all-reduce cannot average. "
                 "Use dense gradients (for example `nn.Embedding(..., sparse=False)`)."
             )
+        base = self._base.get(id(param))
+        if base is not None:  # what accumulating into .grad would hold, summed into the slot (averaged below)
+            grad = base if grad is None else torch.add(base, grad, out=view)
+        if grad is None:
+            view.zero_()
+            bucket.flags[slot] = 0
+            return
         if self._world_size > 1 or grad.data_ptr() != view.data_ptr():
             # one pass: copy and average; in place when .grad already is the slot (accumulation, set_to_none=False)
             divide(grad, self._world_size, out=view)

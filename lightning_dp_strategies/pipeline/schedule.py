@@ -411,9 +411,14 @@ class TimedStage(PipelineStage):
     def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
         return self._count(super().get_bwd_recv_ops(bwd_chunk_id), sent=False)
 
-    def _last_backward(self, last: bool, done: bool) -> None:
-        if last and self.on_last_backward is not None:
-            self.on_last_backward(self, done)
+    def _backward(self, label: str, last: bool, run: Callable[[], Any]) -> None:
+        """A timed backward pass; ``on_last_backward`` around it when it completes the step's gradients."""
+        callback = self.on_last_backward if last else None
+        if callback is not None:
+            callback(self, False)
+        self._timed(label, run)
+        if callback is not None:
+            callback(self, True)
 
     def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
         chunk = args[0] if args else kwargs["fwd_chunk_id"]
@@ -426,10 +431,8 @@ class TimedStage(PipelineStage):
             return
         full = kwargs.get("full_backward", args[2] if len(args) > 2 else True)
         last = full and kwargs.get("last_backward", args[3] if len(args) > 3 else False)
-        self._last_backward(last, done=False)
-        kind = "B" if full else "I"
-        self._timed(f"{kind}{chunk}", lambda: super(TimedStage, self).backward_one_chunk(*args, **kwargs))
-        self._last_backward(last, done=True)
+        run = lambda: super(TimedStage, self).backward_one_chunk(*args, **kwargs)  # noqa: E731
+        self._backward(f"{'B' if full else 'I'}{chunk}", last, run)
 
     def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> None:
         chunk = args[0] if args else kwargs["bwd_chunk_id"]
@@ -437,9 +440,7 @@ class TimedStage(PipelineStage):
             super().backward_weight_one_chunk(*args, **kwargs)
             return
         last = kwargs.get("last_backward", args[1] if len(args) > 1 else False)
-        self._last_backward(last, done=False)
-        self._timed(f"W{chunk}", lambda: super(TimedStage, self).backward_weight_one_chunk(*args, **kwargs))
-        self._last_backward(last, done=True)
+        self._backward(f"W{chunk}", last, lambda: super(TimedStage, self).backward_weight_one_chunk(*args, **kwargs))
 
 
 def make_schedule(

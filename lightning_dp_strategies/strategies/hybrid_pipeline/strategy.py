@@ -205,7 +205,6 @@ class HybridPipelineStrategy(BucketedDataParallel):
         self.runner: PipelineRunner | None = None
         self._mesh: Any = None
         self._pending: dict[nn.Parameter, Tensor | None] = {}
-        self._before: dict[nn.Parameter, Tensor | None] = {}  # .grad as it was before the running schedule
         self._reducing = False  # the buckets took this step's gradients during the schedule; backward waits for them
         self._zero_grad_follows = True  # Lightning zeroes gradients between this step's training_step and backward
         self._batch_checked = False
@@ -628,7 +627,6 @@ class HybridPipelineStrategy(BucketedDataParallel):
                 runner.before_last_backward, runner.after_last_backward = self.buckets.accept, self.buckets.take
             else:
                 self.buckets.sync_blocked = True  # per-micro-batch hooks stay silent: averaging happens in backward
-        self._before = before
         try:
             loss_fn: Callable[[Any, Tensor], Tensor] = getattr(module, "pipeline_loss")  # noqa: B009
             result = runner.train_step(inputs, target, loss_fn, scale)
@@ -646,15 +644,11 @@ class HybridPipelineStrategy(BucketedDataParallel):
         finally:
             runner.before_last_backward = runner.after_last_backward = None
             self._pending = {} if reducing else {p: p.grad for p in params}
-            self._restore_grads()
+            for p, grad in before.items():
+                p.grad = grad
             if self.buckets is not None:
                 self.buckets.sync_blocked = self._sync_blocked
         return result
-
-    def _restore_grads(self) -> None:
-        for p, grad in self._before.items():
-            p.grad = grad
-        self._before = {}
 
     def _optimized_ids(self) -> set[int]:
         return {id(p) for optimizer in self.optimizers for group in optimizer.param_groups for p in group["params"]}
