@@ -13,6 +13,7 @@ from pathlib import Path
 
 DIST_NAME = "lightning-dp-strategies"
 STRATEGY_NAMES = ("ring_allreduce", "hybrid_pipeline", "scatter_gather", "dp")
+FABRIC_NAMES = ("ring_allreduce", "scatter_gather")
 SDIST_FILES = ("pyproject.toml", "README.md", "LICENSE", "CHANGELOG.md", "constraints.txt", "PKG-INFO")
 
 
@@ -29,6 +30,10 @@ def check_installed() -> str:
 
     missing = [name for name in STRATEGY_NAMES if name not in StrategyRegistry]
     assert not missing, f"not in Lightning's StrategyRegistry after import: {missing}"
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+
+    missing = [name for name in FABRIC_NAMES if name not in STRATEGY_REGISTRY]
+    assert not missing, f"not in Lightning Fabric's STRATEGY_REGISTRY after import: {missing}"
 
     assert resources.files("lightning_dp_strategies").joinpath("py.typed").is_file(), "py.typed not installed"
 

@@ -1,4 +1,5 @@
-"""Data-parallel training strategies for PyTorch Lightning; importing the package registers their names.
+"""Data-parallel training strategies for PyTorch Lightning's Trainer and Fabric; importing the package registers their
+names.
 
 >>> import lightning_dp_strategies
 >>> from lightning.pytorch.strategies import StrategyRegistry
@@ -10,6 +11,7 @@ from lightning_dp_strategies.bucketing import CommStats, GradientBuckets, assign
 from lightning_dp_strategies.comm import CommCounter, reference_all_reduce, ring_all_reduce
 from lightning_dp_strategies.compression import CastCompression, PowerSGD, bf16_compress, fp16_compress
 from lightning_dp_strategies.data_parallel import gather, parallel_apply, replicate, scatter
+from lightning_dp_strategies.fabric import FabricRingAllReduceStrategy, FabricScatterGatherStrategy
 from lightning_dp_strategies.plan import Link, Prediction, Workload, predict
 from lightning_dp_strategies.reducers import (
     REDUCERS,
@@ -40,6 +42,8 @@ __all__ = [
     "CastCompression",
     "CommCounter",
     "CommStats",
+    "FabricRingAllReduceStrategy",
+    "FabricScatterGatherStrategy",
     "GradBucket",
     "GradientBuckets",
     "HybridPipelineStrategy",

@@ -24,6 +24,7 @@ single-device training; one that some rank used gets the average on every rank.
 from __future__ import annotations
 
 import functools
+import threading
 import time
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
@@ -38,7 +39,7 @@ from torch.nn import Parameter
 from lightning_dp_strategies.comm import CommCounter, divide
 from lightning_dp_strategies.reducers import GradBucket, Reducer, close_reducer, resolve_reducer
 from lightning_dp_strategies.sizing import MiB as MiB  # importable from here before sizing existed
-from lightning_dp_strategies.sizing import bucket_boundaries
+from lightning_dp_strategies.sizing import bucket_boundaries, ring_bytes_per_rank
 
 __all__ = [
     "Bucket",
@@ -164,6 +165,10 @@ class Bucket:
         self.counter = CommCounter()
 
 
+def _set_event(event: threading.Event, _: object) -> None:
+    event.set()
+
+
 class GradientBuckets:
     """Averages the gradients of ``named_params`` over ``group`` during every armed backward pass.
 
@@ -179,6 +184,14 @@ class GradientBuckets:
         duplex_group: deprecated (the ring reducer makes its own second connection in its setup step, see
             :func:`~lightning_dp_strategies.reducers.setup_reducer`); a group given here is still handed to the
             reducer with every bucket.
+        allow_no_trainable: allow a parameter set with nothing to train (no bucket until one is unfrozen).
+        timeout: seconds to wait for a bucket's reduction after backward before failing with an error that names
+            the bucket (``None``: wait as long as the reducer takes).
+
+    A reducer with a true ``hands_raw_gradients`` attribute (a torch DDP communication hook,
+    :class:`~lightning_dp_strategies.comm_hooks.CommHookReducer`) gets each bucket's gradients undivided and without
+    the presence flags, and averages them itself; the flags are then summed apart, in one small all-reduce after the
+    buckets complete.
 
     Examples:
         >>> model = torch.nn.Linear(3, 2)
@@ -199,6 +212,7 @@ class GradientBuckets:
         first_bucket_cap_mb: float = 1.0,
         duplex_group: dist.ProcessGroup | None = None,
         allow_no_trainable: bool = False,
+        timeout: float | None = None,
     ) -> None:
         # configuration
         self.named_params = list(named_params)
@@ -215,6 +229,8 @@ class GradientBuckets:
             )
         self.duplex_group = duplex_group
         self.reducer: Reducer = resolve_reducer(reducer)
+        self._raw = bool(getattr(self.reducer, "hands_raw_gradients", False))
+        self.timeout = timeout
         self.bucket_cap_mb = bucket_cap_mb
         self.first_bucket_cap_mb = first_bucket_cap_mb
         # runtime state
@@ -323,8 +339,8 @@ class GradientBuckets:
                 warnings.warn(
                     f"Parameter {self.buckets[bucket_index].names[slot]!r} got a gradient from a backward pass that "
                     "was not synchronised, so it is not averaged across ranks. Call backward through the strategy "
-                    "(`self.manual_backward(loss)` in manual optimization), or wrap deliberate local backward passes "
-                    "in `strategy.no_backward_sync()`.",
+                    "(`self.manual_backward(loss)` in manual optimization, `fabric.backward(loss)` under Fabric), or "
+                    "wrap deliberate local backward passes in `strategy.no_backward_sync()`.",
                     stacklevel=2,
                 )
             return
@@ -361,7 +377,10 @@ class GradientBuckets:
             view.zero_()
             bucket.flags[slot] = 0
             return
-        if self._world_size > 1 or grad.data_ptr() != view.data_ptr():
+        if self._raw:  # the reducer averages (a torch DDP hook): the slot gets the local gradient as it is
+            if grad.data_ptr() != view.data_ptr():
+                view.copy_(grad)
+        elif self._world_size > 1 or grad.data_ptr() != view.data_ptr():
             # one pass: copy and average; in place when .grad already is the slot (accumulation, set_to_none=False)
             divide(grad, self._world_size, out=view)
         # Free autograd's fresh gradient now, not at finish(): with all of them alive until the end of backward, the
@@ -374,14 +393,18 @@ class GradientBuckets:
             bucket = self.buckets[self._next_launch]
             bucket.future = self.reducer(
                 GradBucket(
-                    bucket.buffer,
+                    bucket.buffer[: bucket.numel] if self._raw else bucket.buffer,
                     self.group,
                     bucket.counter,
                     bucket.index,
                     [p.shape for p in bucket.params],
-                    num_flags=len(bucket.params),
-                    op="sum",  # every gradient was divided by the world size on its way into the bucket
+                    num_flags=0 if self._raw else len(bucket.params),
+                    # the gradients were divided by the world size on their way into the bucket, unless the reducer
+                    # averages them itself
+                    op="avg" if self._raw else "sum",
                     duplex=self.duplex_group,
+                    params=list(bucket.params),
+                    last=bucket.index == len(self.buckets) - 1,
                 )
             )
             self._next_launch += 1
@@ -403,12 +426,33 @@ class GradientBuckets:
     def _wait(self) -> None:
         waited = time.perf_counter()
         for bucket in self.buckets:
-            assert bucket.future is not None
+            future = bucket.future
+            assert future is not None
+            if self.timeout is not None and not future.done():
+                done = threading.Event()
+                future.add_done_callback(functools.partial(_set_event, done))
+                if not done.wait(self.timeout):
+                    late = f"not complete after {self.timeout:g} s (the strategy's `timeout`)"
+                    raise TimeoutError(self._failure_message(bucket, late))
             try:
-                bucket.future.wait()
+                future.wait()
             except Exception as error:
-                raise RuntimeError(self._failure_message(bucket, error)) from error
+                raise RuntimeError(self._failure_message(bucket, f"{type(error).__name__}: {error}")) from error
+        if self._raw:
+            self._sum_flags()
         self.totals.exposed_seconds += time.perf_counter() - waited
+
+    def _sum_flags(self) -> None:
+        """Sum every bucket's presence flags over the group, in one all-reduce (for reducers that left them out)."""
+        if self._world_size == 1 or not self.buckets:
+            return
+        flat = torch.cat([b.flags.float() for b in self.buckets])
+        dist.all_reduce(flat, group=self.group)
+        start = 0
+        for bucket in self.buckets:
+            bucket.flags.copy_(flat[start : start + len(bucket.params)])
+            start += len(bucket.params)
+        self.totals.bytes_sent += int(ring_bytes_per_rank(flat.numel() * flat.element_size(), self._world_size))
 
     def finish(self) -> None:
         """Launch what is left, wait for every bucket, and write the averaged gradients into ``.grad``."""
@@ -429,12 +473,13 @@ class GradientBuckets:
             self.totals.comm_seconds += bucket.counter.seconds
         self.totals.synced_backwards += 1
 
-    def _failure_message(self, bucket: Bucket, error: BaseException) -> str:
+    def _failure_message(self, bucket: Bucket, what: str) -> str:
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size(self.group) if dist.is_initialized() else 1
+        hint = getattr(self.reducer, "failure_hint", PEER_FAILURE_HINT)
         return (
             f"Reducing gradient bucket {bucket.index} ({len(bucket.params)} parameters from {bucket.names[0]!r}) "
-            f"over {world} ranks failed on rank {rank}: {type(error).__name__}: {error}\n" + PEER_FAILURE_HINT
+            f"over {world} ranks failed on rank {rank}: {what}\n{hint}"
         )
 
     def _reduced_flags(self) -> list[list[float]]:

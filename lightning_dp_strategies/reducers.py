@@ -84,6 +84,11 @@ class GradBucket:
     duplex: dist.ProcessGroup | None = None
     """Deprecated: a second group over ``group``'s ranks for the ring. :class:`RingReducer` now makes its own in
     :meth:`RingReducer.setup`; one given here still takes precedence. Other reducers ignore it."""
+    params: list[Tensor] = field(default_factory=list)
+    """The parameters whose gradients the buffer holds, in order (what torch DDP's hooks see as
+    ``bucket.parameters()``)."""
+    last: bool = False
+    """Whether this is the last bucket launched in the backward pass."""
 
     @property
     def world_size(self) -> int:

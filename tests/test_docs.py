@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +17,7 @@ PUBLIC_MODULES = [
     "lightning_dp_strategies.bucketing",
     "lightning_dp_strategies.reducers",
     "lightning_dp_strategies.compression",
+    "lightning_dp_strategies.comm_hooks",
     "lightning_dp_strategies.fingerprint",
     "lightning_dp_strategies.plan",
     "lightning_dp_strategies.data_parallel",
@@ -23,6 +25,7 @@ PUBLIC_MODULES = [
     "lightning_dp_strategies.strategies.bucketed",
     "lightning_dp_strategies.compare",
     "lightning_dp_strategies.pipeline",
+    "lightning_dp_strategies.fabric",
 ]
 
 
@@ -89,6 +92,15 @@ def test_readme_parity_example_matches_a_plain_single_process_loop() -> None:
 def test_quickstart_example_trains_with_ring_allreduce() -> None:
     output = run_script(["docs/examples/quickstart.py"], timeout=150)
     assert "CommStats(bytes_sent=" in output and "synced_backwards=" in output
+
+
+@pytest.mark.timeout(180)
+def test_fabric_page_example_trains_with_ring_allreduce(tmp_path: Path) -> None:
+    script = Path(__file__).resolve().parents[1] / "docs" / "examples" / "fabric_ring_allreduce.py"
+    output = run_script([str(script)], timeout=150, env={"LDPS_FABRIC_EXAMPLE_DIR": str(tmp_path)})
+    assert output.count("synced_backwards=1, skipped_backwards=1") == 2, output  # rank 0: 2 steps of 2 backwards
+    assert (tmp_path / "fabric-ring.ckpt").is_file()
+    assert '--8<-- "docs/examples/fabric_ring_allreduce.py"' in (script.parents[1] / "fabric.md").read_text()
 
 
 def test_guide_includes_the_tested_example_verbatim() -> None:

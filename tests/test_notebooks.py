@@ -12,7 +12,7 @@ from nbclient import NotebookClient
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 
 
-@pytest.mark.parametrize("name", ["compare_strategies.ipynb", "extend_a_strategy.ipynb"])
+@pytest.mark.parametrize("name", ["compare_strategies.ipynb", "extend_a_strategy.ipynb", "fabric_ring_allreduce.ipynb"])
 @pytest.mark.timeout(600)
 def test_notebook_runs(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LDPS_NOTEBOOK_STEPS", "6")

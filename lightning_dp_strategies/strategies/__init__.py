@@ -20,12 +20,20 @@ __all__ = [
 
 
 def register_all() -> None:
-    """Register every strategy name of this package with Lightning's ``StrategyRegistry`` (safe to call twice).
+    """Register every strategy name of this package with Lightning's registries, the Trainer's ``StrategyRegistry``
+    and Fabric's ``STRATEGY_REGISTRY`` (safe to call twice).
 
     Examples:
         >>> register_all()  # importing lightning_dp_strategies already did; a second call changes nothing
         >>> "ring_allreduce" in StrategyRegistry and "dp" in StrategyRegistry
         True
+        >>> from lightning.fabric.strategies import STRATEGY_REGISTRY
+        >>> "ring_allreduce" in STRATEGY_REGISTRY and "scatter_gather" in STRATEGY_REGISTRY
+        True
     """
+    # imported here: the Fabric strategies build on this package's modules, which must not import them back
+    from lightning_dp_strategies.fabric import register_fabric_strategies
+
     for strategy in (HybridPipelineStrategy, RingAllReduceStrategy, ScatterGatherStrategy):
         strategy.register_strategies(StrategyRegistry)
+    register_fabric_strategies()

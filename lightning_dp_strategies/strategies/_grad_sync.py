@@ -1,8 +1,12 @@
-"""What the strategies that average gradients with ``GradientBuckets`` share: no-sync blocks and per-step stats."""
+"""What the strategies that average gradients with ``GradientBuckets`` share: groups, buckets, no-sync blocks, stats.
+
+:class:`GradSync` is the half that knows nothing of Lightning's loops (the Trainer's bucketed strategies and the
+Fabric strategies both build on it); :class:`BucketedGradSync` adds what the Trainer asks of a strategy.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Callable, Generator, Iterable, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -10,12 +14,14 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import ParallelStrategy
+from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_dp_strategies.bucketing import CommStats, GradientBuckets
+from lightning_dp_strategies.comm_hooks import check_comm_hook, hook_name, make_reducer
 from lightning_dp_strategies.fingerprint import check_ranks_agree, model_fingerprint
-from lightning_dp_strategies.reducers import Reducer, resolve_reducer
+from lightning_dp_strategies.reducers import Reducer, close_reducer, setup_reducer
 from lightning_dp_strategies.strategies._nonfinite import NonfiniteCheck
 
 
@@ -31,10 +37,25 @@ def destroy_groups(groups: Iterable[object]) -> None:
             dist.destroy_process_group(group)
 
 
-class BucketedGradSync(NonfiniteCheck, ParallelStrategy):
-    """The bookkeeping half of :class:`~.bucketed.BucketedDataParallel` (which wires it up): no-sync blocks,
-    per-step statistics, the reducer hook and the rank-agreement check. Subclasses may override :meth:`_log_step`
-    to log after each optimizer step.
+def base_fingerprint_options(strategy: object, reducer: str | Reducer | None, world_size: int) -> dict[str, Any]:
+    """The options every rank of a bucketed strategy, Trainer or Fabric, must agree on besides the model."""
+    kind = reducer if isinstance(reducer, str) or reducer is None else type(reducer)
+    return {
+        "strategy": type(strategy).__qualname__,
+        "reducer": getattr(kind, "__qualname__", kind),
+        "ddp_comm_hook": hook_name(getattr(strategy, "_comm_hook", None)),
+        "ddp_comm_state": type(getattr(strategy, "ddp_comm_state", None)).__qualname__,
+        "world_size": world_size,
+        "torch": torch.__version__,
+        "lightning": pl.__version__,
+    }
+
+
+class GradSync:
+    """The Lightning-agnostic state of a strategy whose gradients ``GradientBuckets`` average: the reducer (made in
+    :meth:`configure_reducer`), one process group per averaging group, the buckets, the no-sync flag, and the
+    statistics (running totals and the last optimizer step's). The Trainer's strategies (:class:`BucketedGradSync`)
+    and the Fabric strategies (:mod:`lightning_dp_strategies.fabric`) wire it into their own loops.
     """
 
     buckets: GradientBuckets | None
@@ -43,10 +64,33 @@ class BucketedGradSync(NonfiniteCheck, ParallelStrategy):
     step_stats: CommStats
     """Communication of the last optimizer step (all backward passes since the previous step)."""
 
+    def _init_grad_sync_state(self) -> None:
+        # runtime state
+        self.buckets = None
+        self._sync_blocked = False
+        self._grad_groups: list[dist.ProcessGroup] = []
+        self._grad_group: dist.ProcessGroup | None = None
+        self._reducer: Reducer | None = None
+        # statistics
+        self.step_stats = CommStats()
+        self._step_start = CommStats()
+        self._closed_totals = CommStats()
+
+    def _init_comm_hook(self, reducer: object, hook: object, state: object, wrapper: object) -> None:
+        """Check and keep the torch DDP communication-hook options (:func:`~...comm_hooks.check_comm_hook`)."""
+        self._comm_hook = check_comm_hook(hook, state, wrapper, reducer)  # wrapped, when a wrapper was given
+        self.ddp_comm_hook = hook
+        """The ``ddp_comm_hook=`` option, as given."""
+        self.ddp_comm_state = state
+        """The ``ddp_comm_state=`` option, as given."""
+        self.ddp_comm_wrapper = wrapper
+        """The ``ddp_comm_wrapper=`` option, as given."""
+
     def configure_reducer(self) -> Reducer:
         """The reducer of the gradient buckets, called once at setup: override it to reduce another way.
 
-        The default resolves the ``reducer=`` option (see :mod:`lightning_dp_strategies.reducers`).
+        The default is the communication hook's (:class:`~lightning_dp_strategies.comm_hooks.CommHookReducer`) when
+        ``ddp_comm_hook`` was given, else the ``reducer=`` option's (see :mod:`lightning_dp_strategies.reducers`).
 
         Examples:
             >>> from lightning_dp_strategies import NativeReducer, RingAllReduceStrategy
@@ -56,21 +100,108 @@ class BucketedGradSync(NonfiniteCheck, ParallelStrategy):
             >>> type(NativeStrategy().configure_reducer()).__name__
             'NativeReducer'
         """
-        return resolve_reducer(self.reducer)
+        return make_reducer(self.reducer, getattr(self, "_comm_hook", None), getattr(self, "ddp_comm_state", None))
+
+    def _make_grad_groups(self, partition: Sequence[Sequence[int]], rank: int, backend: str | None) -> None:
+        """One dedicated group per list of ``partition`` (the global ranks that average together), then the reducer
+        (:meth:`configure_reducer`) and its own groups, on every rank in the same order; this rank's group kept.
+
+        A dedicated group keeps the communication thread from interleaving with collectives the main thread issues
+        on the default group (metric syncs, SyncBatchNorm, barriers).
+        """
+        self._grad_groups = [dist.new_group(list(ranks), backend=backend) for ranks in partition]
+        self._reducer = self.configure_reducer()
+        for group, ranks in zip(self._grad_groups, partition, strict=True):
+            setup_reducer(self._reducer, group, list(ranks), backend)
+        mine = [group for group, ranks in zip(self._grad_groups, partition, strict=True) if rank in ranks]
+        self._grad_group = mine[0] if mine else None
+
+    def _attach_buckets(
+        self,
+        named_params: Sequence[tuple[str, nn.Parameter]],
+        bucket_cap_mb: float,
+        first_bucket_cap_mb: float,
+        allow_no_trainable: bool = False,
+    ) -> None:
+        """Attach the gradient buckets to ``named_params``, averaging over this rank's group with the reducer."""
+        self.buckets = GradientBuckets(
+            named_params,
+            group=self._grad_group,
+            reducer=self._reducer,
+            bucket_cap_mb=bucket_cap_mb,
+            first_bucket_cap_mb=first_bucket_cap_mb,
+            allow_no_trainable=allow_no_trainable,
+            timeout=timeout.total_seconds() if (timeout := getattr(self, "_timeout", None)) is not None else None,
+        )
+        self.buckets.sync_blocked = self._sync_blocked
+
+    @contextmanager
+    def _sync_blocked_block(self) -> Generator[None, None, None]:
+        """Backward passes inside accumulate gradients locally; the previous state comes back on exit (nesting)."""
+        previous = self._sync_blocked
+        self._set_sync_blocked(True)
+        try:
+            yield None
+        finally:
+            self._set_sync_blocked(previous)
+
+    def _set_sync_blocked(self, blocked: bool) -> None:
+        self._sync_blocked = blocked
+        if self.buckets is not None:
+            self.buckets.sync_blocked = blocked
+
+    def _arm_or_skip(self) -> None:
+        """Before a backward pass: arm the buckets, or count a skipped one inside a no-sync block."""
+        if self.buckets is None:
+            return
+        if self._sync_blocked:
+            self.buckets.skip()
+        else:
+            self.buckets.arm()
+
+    def _record_step(self) -> None:
+        """After an optimizer step: the communication since the previous one becomes :attr:`step_stats`."""
+        if self.buckets is not None:
+            self.step_stats = self.buckets.totals - self._step_start
+            self._step_start = self.buckets.totals.copy()
+
+    @property
+    def comm_stats(self) -> CommStats:
+        """Running totals of gradient communication on this rank since setup (kept after teardown)."""
+        return self.buckets.totals if self.buckets is not None else self._closed_totals
+
+    def _close_buckets(self) -> None:
+        if self.buckets is not None:
+            self.buckets.close()
+            self._closed_totals = self.buckets.totals
+            self.buckets = None
+
+    def _close_reducer_and_buckets(self) -> None:
+        """Close the buckets (which close their reducer), or the reducer alone when no buckets were built."""
+        if self.buckets is None and self._reducer is not None:
+            close_reducer(self._reducer)
+        self._reducer = None
+        self._close_buckets()
+
+    def _destroy_grad_groups(self) -> None:
+        destroy_groups(self._grad_groups)
+        self._grad_groups, self._grad_group = [], None
+
+
+class BucketedGradSync(GradSync, NonfiniteCheck, ParallelStrategy):
+    """The bookkeeping half of :class:`~.bucketed.BucketedDataParallel` (which wires it up), on top of
+    :class:`GradSync`: Lightning's no-sync block, the per-step statistics at the optimizer step, and the
+    rank-agreement check. Subclasses may override :meth:`_log_step` to log after each optimizer step.
+    """
 
     def _fingerprint_options(self) -> dict[str, Any]:
         """What every rank must agree on besides the model; subclasses add their own options."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        reducer = self.reducer if isinstance(self.reducer, str) or self.reducer is None else type(self.reducer)
         return {
-            "strategy": type(self).__qualname__,
-            "reducer": getattr(reducer, "__qualname__", reducer),
+            **base_fingerprint_options(self, self.reducer, self.world_size),
             "precision": getattr(self.precision_plugin, "precision", type(self.precision_plugin).__name__),
             "accumulate_grad_batches": getattr(trainer, "accumulate_grad_batches", None),
             "gradient_clip_val": getattr(trainer, "gradient_clip_val", None),
-            "world_size": self.world_size,
-            "torch": torch.__version__,
-            "lightning": pl.__version__,
         }
 
     def _check_ranks_agree(self) -> None:
@@ -81,11 +212,7 @@ class BucketedGradSync(NonfiniteCheck, ParallelStrategy):
 
     def _init_grad_sync(self, nonfinite_grads: object = None) -> None:
         self._init_nonfinite(nonfinite_grads)
-        self.buckets = None
-        self.step_stats = CommStats()
-        self._sync_blocked = False
-        self._step_start = CommStats()
-        self._closed_totals = CommStats()
+        self._init_grad_sync_state()
 
     @contextmanager
     @override
@@ -98,19 +225,10 @@ class BucketedGradSync(NonfiniteCheck, ParallelStrategy):
                 self.manual_backward(loss)   # local only
             self.manual_backward(loss2)      # averages the accumulated gradients
         """
-        previous = self._sync_blocked
-        self._set_sync_blocked(True)
-        try:
+        with self._sync_blocked_block():
             yield None
-        finally:
-            self._set_sync_blocked(previous)
 
     no_backward_sync = block_backward_sync
-
-    def _set_sync_blocked(self, blocked: bool) -> None:
-        self._sync_blocked = blocked
-        if self.buckets is not None:
-            self.buckets.sync_blocked = blocked
 
     @override
     def optimizer_step(
@@ -121,9 +239,7 @@ class BucketedGradSync(NonfiniteCheck, ParallelStrategy):
         **kwargs: Any,
     ) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self.buckets is not None:
-            self.step_stats = self.buckets.totals - self._step_start
-            self._step_start = self.buckets.totals.copy()
+        self._record_step()
         self._log_step()
         return output
 
@@ -137,14 +253,3 @@ class BucketedGradSync(NonfiniteCheck, ParallelStrategy):
             return False
         every = int(getattr(module.trainer, "log_every_n_steps", 1))
         return every > 0 and module.trainer.global_step % every == 0
-
-    @property
-    def comm_stats(self) -> CommStats:
-        """Running totals of gradient communication on this rank since setup (kept after teardown)."""
-        return self.buckets.totals if self.buckets is not None else self._closed_totals
-
-    def _close_buckets(self) -> None:
-        if self.buckets is not None:
-            self.buckets.close()
-            self._closed_totals = self.buckets.totals
-            self.buckets = None

@@ -28,12 +28,13 @@ def with_resumed_sampler_epoch(strategy: Strategy, dataloader: object) -> object
     return dataloader
 
 
-class CheckpointAndResume(Strategy):
-    """Mixed in first: an :class:`~.checkpoint_io.AtomicCheckpointIO` unless one was given,
-    and the training sampler set to the resumed epoch before its loader is first iterated."""
+class AtomicCheckpoints:
+    """Mixed in ahead of a Trainer or Fabric strategy: an :class:`~.checkpoint_io.AtomicCheckpointIO` unless one
+    was given."""
+
+    _checkpoint_io: CheckpointIO | None
 
     @property
-    @override
     def checkpoint_io(self) -> CheckpointIO:
         """The ``checkpoint_io`` given, else an :class:`~.checkpoint_io.AtomicCheckpointIO`."""
         self._checkpoint_io = with_atomic_default(self._checkpoint_io)
@@ -42,6 +43,11 @@ class CheckpointAndResume(Strategy):
     @checkpoint_io.setter
     def checkpoint_io(self, io: CheckpointIO) -> None:
         self._checkpoint_io = io
+
+
+class CheckpointAndResume(AtomicCheckpoints, Strategy):
+    """Mixed in first: an :class:`~.checkpoint_io.AtomicCheckpointIO` unless one was given,
+    and the training sampler set to the resumed epoch before its loader is first iterated."""
 
     @override
     def process_dataloader(self, dataloader: object) -> object:

@@ -22,7 +22,7 @@ Contract for a subclass:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, ClassVar, Literal
@@ -38,10 +38,10 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_dp_strategies.bucketing import GradientBuckets
+from lightning_dp_strategies.comm_hooks import CommHook
 from lightning_dp_strategies.plan import RING_ALLREDUCE, CostModel
-from lightning_dp_strategies.reducers import Reducer, close_reducer, setup_reducer
-from lightning_dp_strategies.strategies._grad_sync import BucketedGradSync, destroy_groups
+from lightning_dp_strategies.reducers import Reducer
+from lightning_dp_strategies.strategies._grad_sync import BucketedGradSync
 from lightning_dp_strategies.strategies._options import (
     check_backend,
     check_positive,
@@ -50,7 +50,7 @@ from lightning_dp_strategies.strategies._options import (
     check_timeout,
     default_timeout,
 )
-from lightning_dp_strategies.strategies._registry import register_name
+from lightning_dp_strategies.strategies._registry import register_with_launchers
 from lightning_dp_strategies.strategies._resume import CheckpointAndResume
 
 __all__ = ["BucketedConfig", "BucketedDataParallel"]
@@ -93,6 +93,10 @@ class BucketedDataParallel(CheckpointAndResume, BucketedGradSync, DDPStrategy):
         process_group_backend: ``"gloo"``, ``"nccl"``, ...; ``None`` picks by device.
         timeout: collective timeout (``timedelta`` or seconds); ``None`` is 5 minutes on gloo, 30 on NCCL.
         start_method: ``"popen"``, ``"spawn"``, ``"fork"`` (notebooks) or ``"forkserver"``.
+        ddp_comm_hook: a torch DDP communication hook ``hook(state, bucket) -> Future`` that averages each bucket
+            instead of the reducer, on any device and backend (see :mod:`lightning_dp_strategies.comm_hooks`).
+        ddp_comm_state: the hook's ``state``; ``None`` gives it the strategy's gradient group.
+        ddp_comm_wrapper: applied to the hook once, ``ddp_comm_wrapper(ddp_comm_hook)``, as in Lightning's DDP.
 
     Examples:
         >>> class EveryRank(BucketedDataParallel):  # the smallest complete strategy: DDP on the package's buckets
@@ -129,9 +133,13 @@ class BucketedDataParallel(CheckpointAndResume, BucketedGradSync, DDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        ddp_comm_state: object = None,
+        ddp_comm_hook: CommHook | None = None,
+        ddp_comm_wrapper: Callable[[CommHook], CommHook] | None = None,
     ) -> None:
         check_start_method(start_method)
         check_reducer(reducer)
+        self._init_comm_hook(reducer, ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -166,21 +174,8 @@ class BucketedDataParallel(CheckpointAndResume, BucketedGradSync, DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        if cls.registered_name is None:
-            return
-        launchers = (
-            ("", "popen", "re-runs the script for each rank (scripts, torchrun, SLURM)"),
-            ("_spawn", "spawn", "spawns fresh processes"),
-            ("_notebook", "fork", "forks the current process (works inside Jupyter)"),
-        )
-        for suffix, start_method, how in launchers:
-            register_name(
-                strategy_registry,
-                cls.registered_name + suffix,
-                cls,
-                description=f"{cls.registered_description}; launcher {how}",
-                start_method=start_method,
-            )
+        if cls.registered_name is not None:
+            register_with_launchers(strategy_registry, cls.registered_name, cls, cls.registered_description)
 
     @override
     def _configure_launcher(self) -> None:
@@ -202,19 +197,9 @@ class BucketedDataParallel(CheckpointAndResume, BucketedGradSync, DDPStrategy):
         self._setup_grad_groups()
 
     def _setup_grad_groups(self) -> None:
-        """One dedicated group per averaging group, then the reducer's own groups, on every rank in the same order.
-
-        A dedicated group keeps the communication thread from interleaving with collectives the main thread issues
-        on the default group (``self.log(sync_dist=True)``, SyncBatchNorm, barriers).
-        """
-        partition = self.grad_group_ranks()
-        backend = self._process_group_backend
-        self._grad_groups = [dist.new_group(ranks, backend=backend) for ranks in partition]
-        self._reducer = self.configure_reducer()
-        for group, ranks in zip(self._grad_groups, partition, strict=True):
-            setup_reducer(self._reducer, group, ranks, backend)
-        mine = [group for group, ranks in zip(self._grad_groups, partition, strict=True) if self.global_rank in ranks]
-        self._grad_group = mine[0] if mine else None
+        """One dedicated group per averaging group, then the reducer's own groups, on every rank in the same order
+        (see :meth:`~._grad_sync.GradSync._make_grad_groups`, which the Fabric strategies share)."""
+        self._make_grad_groups(self.grad_group_ranks(), self.global_rank, self._process_group_backend)
 
     def _build_buckets(
         self, named_params: Sequence[tuple[str, nn.Parameter]] | None = None, allow_no_trainable: bool = False
@@ -222,12 +207,10 @@ class BucketedDataParallel(CheckpointAndResume, BucketedGradSync, DDPStrategy):
         """Attach the gradient buckets to ``named_params`` (default: :meth:`bucketed_parameters`).
 
         ``allow_no_trainable``: a rank may own no trainable parameter (every rank of its group alike)."""
-        self.buckets = GradientBuckets(
+        self._attach_buckets(
             self.bucketed_parameters() if named_params is None else named_params,
-            group=self._grad_group,
-            reducer=self._reducer,
-            bucket_cap_mb=self.config.bucket_cap_mb,
-            first_bucket_cap_mb=self.config.first_bucket_cap_mb,
+            self.config.bucket_cap_mb,
+            self.config.first_bucket_cap_mb,
             allow_no_trainable=allow_no_trainable,
         )
 
@@ -248,12 +231,7 @@ class BucketedDataParallel(CheckpointAndResume, BucketedGradSync, DDPStrategy):
     # ------------------------------------------------------------------ one step
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
-        if self.buckets is None:
-            return
-        if self._sync_blocked:
-            self.buckets.skip()
-        else:
-            self.buckets.arm()
+        self._arm_or_skip()
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
@@ -269,10 +247,6 @@ class BucketedDataParallel(CheckpointAndResume, BucketedGradSync, DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        if self.buckets is None and self._reducer is not None:  # buckets close the reducer they were given
-            close_reducer(self._reducer)
-        self._reducer = None
-        self._close_buckets()
+        self._close_reducer_and_buckets()
         super().teardown()
-        destroy_groups(self._grad_groups)
-        self._grad_groups, self._grad_group = [], None
+        self._destroy_grad_groups()

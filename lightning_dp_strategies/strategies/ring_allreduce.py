@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, ClassVar, Literal
@@ -16,6 +17,7 @@ from torch.distributed.distributed_c10d import _get_default_group
 from typing_extensions import override
 
 from lightning_dp_strategies.bucketing import assign_buckets
+from lightning_dp_strategies.comm_hooks import CommHook
 from lightning_dp_strategies.reducers import Reducer
 from lightning_dp_strategies.strategies._options import ConfigOption, check_flag
 from lightning_dp_strategies.strategies.bucketed import BucketedConfig, BucketedDataParallel
@@ -60,6 +62,11 @@ class RingAllReduceStrategy(BucketedDataParallel):
         process_group_backend: ``"gloo"``, ``"nccl"``, ...; ``None`` picks by device.
         timeout: collective timeout (``timedelta`` or seconds); ``None`` is 5 minutes on gloo, 30 on NCCL.
         start_method: ``"popen"`` (scripts, the default), ``"spawn"``, ``"fork"`` (notebooks) or ``"forkserver"``.
+        ddp_comm_hook: a torch DDP communication hook ``hook(state, bucket) -> Future`` (``allreduce_hook``,
+            ``fp16_compress_hook``, ``powerSGD_hook``, ...) that averages each bucket instead of ``reducer``, on any
+            device and backend, CPU/gloo included (see :mod:`lightning_dp_strategies.comm_hooks`).
+        ddp_comm_state: the hook's ``state`` (e.g. ``PowerSGDState``); ``None`` gives it the gradient group.
+        ddp_comm_wrapper: applied once as ``ddp_comm_wrapper(ddp_comm_hook)`` (e.g. ``fp16_compress_wrapper``).
 
     Examples:
         >>> import lightning as L
@@ -88,6 +95,9 @@ class RingAllReduceStrategy(BucketedDataParallel):
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        ddp_comm_state: object = None,
+        ddp_comm_hook: CommHook | None = None,
+        ddp_comm_wrapper: Callable[[CommHook], CommHook] | None = None,
     ) -> None:
         super().__init__(
             config=RingAllReduceConfig(bucket_cap_mb, first_bucket_cap_mb, broadcast_buffers, log_comm_stats),
@@ -101,6 +111,9 @@ class RingAllReduceStrategy(BucketedDataParallel):
             process_group_backend=process_group_backend,
             timeout=timeout,
             start_method=start_method,
+            ddp_comm_state=ddp_comm_state,
+            ddp_comm_hook=ddp_comm_hook,
+            ddp_comm_wrapper=ddp_comm_wrapper,
         )
 
     # ------------------------------------------------------------------ setup

@@ -27,7 +27,7 @@ from lightning_dp_strategies.strategies._nonfinite import NonfiniteCheck
 from lightning_dp_strategies.strategies._registry import register_name
 from lightning_dp_strategies.strategies._resume import CheckpointAndResume
 
-__all__ = ["ScatterGatherStats", "ScatterGatherStrategy"]
+__all__ = ["ParallelForward", "ScatterGatherStats", "ScatterGatherStrategy"]
 
 
 @dataclass
@@ -49,7 +49,72 @@ class _StepState:
     warned: set[str] = field(default_factory=set)  # hooks already warned about (never called forward)
 
 
-class ScatterGatherStrategy(CheckpointAndResume, NonfiniteCheck, ParallelStrategy):
+class ParallelForward:
+    """One forward call across devices as four overridable steps, :meth:`scatter` -> :meth:`replicate` ->
+    :meth:`parallel_apply` -> :meth:`gather` (see :meth:`parallel_forward`): what the Trainer's
+    :class:`ScatterGatherStrategy` and Fabric's (:mod:`lightning_dp_strategies.fabric`) share. A strategy says
+    :meth:`replica_devices` and sets ``dim`` and ``stats``.
+    """
+
+    dim: int
+    """The batch dimension that inputs are split and outputs concatenated along."""
+    stats: ScatterGatherStats
+
+    def replica_devices(self) -> list[torch.device]:
+        """The devices the replicas run on, the root device (where outputs are gathered) first."""
+        raise NotImplementedError
+
+    def parallel_forward(self, module: Module, /, *args: Any, **kwargs: Any) -> Any:
+        """One forward call of ``module`` across the devices; reads like ``torch.nn.DataParallel.forward``.
+
+        Called with ``module``'s own ``forward`` in place (not the redirection), so replicas copy the real one.
+        """
+        devices = self.replica_devices()
+        inputs = self.scatter(args, kwargs, devices)
+        self.stats.forward_calls += 1
+        self.stats.replica_calls += len(inputs)
+        self.stats.last_num_replicas = len(inputs)
+        if len(inputs) == 1:
+            return module.forward(*inputs[0][0], **inputs[0][1])
+        replicas = self.replicate(module, devices[: len(inputs)])
+        outputs = self.parallel_apply(replicas, inputs, devices[: len(inputs)])
+        return self.gather(outputs, devices[0])
+
+    def scatter(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], devices: Sequence[torch.device]
+    ) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+        """Split forward's arguments into ``(args, kwargs)`` per replica (see :func:`~.data_parallel.scatter`)."""
+        try:
+            return data_parallel.scatter((args, kwargs), devices, dim=self.dim, name="forward(...)")
+        except ValueError as err:
+            raise ValueError(
+                f"{type(self).__name__} cannot split the arguments of forward ([0] = positional, [1] = keyword) "
+                f"across {len(devices)} replicas: {err}"
+            ) from err
+
+    def replicate(self, module: Module, devices: Sequence[torch.device]) -> list[Module]:
+        """One replica of ``module`` per device (see :func:`~.data_parallel.replicate`)."""
+        return data_parallel.replicate(module, devices)
+
+    def parallel_apply(
+        self,
+        replicas: Sequence[Module],
+        inputs: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
+        devices: Sequence[torch.device],
+    ) -> list[Any]:
+        """Run every replica's ``forward`` on its inputs in its own thread (see :func:`~.data_parallel.parallel_apply`).
+
+        ``forward`` is called, not the replica: hooks registered on the LightningModule itself run once, on the whole
+        batch, around the gathered call; hooks on its submodules run in every replica.
+        """
+        return data_parallel.parallel_apply([replica.forward for replica in replicas], inputs, devices)
+
+    def gather(self, outputs: Sequence[Any], device: torch.device) -> Any:
+        """Merge the replicas' outputs on the root device (see :func:`~.data_parallel.gather`)."""
+        return data_parallel.gather(outputs, device, dim=self.dim)
+
+
+class ScatterGatherStrategy(CheckpointAndResume, NonfiniteCheck, ParallelForward, ParallelStrategy):
     """One process, several devices: the ``torch.nn.DataParallel`` data flow, with Lightning around it.
 
     Each training/validation/test/predict step runs once on the root device (the first of ``parallel_devices``).
@@ -135,6 +200,10 @@ class ScatterGatherStrategy(CheckpointAndResume, NonfiniteCheck, ParallelStrateg
                 "construct it with `parallel_devices=[...]`."
             )
         return self.parallel_devices[0]
+
+    @override
+    def replica_devices(self) -> list[torch.device]:
+        return self.parallel_devices or [self.root_device]
 
     @property
     @override
@@ -245,56 +314,6 @@ class ScatterGatherStrategy(CheckpointAndResume, NonfiniteCheck, ParallelStrateg
         if self.cluster_environment is not None:
             self.cluster_environment.teardown()
         Strategy.teardown(self)
-
-    # ------------------------------------------------------------------ the four steps
-    def parallel_forward(self, module: Module, /, *args: Any, **kwargs: Any) -> Any:
-        """One forward call of ``module`` across the devices; reads like ``torch.nn.DataParallel.forward``.
-
-        Called with ``module``'s own ``forward`` in place (not the redirection), so replicas copy the real one.
-        """
-        devices = self.parallel_devices or [self.root_device]
-        inputs = self.scatter(args, kwargs, devices)
-        self.stats.forward_calls += 1
-        self.stats.replica_calls += len(inputs)
-        self.stats.last_num_replicas = len(inputs)
-        if len(inputs) == 1:
-            return module.forward(*inputs[0][0], **inputs[0][1])
-        replicas = self.replicate(module, devices[: len(inputs)])
-        outputs = self.parallel_apply(replicas, inputs, devices[: len(inputs)])
-        return self.gather(outputs, self.root_device)
-
-    def scatter(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], devices: Sequence[torch.device]
-    ) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
-        """Split forward's arguments into ``(args, kwargs)`` per replica (see :func:`~.data_parallel.scatter`)."""
-        try:
-            return data_parallel.scatter((args, kwargs), devices, dim=self.dim, name="forward(...)")
-        except ValueError as err:
-            raise ValueError(
-                f"{type(self).__name__} cannot split the arguments of forward ([0] = positional, [1] = keyword) "
-                f"across {len(devices)} replicas: {err}"
-            ) from err
-
-    def replicate(self, module: Module, devices: Sequence[torch.device]) -> list[Module]:
-        """One replica of ``module`` per device (see :func:`~.data_parallel.replicate`)."""
-        return data_parallel.replicate(module, devices)
-
-    def parallel_apply(
-        self,
-        replicas: Sequence[Module],
-        inputs: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
-        devices: Sequence[torch.device],
-    ) -> list[Any]:
-        """Run every replica's ``forward`` on its inputs in its own thread (see :func:`~.data_parallel.parallel_apply`).
-
-        ``forward`` is called, not the replica: hooks registered on the LightningModule itself run once, on the whole
-        batch, around the gathered call; hooks on its submodules run in every replica.
-        """
-        return data_parallel.parallel_apply([replica.forward for replica in replicas], inputs, devices)
-
-    def gather(self, outputs: Sequence[Any], device: torch.device) -> Any:
-        """Merge the replicas' outputs on the root device (see :func:`~.data_parallel.gather`)."""
-        return data_parallel.gather(outputs, device, dim=self.dim)
 
     # ------------------------------------------------------------------ steps
     @contextmanager

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.pytorch.loggers import CSVLogger
 from torch import Tensor, nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from torchmetrics import SumMetric
 
@@ -40,6 +41,7 @@ class Case:
     accumulate: int = 1
     balance: tuple[int, ...] | str = "parameters"
     reducer: str = "ring"
+    hook: bool = False  # the replicas average through torch's DDP `allreduce_hook` instead of the reducer
 
     @property
     def replicas(self) -> int:
@@ -58,6 +60,7 @@ SUITES: dict[str, list[Case]] = {
         *PARITY_4,
         Case("s2d2-accumulate", world=4, accumulate=2, micro_batches=2),
         Case("s2d2-native", world=4, micro_batches=2, reducer="native"),  # the replicas average with gloo's all-reduce
+        Case("s2d2-hook", world=4, micro_batches=2, accumulate=2, hook=True),  # ... through torch's allreduce_hook
     ],
 }
 # the schedules with two chunks per rank (the 5 blocks cut into 4 chunks), each with clipping and accumulation
@@ -162,7 +165,8 @@ def trainer_for(case: Case, outdir: Path, callbacks: list[L.Callback], epochs: i
             micro_batches=case.micro_batches,
             schedule=case.schedule,
             balance=case.balance,
-            reducer=case.reducer,
+            reducer=None if case.hook else case.reducer,
+            ddp_comm_hook=allreduce_hook if case.hook else None,
         ),  # type: ignore[arg-type]
         accelerator="cpu",
         devices=case.world,

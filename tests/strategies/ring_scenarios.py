@@ -43,6 +43,7 @@ class Scenario:
     unused: bool = False  # one parameter no rank uses, one that only rank 0 uses
     precision: str = "32-true"
     extra: dict[str, Any] = field(default_factory=dict)
+    hook: str | None = None  # a torch DDP communication hook (see comm_hook_options)
 
 
 SCENARIOS = {
@@ -55,7 +56,25 @@ SCENARIOS = {
     "clip": Scenario(clip=0.05),
     "manual": Scenario(manual=True),
     "bf16": Scenario(precision="bf16-mixed"),
+    # torch's DDP communication hooks averaging the buckets
+    "hook_allreduce": Scenario(hook="allreduce"),
+    "hook_unused": Scenario(unused=True, hook="allreduce"),
+    "hook_fp16": Scenario(hook="fp16", accumulate=2),
+    "hook_powersgd": Scenario(hook="powersgd"),
 }
+
+
+def comm_hook_options(hook: str | None) -> dict[str, Any]:
+    """The strategy arguments of a torch DDP communication hook, named as Lightning's DDPStrategy names them."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if hook is None:
+        return {}
+    if hook == "powersgd":
+        state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=3)
+        return {"ddp_comm_hook": powerSGD_hook.powerSGD_hook, "ddp_comm_state": state}
+    hooks = {"allreduce": default_hooks.allreduce_hook, "fp16": default_hooks.fp16_compress_hook}
+    return {"ddp_comm_hook": hooks[hook]}
 
 
 def make_data(scenario: Scenario) -> TensorDataset:
@@ -132,6 +151,7 @@ class Recorder(L.Callback):
                 "records": module.records,
                 "totals": stats.as_dict() if stats is not None else None,
                 "duplex_ranks": duplex_ranks(buckets),
+                "bucket_timeout": getattr(buckets, "timeout", None),
             },
             self.outdir / f"rank{trainer.global_rank}.pt",
         )
@@ -151,7 +171,7 @@ def run(name: str, outdir: Path, strategy: str) -> None:
     trainer = L.Trainer(
         strategy=strategy
         if strategy != "ring_allreduce"
-        else lightning_dp_strategies.RingAllReduceStrategy(**scenario.extra),
+        else lightning_dp_strategies.RingAllReduceStrategy(**scenario.extra, **comm_hook_options(scenario.hook)),
         accelerator="cpu",
         devices=scenario.world // NUM_NODES,
         num_nodes=NUM_NODES,

@@ -135,16 +135,20 @@ def test_parity_two_stages_two_replicas_accumulation_checkpoints_validate(tmp_pa
         assert (result["ring_operations"], result["skipped"]) == (6, 4)
     # every bucket of every synchronised step was launched inside the schedule, as its chunk's last backward filled
     # it, with the gradients accumulated on the steps before added in (the parity above)
-    for case in ("s2d2-accumulate", "s2d2-gpipe-m4"):
+    for case in ("s2d2-accumulate", "s2d2-gpipe-m4", "s2d2-hook"):
         for result in load_ranks(out, case, 4):
             assert result["buckets"] > 0
             assert result["overlapped"] == result["synced"] * result["buckets"], (case, result)
     # the replicas of each stage averaged through the reducer asked for (gloo's own all-reduce), to parity above
     assert {r["reducer"] for r in load_ranks(out, "s2d2-native", 4)} == {"NativeReducer"}
     assert all(r["ring_operations"] > 0 for r in load_ranks(out, "s2d2-native", 4))
+    # ... and through torch's DDP allreduce_hook, given each stage's replica group (not the world) as its state
+    hooked = load_ranks(out, "s2d2-hook", 4)
+    assert {r["reducer"] for r in hooked} == {"CommHookReducer"}
+    assert [(r["ring_operations"], r["skipped"]) for r in hooked] == [(6, 4)] * 4
     # two replicas per stage on gloo: each stage's buckets carry a second group over that stage's two ranks
     assert [r["duplex_ranks"] for r in load_ranks(out, "s2d2-gpipe-m4", 4)] == [[0, 1], [0, 1], [2, 3], [2, 3]]
-    # 9 fits and a validate in one process: each made its mesh, gradient and duplex groups and destroyed them again
+    # 10 fits and a validate in one process: each made its mesh, gradient and duplex groups and destroyed them again
     assert_no_groups_left(out, 4)
 
     # the checkpoint saved under hybrid_pipeline after epoch 1 holds the whole model, in the single-device format

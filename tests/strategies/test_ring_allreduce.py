@@ -25,8 +25,9 @@ NUMERICS = pytest.mark.numerics
 
 
 TOLERANCE = 1e-5
+HOOKS = ["hook_allreduce", "hook_unused", "hook_fp16", "hook_powersgd"]
 # the scenarios of one world size share one launch (each launch costs seconds of imports, a fit does not)
-WORLD_2 = ["sgd", "sgd@ddp", "adam2", "unused", "accumulate", "clip", "manual", "bf16"]
+WORLD_2 = ["sgd", "sgd@ddp", "adam2", "unused", "accumulate", "clip", "manual", "bf16", *HOOKS]
 WORLD_3 = ["sgd3", "adam3"]
 
 
@@ -286,3 +287,31 @@ def test_options_read_from_the_config_and_stay_read_only() -> None:
     with pytest.raises(AttributeError, match=r"read-only.*bucket_cap_mb="):
         strategy.bucket_cap_mb = 4  # type: ignore[misc]
     assert strategy.config.bucket_cap_mb == 3
+
+
+@NUMERICS
+@pytest.mark.timeout(600)
+def test_torch_ddp_comm_hooks_average_the_buckets(world2: Path) -> None:
+    # allreduce_hook: each rank divides by 2 and gloo sums two values, as the ring does: the same bits as the ring
+    hooked, ring = results(world2, "hook_allreduce"), results(world2, "sgd")
+    assert_parity(hooked, "hook_allreduce")
+    for mine, theirs in zip(hooked, ring, strict=True):
+        assert all(torch.equal(mine["params"][n], theirs["params"][n]) for n in mine["params"])
+        assert mine["totals"]["ring_operations"] == 12  # one bucket per step, through the hook
+        assert mine["bucket_timeout"] == 300.0  # a hook's future that never completes fails at the gloo timeout
+    # the presence flags are summed apart from the hook's buffer: unused parameters behave as without a hook
+    unused = results(world2, "hook_unused")
+    assert_parity(unused, "hook_unused", per_shard=True)
+    for result in unused:
+        grads = [r["grad_is_none"] for r in result["records"] if "grad_is_none" in r]
+        assert all(g["never_used.weight"] and not g["rank0_only.weight"] for g in grads)
+    # fp16 compression (with accumulation: the hook runs on synchronising steps only): fp16 rounding of the average
+    fp16 = results(world2, "hook_fp16")
+    drift = max(max_diff(r["params"], reference_parameters("hook_fp16")) for r in fp16)
+    assert TOLERANCE < drift <= 1e-3, drift
+    assert fp16[0]["totals"]["ring_operations"] == 6
+    # PowerSGD (rank 1 from step 3): the ranks agree exactly; the model is the low-rank approximation's, near the exact
+    powersgd = results(world2, "hook_powersgd")
+    assert max_diff(powersgd[0]["params"], powersgd[1]["params"]) == 0
+    drift = max_diff(powersgd[0]["params"], reference_parameters("hook_powersgd"))
+    assert TOLERANCE < drift <= 0.1, drift

@@ -53,6 +53,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_dp_strategies.bucketing import PEER_FAILURE_HINT
+from lightning_dp_strategies.comm_hooks import CommHook
 from lightning_dp_strategies.pipeline import (
     PipelineRunner,
     balance_by_parameters,
@@ -139,6 +140,11 @@ class HybridPipelineStrategy(BucketedDataParallel):
         process_group_backend: ``"gloo"``, ``"nccl"``, ...; ``None`` picks by device.
         timeout: collective timeout (``timedelta`` or seconds); ``None`` is 5 minutes on gloo, 30 on NCCL.
         start_method: ``"popen"`` (default), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
+        ddp_comm_hook: a torch DDP communication hook ``hook(state, bucket) -> Future`` (``allreduce_hook``,
+            ``fp16_compress_hook``, ``powerSGD_hook``, ...) that averages the replicas' buckets instead of
+            ``reducer``, on any device and backend, CPU/gloo included (see :mod:`lightning_dp_strategies.comm_hooks`).
+        ddp_comm_state: the hook's ``state`` (e.g. ``PowerSGDState``); ``None`` gives it the gradient group.
+        ddp_comm_wrapper: applied once as ``ddp_comm_wrapper(ddp_comm_hook)`` (e.g. ``fp16_compress_wrapper``).
 
     Examples:
         >>> import lightning as L
@@ -175,6 +181,9 @@ class HybridPipelineStrategy(BucketedDataParallel):
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        ddp_comm_state: object = None,
+        ddp_comm_hook: CommHook | None = None,
+        ddp_comm_wrapper: Callable[[CommHook], CommHook] | None = None,
     ) -> None:
         super().__init__(
             config=HybridPipelineConfig(
@@ -198,6 +207,9 @@ class HybridPipelineStrategy(BucketedDataParallel):
             process_group_backend=process_group_backend,
             timeout=timeout,
             start_method=start_method,
+            ddp_comm_state=ddp_comm_state,
+            ddp_comm_hook=ddp_comm_hook,
+            ddp_comm_wrapper=ddp_comm_wrapper,
         )
         # runtime state (step_stats: gradient communication over this stage's data-parallel group)
         self.layout: Layout | None = None

@@ -1,0 +1,39 @@
+"""The package's data-parallel strategies for Lightning Fabric, on the machinery the Trainer strategies use.
+
+======================  ==================================  =====================================================
+``Fabric(strategy=)``   class                               what it does
+======================  ==================================  =====================================================
+``"ring_allreduce"``    :class:`FabricRingAllReduceStrategy`  one process per device, gradients averaged by the
+(``_spawn``,                                                bucketed ring all-reduce in ``fabric.backward``
+``_notebook``)
+``"scatter_gather"``    :class:`FabricScatterGatherStrategy`  one process, every ``model(x)`` scattered across
+                                                            the devices and gathered
+======================  ==================================  =====================================================
+
+Importing :mod:`lightning_dp_strategies` registers the names (:func:`register_fabric_strategies`).
+
+Examples:
+    >>> import lightning as L
+    >>> from lightning.fabric.strategies import STRATEGY_REGISTRY
+    >>> "ring_allreduce_notebook" in STRATEGY_REGISTRY and "scatter_gather" in STRATEGY_REGISTRY
+    True
+"""
+
+from lightning.fabric.strategies import STRATEGY_REGISTRY
+
+from lightning_dp_strategies.fabric.ring_allreduce import FabricRingAllReduceStrategy
+from lightning_dp_strategies.fabric.scatter_gather import FabricScatterGatherStrategy
+
+__all__ = ["FabricRingAllReduceStrategy", "FabricScatterGatherStrategy", "register_fabric_strategies"]
+
+
+def register_fabric_strategies() -> None:
+    """Register the Fabric strategy names with Fabric's ``STRATEGY_REGISTRY`` (safe to call twice).
+
+    Examples:
+        >>> register_fabric_strategies()  # importing lightning_dp_strategies already did; nothing changes
+        >>> STRATEGY_REGISTRY["ring_allreduce_spawn"]["init_params"]
+        {'start_method': 'spawn'}
+    """
+    for strategy in (FabricRingAllReduceStrategy, FabricScatterGatherStrategy):
+        strategy.register_strategies(STRATEGY_REGISTRY)

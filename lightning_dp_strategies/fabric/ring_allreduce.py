@@ -1,0 +1,255 @@
+"""Fabric's DDP with its gradients averaged by this package's bucketed ring all-reduce, overlapped with backward."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from datetime import timedelta
+from typing import Any, ClassVar, Literal
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.precision import Precision
+from lightning.fabric.strategies import DDPStrategy
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from lightning.fabric.utilities.imports import _IS_INTERACTIVE
+from lightning.fabric.utilities.types import Optimizable
+from lightning.pytorch.overrides.distributed import _sync_module_states
+from torch import Tensor, nn
+from torch.distributed.distributed_c10d import _get_default_group
+from typing_extensions import override
+
+from lightning_dp_strategies.bucketing import assign_buckets
+from lightning_dp_strategies.comm_hooks import CommHook
+from lightning_dp_strategies.fabric._step import NonfiniteStep
+from lightning_dp_strategies.fingerprint import check_ranks_agree, model_fingerprint
+from lightning_dp_strategies.reducers import Reducer
+from lightning_dp_strategies.strategies._grad_sync import GradSync, base_fingerprint_options
+from lightning_dp_strategies.strategies._options import (
+    ConfigOption,
+    check_backend,
+    check_reducer,
+    check_start_method,
+    check_timeout,
+    default_timeout,
+)
+from lightning_dp_strategies.strategies._registry import register_with_launchers
+from lightning_dp_strategies.strategies._resume import AtomicCheckpoints
+from lightning_dp_strategies.strategies.ring_allreduce import RingAllReduceConfig
+
+__all__ = ["FabricRingAllReduceStrategy"]
+
+_BUFFER_BROADCAST_BYTES = 250 * 1024 * 1024  # torch DDP's bucket size for broadcasting buffers
+
+
+class FabricRingAllReduceStrategy(AtomicCheckpoints, GradSync, NonfiniteStep, DDPStrategy):
+    """One process per device under Lightning Fabric; gradients averaged by the bucketed ring all-reduce.
+
+    The Fabric counterpart of :class:`~lightning_dp_strategies.RingAllReduceStrategy`, on the same machinery
+    (:class:`~lightning_dp_strategies.bucketing.GradientBuckets`, the reducers, the rank-agreement check, the option
+    checks). Fabric's launchers, cluster environments and process-group setup come from Fabric's ``DDPStrategy``; the
+    module is not wrapped in torch DDP: ``fabric.setup`` broadcasts rank 0's parameters and buffers and attaches the
+    buckets, ``fabric.backward(loss)`` arms them, runs backward and waits for the average, and
+    ``fabric.no_backward_sync(model)`` accumulates locally without communicating. One module with trainable
+    parameters per strategy (set up further modules only if they are frozen).
+
+    Args:
+        bucket_cap_mb: cap of each gradient bucket in MiB (default 25, as torch DDP).
+        first_bucket_cap_mb: cap of the first bucket in MiB (default 1), so communication starts early in backward.
+        reducer: how a bucket is averaged: ``"ring"`` (default), ``"native"``, ``"per_tensor"``, or any callable
+            ``reducer(bucket) -> Future``; see :mod:`lightning_dp_strategies.reducers`.
+        broadcast_buffers: broadcast module buffers (BatchNorm statistics) from rank 0 before every training forward
+            call (train mode, gradients enabled, outside ``no_backward_sync``), as torch DDP does.
+        nonfinite_grads: check the averaged gradients for NaN/Inf at every ``optimizer.step()``: ``None`` (no
+            check, the default), ``"skip"`` (skip the step on every rank alike, counted in
+            ``nonfinite.skipped_steps``) or ``"raise"`` (``FloatingPointError`` on every rank).
+        process_group_backend: ``"gloo"``, ``"nccl"``, ...; ``None`` picks by device.
+        timeout: collective timeout (``timedelta`` or seconds); ``None`` is 5 minutes on gloo, 30 on NCCL.
+        start_method: ``"popen"`` (scripts, the default), ``"spawn"``, ``"fork"`` (notebooks) or ``"forkserver"``.
+        ddp_comm_hook: a torch DDP communication hook ``hook(state, bucket) -> Future`` that averages each bucket
+            instead of ``reducer``, on any device and backend (see :mod:`lightning_dp_strategies.comm_hooks`).
+        ddp_comm_state: the hook's ``state``; ``None`` gives it the strategy's gradient group.
+        ddp_comm_wrapper: applied once as ``ddp_comm_wrapper(ddp_comm_hook)`` (e.g. ``fp16_compress_wrapper``).
+
+    Examples:
+        >>> import lightning as L
+        >>> import lightning_dp_strategies  # registers "ring_allreduce" with Fabric too
+        >>> fabric = L.Fabric(strategy="ring_allreduce", accelerator="cpu", devices=2)
+        >>> type(fabric.strategy).__name__, fabric.strategy.bucket_cap_mb
+        ('FabricRingAllReduceStrategy', 25.0)
+        >>> fabric = L.Fabric(strategy=FabricRingAllReduceStrategy(reducer="native"), devices=2)  # doctest: +SKIP
+    """
+
+    config: RingAllReduceConfig
+    registered_name: ClassVar[str] = "ring_allreduce"
+    registered_description: ClassVar[str] = "Bucketed ring all-reduce data parallelism (Fabric)"
+
+    def __init__(
+        self,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[Any] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision: Precision | None = None,
+        bucket_cap_mb: float = 25.0,
+        first_bucket_cap_mb: float = 1.0,
+        reducer: str | Reducer | None = None,
+        broadcast_buffers: bool = True,
+        nonfinite_grads: Literal["skip", "raise"] | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | float | None = None,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        ddp_comm_state: object = None,
+        ddp_comm_hook: CommHook | None = None,
+        ddp_comm_wrapper: Callable[[CommHook], CommHook] | None = None,
+    ) -> None:
+        check_start_method(start_method)
+        check_reducer(reducer)
+        self._init_comm_hook(reducer, ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper)
+        # configuration (validated before Fabric does anything)
+        self.config = RingAllReduceConfig(bucket_cap_mb, first_bucket_cap_mb, broadcast_buffers)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+            process_group_backend=check_backend(process_group_backend),
+            timeout=check_timeout(timeout),
+            start_method=start_method,
+        )
+        self.reducer = reducer
+        # runtime state (groups, reducer, buckets, no-sync flag) and statistics (step_stats, comm_stats)
+        self._init_grad_sync_state()
+        self._init_nonfinite(nonfinite_grads)
+        self._buffer_hook: Any = None
+        self._backward_sync_control = _BucketSyncControl(self)
+
+    # ------------------------------------------------------------------ names and launch
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        register_with_launchers(strategy_registry, cls.registered_name, cls, cls.registered_description, where="Fabric")
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if _IS_INTERACTIVE and self._launcher is not None and not self._launcher.is_interactive_compatible:
+            raise RuntimeError(
+                f"{type(self).__name__}(start_method={self._start_method!r}) cannot launch processes inside Jupyter "
+                f"or an interactive shell. Use `Fabric(strategy='{self.registered_name}_notebook')` there, or run "
+                "your code as a script."
+            )
+
+    # ------------------------------------------------------------------ setup
+    @override
+    def _setup_distributed(self) -> None:
+        if self._timeout is None:
+            self._timeout = default_timeout(self._get_process_group_backend())
+        super()._setup_distributed()
+        self._make_grad_groups([list(range(self.world_size))], self.global_rank, self._process_group_backend)
+
+    @override
+    def setup_module(self, module: nn.Module) -> nn.Module:  # type: ignore[override]  # not wrapped
+        """Check that the ranks agree, broadcast rank 0's parameters and buffers, and attach the gradient buckets.
+
+        The module itself is returned (not wrapped), so ``fabric.save`` holds its plain ``state_dict``.
+        """
+        trainable = any(p.requires_grad for p in module.parameters())
+        if trainable and self.buckets is not None:
+            raise ValueError(
+                f"{type(self).__name__} averages the gradients of one module, and one with trainable parameters was "
+                "set up already. Put the models in one `nn.Module` (e.g. `nn.ModuleDict`) and set that up once, or "
+                "freeze the second one (`requires_grad_(False)`) before `fabric.setup`."
+            )
+        check_ranks_agree(model_fingerprint(module, self._fingerprint_options(module)))  # before the broadcast
+        if dist.is_initialized() and self.world_size > 1:
+            _sync_module_states(module)
+        if trainable:
+            cfg = self.config
+            self._attach_buckets(list(module.named_parameters()), cfg.bucket_cap_mb, cfg.first_bucket_cap_mb)
+            self._trained = module
+            if cfg.broadcast_buffers and any(True for _ in module.buffers()):
+                self._buffer_hook = module.register_forward_pre_hook(self._broadcast_buffers)
+        return module
+
+    def _fingerprint_options(self, module: nn.Module) -> dict[str, Any]:
+        """What every rank must agree on besides the model: the options, precision and bucket layout."""
+        cfg = self.config
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        return {
+            **base_fingerprint_options(self, self.reducer, self.world_size),
+            **vars(cfg),
+            "precision": getattr(self.precision, "precision", type(self.precision).__name__),
+            "bucket_layout": assign_buckets(trainable, cfg.bucket_cap_mb, cfg.first_bucket_cap_mb),
+            "fabric": L.__version__,
+        }
+
+    def _broadcast_buffers(self, module: nn.Module, args: Any) -> None:
+        """Before a training forward (train mode, gradients on, not inside ``no_backward_sync``): rank 0's buffers."""
+        if module.training and torch.is_grad_enabled() and not self._sync_blocked and self.world_size > 1:
+            buffers = list(module.buffers())
+            if buffers:
+                dist._broadcast_coalesced(_get_default_group(), buffers, _BUFFER_BROADCAST_BYTES, 0)
+
+    # ------------------------------------------------------------------ one step
+    @override
+    def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
+        """Arm the buckets (or count a skipped pass inside ``no_backward_sync``), run backward through the precision
+        plugin, and wait until ``.grad`` holds the average over the ranks."""
+        self._arm_or_skip()
+        try:
+            super().backward(tensor, module, *args, **kwargs)
+        except BaseException:
+            if self.buckets is not None:
+                self.buckets.abort()
+            raise
+        if self.buckets is not None:
+            self.buckets.finish()
+
+    @override
+    def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, **kwargs)
+        self._record_step()
+        return output
+
+    @contextmanager
+    def no_backward_sync(self) -> Generator[None, None, None]:
+        """Backward passes inside accumulate gradients locally; the next synchronised one averages the sum.
+
+        ``fabric.no_backward_sync(model)`` enters this.
+        """
+        with self._sync_blocked_block():
+            yield None
+
+    # ------------------------------------------------------------------ teardown
+    @override
+    def teardown(self) -> None:
+        """Close the buckets, the reducer and the gradient groups (Fabric itself never calls this; a script may)."""
+        if self._buffer_hook is not None:
+            self._buffer_hook.remove()
+            self._buffer_hook = None
+        self._close_reducer_and_buckets()
+        self._trained = None
+        super().teardown()
+        self._destroy_grad_groups()
+
+    # ------------------------------------------------------------------ options (read-only; see `config`)
+    bucket_cap_mb = ConfigOption[float]()
+    first_bucket_cap_mb = ConfigOption[float]()
+    broadcast_buffers = ConfigOption[bool]()
+
+
+class _BucketSyncControl(_BackwardSyncControl):
+    """``fabric.no_backward_sync(model, enabled)``: the strategy's no-sync block, or nothing when not enabled."""
+
+    def __init__(self, strategy: FabricRingAllReduceStrategy) -> None:
+        self._strategy = strategy
+
+    @override
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
+        return self._strategy.no_backward_sync() if enabled else nullcontext()

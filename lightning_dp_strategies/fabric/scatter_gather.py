@@ -1,0 +1,144 @@
+"""Fabric's DataParallel with this package's scatter/gather: one process, every forward call split across devices."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Literal
+
+import torch
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.plugins.precision import Precision
+from lightning.fabric.strategies import DataParallelStrategy
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from torch import nn
+from typing_extensions import override
+
+from lightning_dp_strategies import data_parallel
+from lightning_dp_strategies.fabric._step import NonfiniteStep
+from lightning_dp_strategies.strategies._registry import register_name
+from lightning_dp_strategies.strategies._resume import AtomicCheckpoints
+from lightning_dp_strategies.strategies.scatter_gather import ParallelForward, ScatterGatherStats
+
+__all__ = ["FabricScatterGatherStrategy"]
+
+
+class FabricScatterGatherStrategy(AtomicCheckpoints, ParallelForward, NonfiniteStep, DataParallelStrategy):
+    """One process, several devices under Lightning Fabric: every ``model(x)`` is scattered, replicated, run in
+    parallel and gathered (:class:`~lightning_dp_strategies.strategies.scatter_gather.ParallelForward`, the steps
+    the Trainer's :class:`~lightning_dp_strategies.ScatterGatherStrategy` runs).
+
+    ``fabric.setup(model)`` returns the model in a thin wrapper whose forward is :meth:`parallel_forward`; the loss
+    computed on the gathered outputs is the loss of the whole batch, so ``fabric.backward(loss)`` gives the
+    single-device gradients (autograd sums the replicas'), also when the batch does not split evenly. Nothing is
+    communicated between processes, so ``fabric.no_backward_sync`` has nothing to skip (a no-op, without Fabric's
+    warning). With ``accelerator="cpu"``, ``devices=N`` gives N logical replicas on the CPU.
+
+    What a model must look like: its ``forward`` takes the batch as tensors (any nesting of tuples, lists, dicts,
+    dataclasses) that share the batch dimension ``dim``, and returns tensors in such containers (concatenated along
+    ``dim``). Only calls of the set-up model itself are parallel: calling another method through Fabric's forward
+    redirection (``model.training_step(...)`` of a LightningModule, or a method marked with
+    ``mark_forward_method``) raises, because it would run unsplit.
+
+    Args:
+        dim: the batch dimension that inputs are split and outputs concatenated along.
+        nonfinite_grads: check the gradients for NaN/Inf at every ``optimizer.step()``: ``None`` (no check, the
+            default), ``"skip"`` (skip the step, counted in ``nonfinite.skipped_steps``) or ``"raise"``.
+
+    Examples:
+        >>> import lightning as L
+        >>> import lightning_dp_strategies  # registers "scatter_gather" with Fabric too
+        >>> fabric = L.Fabric(strategy="scatter_gather", accelerator="cpu", devices=2)
+        >>> model = fabric.setup(torch.nn.Linear(3, 1))
+        >>> model(torch.ones(5, 3)).shape, fabric.strategy.stats.last_num_replicas
+        (torch.Size([5, 1]), 2)
+    """
+
+    def __init__(
+        self,
+        accelerator: Accelerator | None = None,
+        parallel_devices: Sequence[torch.device | str | int] | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision: Precision | None = None,
+        dim: int = 0,
+        nonfinite_grads: Literal["skip", "raise"] | None = None,
+    ) -> None:
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
+            raise ValueError(f"`dim` must be a non-negative int (the batch dimension, default 0), got {dim!r}.")
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=None if parallel_devices is None else data_parallel.as_devices(parallel_devices),
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+        )
+        # configuration
+        self.dim = dim
+        # statistics
+        self.stats = ScatterGatherStats()
+        self._init_nonfinite(nonfinite_grads)
+        self._backward_sync_control = _NothingToSkip()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        # "dp" stays Fabric's own DataParallelStrategy (torch.nn.DataParallel), which Fabric registers itself
+        register_name(
+            strategy_registry,
+            "scatter_gather",
+            cls,
+            description="DataParallel-style scatter/replicate/parallel_apply/gather in one process (Fabric)",
+            where="Fabric",
+        )
+
+    @override
+    def replica_devices(self) -> list[torch.device]:
+        return data_parallel.as_devices(self.parallel_devices or [self.root_device])
+
+    @override
+    def setup_module(self, module: nn.Module) -> nn.Module:  # type: ignore[override]  # not wrapped
+        """``module`` in a wrapper whose forward runs :meth:`parallel_forward`; checkpoints hold the module's own
+        ``state_dict`` (see :meth:`get_module_state_dict`)."""
+        if any(p.requires_grad for p in module.parameters()):
+            self._trained = module
+        return _ParallelModule(module, self)
+
+    @override
+    def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
+        """The wrapped module's own ``state_dict`` (``fabric.save`` hands the strategy the wrapper)."""
+        return super().get_module_state_dict(module.module if isinstance(module, _ParallelModule) else module)
+
+    @override
+    def load_module_state_dict(self, module: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> None:
+        inner = module.module if isinstance(module, _ParallelModule) else module
+        super().load_module_state_dict(inner, state_dict, strict=strict)
+
+
+class _ParallelModule(nn.Module):
+    """What Fabric calls for ``model(x)``: the wrapped module's forward, split across the strategy's devices."""
+
+    def __init__(self, module: nn.Module, strategy: FabricScatterGatherStrategy) -> None:
+        super().__init__()
+        self.module = module
+        self._strategy = strategy
+
+    @override
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if "forward" in self.module.__dict__:  # Fabric redirects another method through forward
+            raise TypeError(
+                f"{type(self._strategy).__name__} splits calls of the model itself (`model(x)`), but Fabric routed "
+                f"another method of {type(self.module).__name__} through forward (a LightningModule's "
+                "`model.training_step(...)` or a method marked with `mark_forward_method`), which would run on the "
+                "whole batch on one device. Call `model(x)` and compute the loss outside, or use strategy='dp' "
+                "(torch.nn.DataParallel, which runs the whole method in every replica on CUDA)."
+            )
+        return self._strategy.parallel_forward(self.module, *args, **kwargs)
+
+
+class _NothingToSkip(_BackwardSyncControl):
+    """One process: gradients are summed by autograd, there is no communication for ``no_backward_sync`` to skip."""
+
+    @override
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
+        return nullcontext()
