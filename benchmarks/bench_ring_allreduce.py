@@ -10,7 +10,13 @@
     ``torchrun`` launch; inside it the two strategies take turns, one ``Trainer.fit`` each per round, the order flipped
     every round), steady state (the first third of each fit is warm-up); prints the median of the per-round ratios.
 (c) The same Trainer run with each reducer and compression wrapper (``ring``, ``native``, ``bf16_compress``,
-    ``fp16_compress``, ``PowerSGD(rank=4)``): bytes sent per step and step time, each relative to plain ``ring``.
+    ``fp16_compress``, ``PowerSGD("ring", rank=4)``, ``PowerSGD("native", rank=4)``), with torch's DDP communication
+    hooks on the same buckets (``allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook``, ``powerSGD_hook``
+    at rank 4) and with Lightning's ``"ddp"``, all in one launch: bytes sent per step and step time, relative to
+    plain ``ring`` and to ``ddp``. Then the cost model's prediction of when compression pays
+    (:mod:`lightning_dp_strategies.plan_compression`): the loopback link fitted on a few ring all-reduces, the
+    compression's compute per step measured at world 1 on the same buckets, the predicted against the measured
+    ratios at 2 ranks, and predictions at 8 ranks for 1, 10 and 100 Gbit/s.
 
 Usage::
 
@@ -157,9 +163,19 @@ import json, statistics, sys, time
 import lightning as L, torch
 from torch import nn
 import lightning_dp_strategies
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from lightning_dp_strategies import PowerSGD, RingAllReduceStrategy, bf16_compress, fp16_compress
 REDUCERS = {"ring": "ring", "native": "native", "bf16": lambda: bf16_compress("ring"),
-            "fp16": lambda: fp16_compress("ring"), "powersgd": lambda: PowerSGD("ring", rank=4)}
+            "fp16": lambda: fp16_compress("ring"), "powersgd": lambda: PowerSGD("ring", rank=4),
+            "powersgd_native": lambda: PowerSGD("native", rank=4)}
+# torch's DDP communication hooks on the package's buckets; PowerSGD at the package's rank 4, compressing from the
+# third step (torch requires start_powerSGD_iter > 1 with error feedback), so every timed step is compressed
+HOOKS = {"allreduce": lambda: (default_hooks.allreduce_hook, None, None),
+         "fp16": lambda: (default_hooks.fp16_compress_hook, None, None),
+         "bf16": lambda: (default_hooks.bf16_compress_hook, None, None),
+         "powersgd": lambda: (powerSGD_hook.powerSGD_hook,
+                              powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=4, start_powerSGD_iter=2),
+                              None)}
 
 class Timer(L.Callback):
     def __init__(self): self.t = []; self.start = 0.0
@@ -178,6 +194,9 @@ class MLP(L.LightningModule):
     def configure_optimizers(self): return torch.optim.SGD(self.parameters(), lr=1e-3)
 
 def make(strategy):
+    if strategy.startswith("hook:"):  # a fresh hook state per fit
+        hook, state, wrapper = HOOKS[strategy.split(":", 1)[1]]()
+        return RingAllReduceStrategy(ddp_comm_hook=hook, ddp_comm_state=state, ddp_comm_wrapper=wrapper)
     if "+" not in strategy:
         return strategy
     reducer = REDUCERS[strategy.split("+", 1)[1]]  # ring_allreduce+<reducer>
@@ -201,8 +220,9 @@ for r in range(rounds):  # both in the same two processes, the order flipped eve
         step_stats = getattr(trainer.strategy, "step_stats", None)
         stats[strategy] = step_stats.as_dict() if step_stats else None
         params = sum(p.numel() for p in model.parameters())
+        shapes = [list(p.shape) for p in model.parameters()]
 if trainer.global_rank == 0:
-    json.dump({"fits": fits, "params": params, "stats": stats}, open(out, "w"))
+    json.dump({"fits": fits, "params": params, "shapes": shapes, "stats": stats}, open(out, "w"))
 """
 
 
@@ -219,7 +239,9 @@ def _train_runs(strategies: list[str], steps: int, width: int, depth: int, round
         env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
         cmd += [",".join(strategies), str(rounds), str(steps), str(width), str(depth), str(out)]
-        subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=3600)
+        done = subprocess.run(cmd, env=env, check=False, capture_output=True, text=True, timeout=3600)
+        if done.returncode:
+            raise RuntimeError(f"the training launch failed ({done.returncode}):\n{done.stderr[-4000:]}")
         return json.loads(out.read_text())
 
 
@@ -255,31 +277,225 @@ def part_b(steps: int, width: int, depth: int, rounds: int) -> float:
     return ratio
 
 
-def part_c(steps: int, width: int, depth: int, rounds: int) -> None:
-    names = ["ring", "native", "bf16", "fp16", "powersgd"]
-    result = _train_runs([f"ring_allreduce+{n}" for n in names], steps, width, depth, rounds)
-    base = "ring_allreduce+ring"
+PART_C = {  # row key in the launch -> (label, bytes: "counted" by the strategy or the known "payload")
+    "ring_allreduce+ring": ('"ring"', "counted"),
+    "ring_allreduce+native": ('"native"', "counted"),
+    "ring_allreduce+bf16": ('bf16_compress("ring")', "counted"),
+    "ring_allreduce+fp16": ('fp16_compress("ring")', "counted"),
+    "ring_allreduce+powersgd": ('PowerSGD("ring", rank=4)', "counted"),
+    "ring_allreduce+powersgd_native": ('PowerSGD("native", rank=4)', "counted"),
+    "hook:allreduce": ("hook allreduce_hook", "counted"),
+    "hook:fp16": ("hook fp16_compress_hook", "payload"),
+    "hook:bf16": ("hook bf16_compress_hook", "payload"),
+    "hook:powersgd": ("hook powerSGD_hook r=4", "payload"),
+    "ddp": ('Lightning "ddp"', "payload"),
+}
+# row -> (compression method for plan_compression, dependent reductions per bucket, baseline row of the same transport)
+COMPRESSED = {
+    "ring_allreduce+bf16": ("bf16", 1, "ring_allreduce+ring"),
+    "ring_allreduce+fp16": ("fp16", 1, "ring_allreduce+ring"),
+    "ring_allreduce+powersgd": ("powersgd", 2, "ring_allreduce+ring"),
+    "ring_allreduce+powersgd_native": ("powersgd", 2, "ring_allreduce+native"),
+    "hook:fp16": ("fp16", 1, "hook:allreduce"),
+    "hook:bf16": ("bf16", 1, "hook:allreduce"),
+    "hook:powersgd": ("powersgd", 3, "hook:allreduce"),
+}
+
+
+def _row_bytes(result: dict[str, Any], key: str, world: int) -> float:
+    """Bytes per step and rank: as the strategy counted them, or (torch hooks, whose traffic the adapter cannot see,
+    and ``ddp``) the known payload of the method priced as a bandwidth-optimal all-reduce, 2(N-1)/N of it."""
+    from lightning_dp_strategies.plan_compression import payload_bytes
+    from lightning_dp_strategies.sizing import ring_bytes_per_rank
+
+    if PART_C[key][1] == "counted":
+        return float(result["stats"][key]["bytes_sent"])
+    method = COMPRESSED[key][0] if key in COMPRESSED else "none"
+    return ring_bytes_per_rank(payload_bytes(result["shapes"], method, rank=4), world)
+
+
+def _fit_loopback(sizes: list[int], repeats: int) -> dict[str, Any]:
+    """Links fitted on 2-rank all-reduces of ``sizes`` (medians of interleaved calls, one launch): the package's ring
+    (the transport of its reducers) and gloo's all_reduce (what torch's hooks and ``"native"`` use)."""
+    from lightning_dp_strategies.plan import Link
+    from lightning_dp_strategies.sizing import ring_bytes_per_rank
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "link.json")
+        mp.start_processes(_collectives, args=(2, _free_port(), repeats, sizes, out), nprocs=2, start_method="spawn")
+        rows = json.loads(Path(out).read_text())
+    return {
+        name: Link.fit([(2, ring_bytes_per_rank(r["bytes"], 2), r[f"{key}_s"]) for r in rows])
+        for name, key in (("ring", "ring"), ("gloo", "torch"))
+    }
+
+
+def _mlp(width: int, depth: int) -> torch.nn.Module:
+    layers = [m for _ in range(depth) for m in (torch.nn.Linear(width, width), torch.nn.ReLU())]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(width, 10))
+
+
+def _compression_compute(width: int, depth: int, steps: int) -> dict[str, float]:
+    """Seconds per step of each contender's local work on the benchmark model's buckets, at world 1 (one gloo process,
+    so the all-reduces move nothing), one thread as in the Trainer runs: the median of ``steps`` interleaved steps.
+
+    Each compressing contender's *extra* compute is its time minus its uncompressed baseline's (``COMPRESSED``).
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    from lightning_dp_strategies import PowerSGD, bf16_compress, fp16_compress
+    from lightning_dp_strategies.comm_hooks import HookBucket
+    from lightning_dp_strategies.reducers import GradBucket, close_reducer, resolve_reducer, setup_reducer
+    from lightning_dp_strategies.sizing import bucket_boundaries
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        params = list(_mlp(width, depth).parameters())
+        layout = bucket_boundaries([("f32", p.numel() * 4) for p in params])  # the strategies' buckets, 25/1 MiB
+        sources = [torch.randn(sum(params[i].numel() for i in idx)) for idx in layout]
+        buffers = [src.clone() for src in sources]
+        reducers = {
+            "ring_allreduce+ring": resolve_reducer("ring"),
+            "ring_allreduce+native": resolve_reducer("native"),
+            "ring_allreduce+bf16": bf16_compress("ring"),
+            "ring_allreduce+fp16": fp16_compress("ring"),
+            "ring_allreduce+powersgd": PowerSGD("ring", rank=4),
+            "ring_allreduce+powersgd_native": PowerSGD("native", rank=4),
+        }
+        psgd = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=4, start_powerSGD_iter=2)
+        hooks = {
+            "hook:allreduce": (default_hooks.allreduce_hook, dist.group.WORLD),
+            "hook:fp16": (default_hooks.fp16_compress_hook, dist.group.WORLD),
+            "hook:bf16": (default_hooks.bf16_compress_hook, dist.group.WORLD),
+            "hook:powersgd": (powerSGD_hook.powerSGD_hook, psgd),
+        }
+        for reducer in reducers.values():
+            setup_reducer(reducer, dist.group.WORLD, [0], "gloo")
+
+        def step(name: str) -> float:
+            for buffer, src in zip(buffers, sources, strict=True):
+                buffer.copy_(src)
+            start = time.perf_counter()
+            futures = []
+            for k, idx in enumerate(layout):
+                owned, last = [params[i] for i in idx], k == len(layout) - 1
+                if name in reducers:
+                    bucket = GradBucket(buffers[k], dist.group.WORLD, index=k, shapes=[p.shape for p in owned])
+                    bucket.params, bucket.last = owned, last
+                    futures.append(reducers[name](bucket))
+                else:
+                    hook, state = hooks[name]
+                    futures.append(hook(state, HookBucket(k, last, buffers[k], owned)))
+                    if name == "hook:powersgd":  # one bucket at a time, as CommHookReducer runs hooks
+                        futures[-1].wait()
+            for future in futures:
+                future.wait()
+            return time.perf_counter() - start
+
+        names = [*reducers, *hooks]
+        times: dict[str, list[float]] = {name: [] for name in names}
+        for i in range(steps + 3):  # 3 warm-up steps: torch's PowerSGD compresses from its third
+            for name in names[i % len(names) :] + names[: i % len(names)]:
+                elapsed = step(name)
+                if i >= 3:
+                    times[name].append(elapsed)
+        for reducer in reducers.values():
+            close_reducer(reducer)
+        return {name: statistics.median(t) for name, t in times.items()}
+    finally:
+        dist.destroy_process_group()
+        torch.set_num_threads(threads)
+
+
+def part_c(steps: int, width: int, depth: int, rounds: int, link_sizes: list[int]) -> None:
+    from lightning_dp_strategies.plan import Link
+    from lightning_dp_strategies.plan_compression import compression_pays
+
+    keys = list(PART_C)
+    result = _train_runs(keys, steps, width, depth, rounds)
+    world, base = 2, "ring_allreduce+ring"
     base_bytes = result["stats"][base]["bytes_sent"]
     print(
-        f"\n(c) reducers and compression in ring_allreduce, 2 processes, {result['params'] / 1e6:.1f} M parameters, "
-        f"{rounds} alternating rounds in one launch"
+        f"\n(c) reducers, compression and torch's DDP communication hooks in ring_allreduce, against Lightning's ddp; "
+        f"2 processes, {result['params'] / 1e6:.1f} M parameters, {rounds} alternating rounds in one launch"
     )
-    print(f"  {'reducer':<22} {'MB/step':>8} {'bytes/ring':>10} {'ms/step':>8} {'time/ring':>9} {'IQR':>6}")
-    labels = {
-        "ring": "ring",
-        "native": "native",
-        "bf16": "bf16_compress(ring)",
-        "fp16": "fp16_compress(ring)",
-        "powersgd": "PowerSGD(ring, rank=4)",
-    }
-    for name in names:
-        key = f"ring_allreduce+{name}"
-        sent = result["stats"][key]["bytes_sent"]
+    print(
+        "  bytes per step and rank: 'counted' by the strategy; 'payload' = the known wire payload of the method as a\n"
+        "  bandwidth-optimal all-reduce (torch's hooks do their own traffic, which the adapter cannot count;\n"
+        "  PowerSGD: r(n+m) per compressed n x m matrix plus the rest in fp32; ddp: the fp32 gradients)"
+    )
+    header = f"  {'reducer':<28} {'MB/step':>8} {'bytes':>8} {'bytes/ring':>10} {'ms/step':>8}"
+    print(header + f" {'time/ring':>9} {'IQR':>6} {'time/ddp':>8} {'IQR':>6}")
+    measured: dict[str, float] = {}
+    for key in keys:
+        sent = _row_bytes(result, key, world)
         ms, _, ratio, spread = _paired(result, key, base)
+        _, _, to_ddp, ddp_spread = _paired(result, key, "ddp")
+        measured[key] = ms
+        label, source = PART_C[key]
         print(
-            f"  {labels[name]:<22} {sent / 1e6:8.1f} {sent / base_bytes:10.3f} {ms * 1e3:8.1f}"
-            f" {ratio:9.3f} {spread:6.3f}"
+            f"  {label:<28} {sent / 1e6:8.2f} {source:>8} {sent / base_bytes:10.3f} {ms * 1e3:8.1f}"
+            f" {ratio:9.3f} {spread:6.3f} {to_ddp:8.3f} {ddp_spread:6.3f}"
         )
+    for name, baseline in (("hook:powersgd", "ring_allreduce+powersgd_native"), ("hook:fp16", "ring_allreduce+fp16")):
+        _, ratios, ratio, spread = _paired(result, baseline, name)
+        print(
+            f"  {PART_C[baseline][0]} / {PART_C[name][0]} = {ratio:.3f} (IQR {spread:.3f}; per round "
+            + " ".join(f"{r:.2f}" for r in ratios)
+            + ")"
+        )
+
+    links = _fit_loopback(link_sizes, repeats=10)
+    compute = _compression_compute(width, depth, steps=8)
+    print(
+        "\n  cost model (lightning_dp_strategies.plan_compression): plain t0 = B 2(N-1) alpha + 2(N-1)/N G / beta;\n"
+        "  compressed t1 = k B 2(N-1) alpha + 2(N-1)/N P / beta + c (c: extra compute, measured at world 1 on the\n"
+        "  same buckets, one thread); pays when beta < beta* = 2(N-1)/N (G - P) / (c + (k-1) B 2(N-1) alpha)"
+    )
+    for name, link in links.items():
+        print(
+            f"  loopback link fitted on {name} all-reduces of "
+            + ", ".join(_size(n) for n in link_sizes)
+            + f" at 2 ranks: latency {link.latency_s * 1e6:.0f} us/step, bandwidth"
+            f" {link.bandwidth_bytes_per_s / 1e9:.2f} GB/s ({link.bandwidth_bytes_per_s * 8 / 1e9:.1f} Gbit/s)"
+        )
+    print(
+        f"  {'compression':<28} {'k':>2} {'c ms':>6} {'beta* Gbit/s':>12} {'t0 ms':>7} {'t1 ms':>7} {'verdict':>8}"
+        f" {'pred ratio':>10} {'measured':>8}"
+    )
+    shapes = result["shapes"]
+    for key, (method, rounds_per_bucket, baseline) in COMPRESSED.items():
+        extra = max(0.0, compute[key] - compute[baseline])
+        link = links["gloo" if key.startswith("hook:") or "native" in key else "ring"]
+        verdict = compression_pays(shapes, world, link, method, extra, rounds=rounds_per_bucket, rank=4)
+        predicted = (measured[baseline] - verdict.saved_seconds) / measured[baseline]
+        _, _, observed, _ = _paired(result, key, baseline)
+        print(
+            f"  {PART_C[key][0]:<28} {rounds_per_bucket:2d} {extra * 1e3:6.1f}"
+            f" {verdict.break_even_bytes_per_s * 8 / 1e9:12.2f} {verdict.plain_seconds * 1e3:7.1f}"
+            f" {verdict.compressed_seconds * 1e3:7.1f} {'pays' if verdict.pays else 'costs':>8}"
+            f" {predicted:10.3f} {observed:8.3f}"
+        )
+    print(
+        "  (pred ratio: the measured baseline step (ring, native or allreduce_hook) minus the predicted saving, over\n"
+        "  that step; measured: the median per-round ratio to the same baseline. No overlap is modelled.)"
+    )
+    print(
+        f"\n  predicted at 8 ranks, latency 10 us/step, the compute measured here (one CPU core; a GPU computes the\n"
+        f"  factors far faster), this model's {len(shapes)} gradients; saved ms/step = t0 - t1 (+: compression pays)"
+    )
+    speeds = (1, 10, 100)
+    print(f"  {'compression':<28} " + " ".join(f"{f'{g} Gbit/s':>10}" for g in speeds) + f" {'beta* Gbit/s':>12}")
+    for key, (method, rounds_per_bucket, baseline) in COMPRESSED.items():
+        extra = max(0.0, compute[key] - compute[baseline])
+        cells, beta = [], 0.0
+        for gbit in speeds:
+            verdict = compression_pays(shapes, 8, Link(1e-5, gbit * 1e9 / 8), method, extra, rounds_per_bucket, 4)
+            cells.append(f"{verdict.saved_seconds * 1e3:+10.1f}")
+            beta = verdict.break_even_bytes_per_s
+        print(f"  {PART_C[key][0]:<28} " + " ".join(cells) + f" {beta * 8 / 1e9:12.2f}")
 
 
 def main() -> None:
@@ -293,6 +509,9 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=1536, help="MLP width (default: ~21 M parameters at depth 9)")
     parser.add_argument("--depth", type=int, default=9)
     parser.add_argument("--rounds", type=int, default=10, help="fits per strategy, alternating in one launch")
+    parser.add_argument(
+        "--link-sizes-kib", type=int, nargs="+", default=[256, 4096, 32768], help="(c): sizes the link is fitted on"
+    )
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {os.cpu_count()} CPU cores")
     if args.part in ("a", "both"):
@@ -300,7 +519,7 @@ def main() -> None:
     if args.part in ("b", "both"):
         part_b(args.steps, args.width, args.depth, args.rounds)
     if args.part in ("c", "all"):
-        part_c(args.steps, args.width, args.depth, args.rounds)
+        part_c(args.steps, args.width, args.depth, args.rounds, [kib * 1024 for kib in args.link_sizes_kib])
 
 
 if __name__ == "__main__":

@@ -46,6 +46,21 @@ def test_strategy_benchmark_pairs_rounds_in_one_launch_and_prints_the_ratio() ->
 
 
 @pytest.mark.timeout(300)
+def test_reducer_benchmark_prints_reducers_and_torch_hooks_against_ring_and_ddp_and_when_compression_pays() -> None:
+    tiny = ["--rounds", "2", "--steps", "3", *TINY, "--link-sizes-kib", "64", "256"]
+    out = _run("bench_ring_allreduce.py", "--part", "c", *tiny)
+    # MB/step, counted/payload, bytes/ring, ms/step, time/ring and its IQR, time/ddp and its IQR
+    number = r"\s+\d+\.\d+"
+    for label in ('"ring"', '"native"', 'PowerSGD("native", rank=4)', "hook powerSGD_hook r=4", 'Lightning "ddp"'):
+        assert re.search(rf"^\s+{re.escape(label)}{number}\s+(counted|payload){number * 6}$", out, re.M), out
+    assert re.search(r"loopback link fitted on gloo all-reduces .* bandwidth \d+\.\d\d GB/s", out), out
+    # k, extra compute, break-even bandwidth, t0, t1, verdict, predicted and measured ratios
+    row = rf"^\s+hook powerSGD_hook r=4\s+3{number}\s+(\d+\.\d+|inf){number * 2}\s+(pays|costs){number * 2}$"
+    assert re.search(row, out, re.M), out
+    assert re.search(r"^\s+fp16_compress\(\"ring\"\)(\s+[+-]\d+\.\d){3}\s+(\d+\.\d+|inf)$", out, re.M), out
+
+
+@pytest.mark.timeout(300)
 def test_step_phase_benchmark_prints_every_contender_against_ddp() -> None:
     out = _run("bench_step_phases.py", "--steps", "5", "--contenders", "buckets+noop,buckets+ring,ddp", *TINY)
     for name in ("buckets+noop", "buckets+ring", "ddp"):

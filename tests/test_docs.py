@@ -18,6 +18,7 @@ PUBLIC_MODULES = [
     "lightning_dp_strategies.reducers",
     "lightning_dp_strategies.compression",
     "lightning_dp_strategies.comm_hooks",
+    "lightning_dp_strategies.plan_compression",
     "lightning_dp_strategies.fingerprint",
     "lightning_dp_strategies.plan",
     "lightning_dp_strategies.data_parallel",
