@@ -3,7 +3,8 @@
 Run as ``python -m tests.strategies.pipeline_features STAGES WORLD OUTDIR [BALANCE] [unfreeze]`` (``STAGES=0``:
 one device, the reference; ``BALANCE`` like ``2,4``; ``unfreeze`` adds the fine-tuning schedule :class:`Unfreeze`).
 Rank 0 writes ``OUTDIR/result.pt``: the checkpoints each ``ModelCheckpoint`` kept, the epoch ``EarlyStopping``
-stopped at, every logged value, the model summary, the trained parameters and what ``validate``/``test``/``predict``
+stopped at, every logged value, what Lightning's model summary callback printed (the module sets
+``example_input_array``, so the summary runs it), the trained parameters and what ``validate``/``test``/``predict``
 return after ``fit``. Every rank writes ``OUTDIR/rank{r}.pt`` with what its ``configure_optimizers`` saw. Each
 replica reads its share of every global batch, so both runs train on the same global batches.
 """
@@ -11,6 +12,7 @@ replica reads its share of every global batch, so both runs train on the same gl
 from __future__ import annotations
 
 import csv
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,9 +21,15 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 import torchmetrics
-from lightning.pytorch.callbacks import BaseFinetuning, EarlyStopping, LearningRateMonitor, ModelCheckpoint, Timer
+from lightning.pytorch.callbacks import (
+    BaseFinetuning,
+    EarlyStopping,
+    LearningRateMonitor,
+    ModelCheckpoint,
+    ModelSummary,
+    Timer,
+)
 from lightning.pytorch.loggers import CSVLogger
-from lightning.pytorch.utilities.model_summary import summarize
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 
@@ -53,6 +61,9 @@ class FeatureNet(L.LightningModule):
     def configure_model(self) -> None:
         if not hasattr(self, "val_mean_loss"):
             self.val_mean_loss = torchmetrics.MeanMetric()  # made in configure_model
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.body(x)
 
     def pipeline_loss(self, output: Tensor, target: Tensor) -> Tensor:
         return F.cross_entropy(output, target)
@@ -154,12 +165,46 @@ def cpu_trainer(stages: int, world: int, strategy: Any = None, **options: Any) -
     return trainer, trainer.global_rank % replicas, replicas
 
 
-class Summary(L.Callback):
-    """What Lightning's model summary counts, at the moment its callback does (``on_fit_start``)."""
+class Summary(ModelSummary):
+    """Lightning's model summary callback, recording what it prints on rank 0 (the totals and the table's columns)
+    and the lines logged while it runs (``hybrid_pipeline``'s line on this rank's stage)."""
+
+    printed: dict[str, Any] | None = None
 
     def on_fit_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-        summary = summarize(module)
-        self.counts = (summary.total_parameters, summary.trainable_parameters)
+        lines: list[str] = []
+        handler = logging.Handler()
+        handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+        loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric")]  # rank_zero_info's
+        for logger in loggers:
+            logger.addHandler(handler)
+        try:
+            super().on_fit_start(trainer, module)
+        finally:
+            for logger in loggers:
+                logger.removeHandler(handler)
+        if self.printed is not None:
+            self.printed["lines"] = lines
+
+    def summarize(  # type: ignore[override]  # an instance method, to record what Lightning's static one prints
+        self,
+        summary_data: list[tuple[str, list[str]]],
+        total_parameters: int,
+        trainable_parameters: int,
+        model_size: float,
+        total_training_modes: dict[str, int],
+        total_flops: int,
+        **summarize_kwargs: Any,
+    ) -> None:
+        self.printed = {
+            "counts": (total_parameters, trainable_parameters, model_size, total_flops),
+            "modes": total_training_modes,
+            "columns": dict(summary_data),
+            "summary_data": summary_data,
+        }
+        ModelSummary.summarize(
+            summary_data, total_parameters, trainable_parameters, model_size, total_training_modes, total_flops
+        )
 
 
 def main(stages: int, world: int, out: Path, balance: Any = "parameters", unfreeze: bool = False) -> None:
@@ -187,6 +232,7 @@ def main(stages: int, world: int, out: Path, balance: Any = "parameters", unfree
         ],
     )
     model = FeatureNet(unfreeze)
+    model.example_input_array = torch.zeros(4, 8)  # the summary runs the model on it (in and out sizes, FLOPs)
     train, val = loader(data(SAMPLES, 1), replica, replicas), loader(data(VAL_SAMPLES, 2), replica, replicas)
     trainer.fit(model, train, val)
     result: dict[str, Any] = {
@@ -194,7 +240,7 @@ def main(stages: int, world: int, out: Path, balance: Any = "parameters", unfree
         "kept": [{Path(k).name: float(v) for k, v in c.best_k_models.items()} for c in checkpoints],
         "stopped_epoch": stopping.stopped_epoch,
         "epochs_run": trainer.current_epoch,
-        "summary": summary.counts,
+        "summary": summary.printed,
         "timer_ran": timer.time_elapsed("train") > 0,
         "params": {n: p.detach().clone() for n, p in model.named_parameters()},
     }

@@ -4,6 +4,7 @@
 - :mod:`.config`: its options, validated;
 - :mod:`.opt_in`: what a LightningModule adds to be pipelined, and how a batch splits into inputs and target;
 - :mod:`.precision`: the view of Lightning's precision plugin that clips by the norm over every stage.
+- :mod:`.summary`: Lightning's model summary of the pipelined module (whole-model counts, this stage's share).
 
 The layout (mesh, ownership, the stage's blocks), schedules, partition, micro-batching and the whole-model checkpoint
 need no Lightning and live in :mod:`lightning_dp_strategies.pipeline`.

@@ -44,9 +44,12 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.optimizer import _optimizer_to_device, _optimizers_to_device
 from lightning.pytorch.callbacks import BaseFinetuning
+from lightning.pytorch.callbacks import ModelSummary as ModelSummaryCallback
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.model_summary import ModelSummary, summarize
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.optim import Optimizer
@@ -89,6 +92,11 @@ from lightning_dp_strategies.strategies.hybrid_pipeline.opt_in import (
     split_batch,
 )
 from lightning_dp_strategies.strategies.hybrid_pipeline.precision import global_norm_view
+from lightning_dp_strategies.strategies.hybrid_pipeline.summary import (
+    PipelineSummary,
+    restore_summaries,
+    summarize_with,
+)
 
 __all__ = ["HybridPipelineConfig", "HybridPipelineStrategy", "PipelineStats"]
 
@@ -232,6 +240,7 @@ class HybridPipelineStrategy(BucketedDataParallel):
         self._outbox = Outbox()  # this stage's tensors for the checkpoint being saved (replica 0, stages > 0)
         self._inbox = Inbox()  # on rank 0: the stand-ins of the other stages' tensors in that checkpoint
         self._precision_view: Precision | None = None
+        self._summary_callbacks: list[ModelSummaryCallback] = []  # build a PipelineSummary from setup to teardown
         # statistics
         self._p2p_since_step = [0, 0]  # bytes sent to and received from neighbouring stages since the last step
         self.pipeline_stats = PipelineStats()
@@ -334,6 +343,7 @@ class HybridPipelineStrategy(BucketedDataParallel):
         )
         self._set_metric_groups(module)
         if fitting:
+            self._summary_callbacks = summarize_with(trainer.callbacks, self._summarize)  # type: ignore[attr-defined]
             if layout.replicas > 1:
                 self._build_buckets(allow_no_trainable=True)  # a stage of frozen blocks averages nothing
             self.setup_optimizers(trainer)  # the user's configure_optimizers sees the whole module, as on one device
@@ -530,6 +540,23 @@ class HybridPipelineStrategy(BucketedDataParallel):
             if isinstance(sub, Metric):
                 self._metric_groups.append((sub, sub.process_group))
                 sub.process_group = self.layout.data_group
+
+    def _summarize(
+        self, callback: ModelSummaryCallback, trainer: pl.Trainer, module: pl.LightningModule
+    ) -> ModelSummary:
+        """The summary Lightning's ``ModelSummary`` / ``RichModelSummary`` callback prints at the start of ``fit``: a
+        :class:`PipelineSummary` (the whole model's counts, this stage's share), headed by a line on this rank's stage.
+
+        From setup to teardown, each such callback in the Trainer calls this instead of its ``_summary`` method (an
+        instance attribute shadows the method, as Lightning's callback picks ``DeepSpeedSummary`` for ZeRO-3 there);
+        teardown removes the attribute and the callback is as it was."""
+        depth = getattr(callback, "_max_depth", 1)
+        if self.layout is None:  # pragma: no cover - the callback runs between setup and teardown
+            return summarize(module, max_depth=depth)
+        summary = PipelineSummary(module, self.layout, self.root_device, max_depth=depth)
+        if trainer.is_global_zero and depth:
+            rank_zero_info(summary.stage_line)
+        return summary
 
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
         """Lightning's clip-by-norm (``gradient_clip_val``) with the norm over every stage of the pipeline."""
@@ -909,6 +936,8 @@ class HybridPipelineStrategy(BucketedDataParallel):
     @override
     def teardown(self) -> None:
         self._precision_view = None
+        restore_summaries(self._summary_callbacks)
+        self._summary_callbacks = []
         for metric, group in self._metric_groups:
             metric.process_group = group
         self._metric_groups = []
