@@ -1,0 +1,25 @@
+"""Suite-wide collection order: the longest test files first.
+
+With ``-n 2 --dist loadfile`` (the README's command) each file runs whole on one worker, handed out in collection
+order; a long file collected last leaves the other worker idle until it ends. Files not named keep their order.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+LONGEST_FIRST = (
+    "tests/test_notebooks.py",
+    "tests/test_docs.py",
+    "tests/strategies/test_hybrid_pipeline_features.py",
+    "tests/test_benchmarks.py",
+    "tests/reliability/test_determinism.py",
+    "tests/strategies/test_hybrid_pipeline_tuples.py",
+    "tests/test_compare_user_model.py",
+    "tests/test_compare.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
