@@ -1,55 +1,41 @@
-"""The ``lightning-dp-strategies`` command (also ``python -m lightning_dp_strategies``)."""
+"""The ``lightning-dp-strategies`` command (also ``python -m lightning_dp_strategies``): running a parsed command.
+
+The arguments and the checks that need no torch are in the top-level module ``lightning_dp_strategies_cli``, so that
+``--help`` answers without importing the package.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lightning-dp-strategies", description="Data-parallel Lightning strategies.")
-    commands = parser.add_subparsers(dest="command", required=True)
-    cmp = commands.add_parser(
-        "compare",
-        help="train a built-in demo with each strategy and compare them side by side",
-        description="Train the built-in demo (synthetic data, an MLP) with each strategy on the same global batches,"
-        " then print a table and write comparison.json and comparison.png.",
-    )
-    cmp.add_argument("--strategies", help="comma-separated names (default: single,dp,ring_allreduce,ddp,...)")
-    cmp.add_argument("--devices", type=int, default=2, help="devices or processes per strategy (default 2)")
-    cmp.add_argument("--steps", type=int, default=30, help="optimizer steps per strategy (default 30)")
-    cmp.add_argument(
-        "--model-size",
-        choices=["small", "medium", "large"],
-        default="medium",
-        help="demo MLP: small ~0.07 M, medium ~1.4 M, large ~21 M parameters (default medium)",
-    )
-    cmp.add_argument("--global-batch", type=int, default=64, help="samples per optimizer step, all ranks (default 64)")
-    cmp.add_argument("--output", type=Path, default=Path("comparison"), help="output folder (default ./comparison)")
-    cmp.add_argument("--seed", type=int, default=0)
-    cmp.add_argument("--timeout", type=float, default=300.0, help="seconds before one strategy's run is abandoned")
-    cmp.add_argument(
-        "--import",
-        dest="imports",
-        action="append",
-        default=[],
-        metavar="MODULE",
-        help="import MODULE first (it may register more strategy names); repeatable",
-    )
-    cmp.add_argument("--worker", help=argparse.SUPPRESS)
-    cmp.add_argument("--config-json", help=argparse.SUPPRESS)
-    return parser
+import lightning_dp_strategies_cli
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status (0 when every strategy ran)."""
-    parser = _parser()
-    args = parser.parse_args(argv)
+    return lightning_dp_strategies_cli.main(argv)
+
+
+def _listing(out: Path, kept: bool, wrote_png: bool) -> list[str]:
+    logs = sorted((out / "logs").glob("*.log"))
+    lines = [f"wrote to {out}/:", "  comparison.json  every figure and curve, the configuration and the machine"]
+    lines.append("  comparison.png   the figure" if wrote_png else "  (no comparison.png: pip install matplotlib)")
+    lines.append(f"  logs/            each strategy's output ({len(logs)} files)")
+    if kept:
+        kept_files = len(list((out / "checkpoints").glob("*.ckpt")))
+        lines.append(f"  checkpoints/     each strategy's final checkpoint ({kept_files} files)")
+    else:
+        lines.append("  (checkpoints are not kept: pass --keep-checkpoints to keep them)")
+    return lines
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Run a checked ``compare`` command: the worker of one strategy (``--worker``), or the whole comparison."""
     for module in args.imports:
         try:
             importlib.import_module(module)
@@ -60,40 +46,53 @@ def main(argv: Sequence[str] | None = None) -> int:
     from lightning_dp_strategies.compare import demo, report, runner
 
     if args.worker:
-        config = demo.DemoConfig(**json.loads(args.config_json))
-        runner.run_worker(args.worker, config, args.devices, args.output)
+        runner.run_worker(args.worker, args.task, args.devices, args.output)
         return 0
 
-    names = args.strategies.split(",") if args.strategies else runner.default_strategies()
-    names = [n.strip() for n in names if n.strip()]
-    unknown = [n for n in names if n not in runner.available_strategies()]
-    if unknown:
-        ours = [n for n in runner.default_strategies()]
-        parser.error(
-            f"unknown strategy {', '.join(map(repr, unknown))}. Available: {', '.join(ours)}"
-            f" (and any registered name: {', '.join(runner.available_strategies())})"
+    config = None
+    if args.model is None:
+        config = demo.DemoConfig(
+            steps=args.steps,
+            global_batch=args.global_batch or lightning_dp_strategies_cli.DEMO_GLOBAL_BATCH,
+            model_size=args.model_size or "medium",
+            seed=args.seed,
         )
-    if args.devices < 1 or args.steps < 1:
-        parser.error("--devices and --steps must be at least 1")
-    if args.global_batch % args.devices:
-        parser.error(f"--global-batch {args.global_batch} must be a multiple of --devices {args.devices}")
-    config = demo.DemoConfig(
-        steps=args.steps, global_batch=args.global_batch, model_size=args.model_size, seed=args.seed
-    )
+    names = args.strategies.split(",") if args.strategies else None
     start = time.perf_counter()
-    print(f"Comparing {len(names)} strategies on {args.devices} CPU devices/processes: {config}", flush=True)
-    results = runner.compare(
-        names, config, args.devices, args.output, args.timeout, args.imports, lambda m: print(m, flush=True)
-    )
+    try:
+        results = runner.compare(
+            names,
+            config,
+            args.devices,
+            args.output,
+            args.timeout,
+            args.imports,
+            lambda m: print(m, flush=True),
+            model=args.model,
+            train_dataloaders=args.data,
+            steps=args.steps,
+            seed=args.seed,
+            precision=args.precision,
+            accelerator=args.accelerator,
+            keep_checkpoints=args.keep_checkpoints,
+        )
+    except ValueError as err:  # every bad value is found before any process starts
+        parser.error(str(err))
     print()
     print(report.format_table(results))
-    report.write_json(results, config, args.devices, args.output / "comparison.json")
+    workload = config or {
+        "model": args.model,
+        "data": args.data or "the model's train_dataloader",
+        "steps": args.steps,
+        "seed": args.seed,
+        "precision": args.precision,
+        "accelerator": args.accelerator,
+    }
+    report.write_json(results, workload, args.devices, args.output / "comparison.json")
     wrote_png = report.write_figure(results, args.output / "comparison.png")
-    print(
-        f"\nwrote {args.output / 'comparison.json'}"
-        + (f" and {args.output / 'comparison.png'}" if wrote_png else " (no PNG: pip install matplotlib)")
-        + f" in {time.perf_counter() - start:.0f} s"
-    )
+    print()
+    print("\n".join(_listing(args.output, args.keep_checkpoints, wrote_png)))
+    print(f"in {time.perf_counter() - start:.0f} s")
     return 0 if all(r.status == "ok" for r in results) else 1
 
 

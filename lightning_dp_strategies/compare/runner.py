@@ -1,15 +1,19 @@
-"""Run each strategy on the demo in its own subprocess, then evaluate every result the same way in this process."""
+"""Run each strategy on the demo or the user's model in its own subprocess, then evaluate every result the same way in
+this process."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +23,16 @@ from lightning.pytorch.strategies import StrategyRegistry
 from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_dp_strategies.compare.demo import DemoClassifier, DemoConfig, make_dataset
+from lightning_dp_strategies.compare.task import (
+    GlobalBatches,
+    Task,
+    dump_task,
+    first_global_batch,
+    load_task,
+    make_task,
+    training_loss,
+)
+from lightning_dp_strategies.data_parallel.pytree import _children
 
 BASELINE = "single"
 """The single-device baseline every other row is compared with."""
@@ -48,6 +62,79 @@ def default_strategies() -> list[str]:
     return [n for n in PREFERRED_ORDER if n in names]
 
 
+_NEEDS = {
+    "DeepSpeedStrategy": ("cuda", "deepspeed", "a GPU and the deepspeed package"),
+    "FSDPStrategy": ("cuda", None, "a GPU"),
+    "XLAStrategy": ("xla", "torch_xla", "a TPU and torch_xla"),
+    "SingleDeviceXLAStrategy": ("xla", "torch_xla", "a TPU and torch_xla"),
+    "SingleTPUStrategy": ("xla", "torch_xla", "a TPU and torch_xla"),
+}
+"""Registered Lightning strategies that need hardware or packages beyond a CPU: (device kind, package, in words)."""
+
+
+def cannot_run_here(name: str, accelerator: str) -> str | None:
+    """Why a registered strategy cannot run on ``accelerator`` (``"cpu"`` or ``"cuda"``) here, or ``None``.
+
+    Examples:
+        >>> cannot_run_here("fsdp", "cpu"), cannot_run_here("ring_allreduce", "cpu")
+        ('fsdp needs a GPU', None)
+    """
+    if name == BASELINE or name not in StrategyRegistry:
+        return None
+    needs = _NEEDS.get(StrategyRegistry[name]["strategy"].__name__)
+    if needs is None:
+        return None
+    kind, package, words = needs
+    if kind != accelerator or (package is not None and importlib.util.find_spec(package) is None):
+        return f"{name} needs {words}"
+    return None
+
+
+def runnable_strategies(accelerator: str = "cpu") -> list[str]:
+    """The names that can run on ``accelerator`` here: the defaults first, then the other registered ones.
+
+    Examples:
+        >>> names = runnable_strategies("cpu")
+        >>> names[:4], "fsdp" in names, "deepspeed" in names
+        (['single', 'dp', 'ring_allreduce', 'ddp'], False, False)
+    """
+    defaults = default_strategies()
+    others = [n for n in available_strategies() if n not in defaults and cannot_run_here(n, accelerator) is None]
+    return defaults + others
+
+
+def check_strategies(names: Sequence[str], accelerator: str = "cpu") -> list[str]:
+    """The names to compare, stripped; ``ValueError`` (naming what can run) if one is empty, unknown, repeated or needs
+    hardware this machine lacks.
+
+    Examples:
+        >>> check_strategies([" single", "ring_allreduce "])
+        ['single', 'ring_allreduce']
+        >>> check_strategies(["", " "])
+        Traceback (most recent call last):
+        ...
+        ValueError: no strategy named: pass names separated by commas, for example single,ring_allreduce
+    """
+    cleaned = [n.strip() for n in names if n.strip()]
+    if not cleaned:
+        raise ValueError("no strategy named: pass names separated by commas, for example single,ring_allreduce")
+    runnable = runnable_strategies("cpu" if accelerator == "auto" else accelerator)
+    unknown = [n for n in cleaned if n not in available_strategies()]
+    if unknown:
+        raise ValueError(
+            f"unknown strategy {', '.join(map(repr, unknown))}; these run here: {', '.join(runnable)}"
+            " (register your own and pass --import MODULE)"
+        )
+    for name in cleaned:
+        reason = cannot_run_here(name, "cpu" if accelerator == "auto" else accelerator)
+        if reason:
+            raise ValueError(f"{reason}; these run here: {', '.join(runnable)}")
+    repeated = sorted({n for n in cleaned if cleaned.count(n) > 1})
+    if repeated:
+        raise ValueError(f"strategy {', '.join(map(repr, repeated))} named twice: name each strategy once")
+    return cleaned
+
+
 def processes_for(name: str, devices: int) -> int:
     """Processes a strategy starts: one for the baseline; what the registered class says (``launched_processes``,
     which this package's strategies and their subclasses have); else one per device, as Lightning's own launch.
@@ -66,6 +153,9 @@ def processes_for(name: str, devices: int) -> int:
 @dataclass
 class RunResult:
     """One row of the comparison (and its curves).
+
+    ``status`` is ``"ok"``, ``"n/a"`` (the strategy cannot run this model or configuration; ``error`` says why in one
+    line), ``"failed"`` (it started and then crashed) or ``"timeout"``.
 
     Examples:
         >>> row = RunResult("ring_allreduce", processes=2, devices=2)
@@ -88,6 +178,8 @@ class RunResult:
     final_loss: float | None = None
     accuracy: float | None = None
     max_param_diff: float | None = None
+    peak_mb_per_rank: float | None = None
+    peak_mb_by_rank: list[float] = field(default_factory=list)
     loss_curve: list[float] = field(default_factory=list)
     step_times_ms: list[float] = field(default_factory=list)
 
@@ -96,7 +188,8 @@ class RunResult:
 
 
 class _Recorder(L.Callback):
-    def __init__(self) -> None:
+    def __init__(self, progress: Path | None = None) -> None:
+        self.progress = progress
         self.start = 0.0
         self.step_ms: list[float] = []
         self.losses: list[float] = []
@@ -124,37 +217,70 @@ class _Recorder(L.Callback):
         pipeline = getattr(trainer.strategy, "pipeline_stats", None)  # hybrid_pipeline: idle over total, this rank
         if pipeline is not None and not pipeline.last.warmup:
             self.bubbles.append(float(pipeline.last.bubble))
+        if self.progress is not None and trainer.is_global_zero:  # read by the parent for its live progress line
+            self.progress.write_text(f"{len(self.step_ms)} {self.losses[-1]}")
 
 
-def run_worker(name: str, config: DemoConfig, devices: int, out: Path) -> None:
-    """Train the demo with one strategy (inside the launched processes) and write ``{name}.json`` and a checkpoint."""
-    # one CPU core stands for one device: one intra-op thread per process (scatter/gather's replicas are threads)
-    torch.set_num_threads(1)
-    recorder = _Recorder()
-    trainer = L.Trainer(
-        strategy="auto" if name == BASELINE else name,
-        accelerator="cpu",
-        devices=1 if name == BASELINE else devices,
-        max_steps=config.steps,
-        use_distributed_sampler=False,  # the demo slices each global batch itself, identically for every strategy
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[recorder],
-    )
-    trainer.fit(DemoClassifier(config))
-    trainer.save_checkpoint(out / f"{name}.ckpt")
-    if trainer.is_global_zero:
-        payload = {
-            "step_ms": recorder.step_ms,
-            "losses": recorder.losses,
-            "comm_bytes": recorder.comm_bytes,
-            "pipeline_bytes": recorder.pipeline_bytes,
-            "exposed_ms": recorder.exposed_ms,
-            "bubbles": recorder.bubbles,
-        }
-        (out / f"{name}.json").write_text(json.dumps(payload))
+def _peak_mb(trainer: L.Trainer) -> float:
+    """This process's peak memory: CUDA memory allocated on its devices, else the process's peak resident set."""
+    if trainer.strategy.root_device.type == "cuda":
+        return max(torch.cuda.max_memory_allocated(i) for i in range(torch.cuda.device_count())) / 1e6
+    try:  # Linux: this process image's peak (getrusage's maxrss would include the launching parent's, kept over exec)
+        status = Path("/proc/self/status").read_text()
+        return next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")) * 1024 / 1e6
+    except (OSError, StopIteration):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
+
+
+def run_worker(name: str, task_path: Path, devices: int, work: Path) -> None:
+    """Train the task with one strategy (inside the launched processes): each rank writes ``{name}.rank{r}.json``, rank
+    0 a checkpoint; a rank that fails writes ``{name}.rank{r}.error.json`` (its one-line reason) and raises."""
+    task = load_task(task_path)
+    if task.accelerator == "cpu":
+        torch.set_num_threads(1)  # one CPU core stands for one device (scatter/gather's replicas are threads)
+    recorder = _Recorder(work / f"{name}.progress")
+    trainer: L.Trainer | None = None
+    try:
+        model = task.build_model()
+        data = None if task.demo is not None else GlobalBatches(task.build_data())
+        trainer = L.Trainer(
+            strategy="auto" if name == BASELINE else name,
+            accelerator=task.accelerator,
+            devices=1 if name == BASELINE else devices,
+            precision=task.precision,  # type: ignore[arg-type]
+            max_steps=task.steps,
+            use_distributed_sampler=False,  # the global batches are cut per replica, identically for every strategy
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[recorder],
+        )
+        trainer.fit(model, datamodule=data)
+    except Exception as err:
+        rank = trainer.global_rank if trainer is not None else _rank()
+        reason = {"type": type(err).__name__, "message": str(err), "steps_done": len(recorder.step_ms)}
+        (work / f"{name}.rank{rank}.error.json").write_text(json.dumps(reason))
+        raise
+    trainer.save_checkpoint(work / f"{name}.ckpt")
+    payload = {
+        "step_ms": recorder.step_ms,
+        "losses": recorder.losses,
+        "comm_bytes": recorder.comm_bytes,
+        "pipeline_bytes": recorder.pipeline_bytes,
+        "exposed_ms": recorder.exposed_ms,
+        "bubbles": recorder.bubbles,
+        "peak_mb": _peak_mb(trainer),
+    }
+    (work / f"{name}.rank{trainer.global_rank}.json").write_text(json.dumps(payload))
 
 
 # ---------------------------------------------------------------------------------------------- parent
@@ -178,45 +304,83 @@ def evaluate(config: DemoConfig, checkpoint: Path) -> tuple[dict[str, torch.Tens
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, loss, accuracy
 
 
+def _one_line(text: str, limit: int = 240) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _failure(name: str, work: Path, log: Path, code: int | None, timeout: float) -> tuple[str, str]:
+    """The row's status and one-line reason: ``n/a`` for a configuration the strategy refuses before training."""
+    reports = sorted(work.glob(f"{name}.rank*.error.json"), key=lambda p: int(p.name.split(".rank")[1].split(".")[0]))
+    if code is None:
+        return "timeout", f"no result within {timeout:.0f} s (see {log.parent.name}/{log.name})"
+    if reports:
+        report = json.loads(reports[0].read_text())
+        refused = report["steps_done"] == 0 and report["type"] in _REFUSALS
+        return ("n/a" if refused else "failed"), _one_line(f"{report['type']}: {report['message']}")
+    tail = [line for line in log.read_text(errors="replace").splitlines() if line.strip()][-1:]
+    return "failed", f"exit {code}" + (f": {_one_line(tail[0], 200)}" if tail else "")
+
+
+_REFUSALS = {"ValueError", "TypeError", "NotImplementedError", "MisconfigurationException"}
+"""Exceptions raised before the first step that mean "this strategy cannot run this model or configuration"."""
+
+
 def run_one(
-    name: str, config: DemoConfig, devices: int, out: Path, timeout: float, extra_imports: list[str]
+    name: str,
+    task: Task,
+    task_path: Path,
+    devices: int,
+    work: Path,
+    logs: Path,
+    timeout: float,
+    extra_imports: list[str],
+    progress: Callable[[str], None] = print,
+    progress_every: float = 10.0,
 ) -> RunResult:
-    """Run one strategy in a subprocess (crashes and hangs become this row's error) and summarise it."""
+    """Run one strategy in a subprocess (crashes and hangs become this row's status) and summarise it."""
     result = RunResult(name, processes_for(name, devices), 1 if name == BASELINE else devices)
-    cmd = [sys.executable, "-m", "lightning_dp_strategies", "compare", "--worker", name, "--output", str(out)]
-    cmd += ["--devices", str(devices), "--config-json", json.dumps(asdict(config))]
+    cmd = [sys.executable, "-m", "lightning_dp_strategies", "compare", "--worker", name, "--task", str(task_path)]
+    cmd += ["--output", str(work), "--devices", str(devices)]
     for module in extra_imports:
         cmd += ["--import", module]
-    log = out / "logs" / f"{name}.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
+    log = logs / f"{name}.log"
     start = time.perf_counter()
+    said = start
     with open(log, "w") as handle:
         proc = subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
+        code: int | None = None
         try:
-            code = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            code = None
+            while (code := proc.poll()) is None and time.perf_counter() - start < timeout:
+                time.sleep(0.2)
+                if time.perf_counter() - said >= progress_every:
+                    said = time.perf_counter()
+                    done = _progress_line(work / f"{name}.progress", task.steps)
+                    progress(f"        ... {done} after {said - start:.0f} s")
         finally:
             try:
                 os.killpg(proc.pid, 9)  # no rank outlives its row
             except ProcessLookupError:
                 pass
     result.wall_seconds = time.perf_counter() - start
-    summary = out / f"{name}.json"
+    ranks = sorted(work.glob(f"{name}.rank*.json"))
+    ranks = [p for p in ranks if not p.name.endswith(".error.json")]
+    summary = work / f"{name}.rank0.json"
     if code != 0 or not summary.exists():
-        result.status = "timeout" if code is None else "failed"
-        tail = [line for line in log.read_text(errors="replace").splitlines() if line.strip()][-1:]
-        result.error = (f"no result within {timeout:.0f} s" if code is None else f"exit {code}") + (
-            f": {tail[0][:200]}" if tail else ""
-        )
+        result.status, result.error = _failure(name, work, log, code, timeout)
         return result
     data = json.loads(summary.read_text())
+    every_rank = [json.loads(p.read_text()) for p in sorted(ranks, key=_rank_of)]
+    result.peak_mb_by_rank = [rank["peak_mb"] for rank in every_rank]
+    result.peak_mb_per_rank = max(result.peak_mb_by_rank)
     steady = _steady(data["step_ms"])
     result.step_times_ms = data["step_ms"]
-    result.loss_curve = data["losses"]
+    # each rank's loss is its replica's slice (every stage of a pipeline replica reports the replica's loss): the
+    # mean over ranks is the global batch's loss, comparable with one device's
+    curves = [rank["losses"] for rank in every_rank]
+    result.loss_curve = [statistics.fmean(step) for step in zip(*curves, strict=False)]  # the shortest, if unequal
     if steady:
         result.step_ms = statistics.median(steady)
-        result.samples_per_second = config.global_batch / (result.step_ms / 1e3)
     if data["comm_bytes"]:
         result.comm_mb_per_step = statistics.median(_steady(data["comm_bytes"])) / 1e6
         result.exposed_comm_ms = statistics.median(_steady(data["exposed_ms"]))
@@ -227,47 +391,191 @@ def run_one(
     return result
 
 
+def _progress_line(path: Path, steps: int) -> str:
+    try:
+        step, loss = path.read_text().split()
+    except (OSError, ValueError):  # not written yet, or caught mid-write
+        return "starting"
+    return f"step {step}/{steps}, loss {float(loss):.4f}"
+
+
+def _rank_of(path: Path) -> int:
+    return int(path.name.split(".rank")[1].split(".")[0])
+
+
+def _resolve_accelerator(accelerator: str, devices: int) -> str:
+    if accelerator not in ("auto", "cpu", "gpu", "cuda"):
+        raise ValueError(f"accelerator {accelerator!r} is not one of auto, cpu, gpu, cuda")
+    if accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available()):
+        return "cpu"
+    if not torch.cuda.is_available():
+        raise ValueError(f"accelerator={accelerator!r} but this machine has no CUDA device: use accelerator='cpu'")
+    if devices > torch.cuda.device_count():
+        raise ValueError(f"devices={devices} but this machine has {torch.cuda.device_count()} CUDA devices")
+    return "cuda"
+
+
+def _batch_size(batch: Any) -> int | None:
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else None
+    for _, child in _children(batch) or []:
+        size = _batch_size(child)
+        if size is not None:
+            return size
+    return None
+
+
 def compare(
-    strategies: list[str],
-    config: DemoConfig,
-    devices: int,
-    out: Path,
+    strategies: Sequence[str] | None = None,
+    config: DemoConfig | None = None,
+    devices: int = 2,
+    out: Path | str = Path("comparison"),
     timeout: float = 300.0,
-    extra_imports: list[str] | None = None,
+    extra_imports: Sequence[str] | None = None,
     progress: Callable[[str], None] = print,
+    *,
+    model: Any = None,
+    datamodule: Any = None,
+    train_dataloaders: Any = None,
+    steps: int | None = None,
+    seed: int = 0,
+    precision: str = "32-true",
+    accelerator: str = "auto",
+    keep_checkpoints: bool = False,
+    progress_every: float = 10.0,
 ) -> list[RunResult]:
-    """Run every strategy in turn and fill in loss, accuracy and the parameter difference from the baseline.
+    """Train the demo (``config``) or your model with every strategy, each in its own processes, and compare them.
+
+    ``model`` is a LightningModule class, a function returning one, or ``"package.module:factory"``; the data is
+    ``datamodule=`` (a factory of a LightningDataModule) or ``train_dataloaders=`` (a factory of a DataLoader of global
+    batches), or the model's own ``train_dataloader``. Every value is checked before any process starts (a
+    ``ValueError`` naming the fix). Each row then gets its timings, communication, peak memory, the final loss, and
+    the largest parameter difference from the single-device baseline; a strategy that cannot run the model gets
+    status ``"n/a"`` and a one-line reason. ``out`` receives one log per strategy (``logs/``) and, with
+    ``keep_checkpoints``, the final checkpoints (``checkpoints/``).
 
     Examples:
         >>> names = ["single", "ring_allreduce"]  # each trains in its own subprocess: seconds to minutes
-        >>> results = compare(names, DemoConfig(steps=10), 2, Path("runs"), progress=lambda _: None)  # doctest: +SKIP
+        >>> results = compare(names, model="my_models:make_net", train_dataloaders="my_models:loader")  # doctest: +SKIP
         >>> [(r.strategy, r.status) for r in results]  # doctest: +SKIP
         [('single', 'ok'), ('ring_allreduce', 'ok')]
     """
-    out.mkdir(parents=True, exist_ok=True)
+    if devices < 1:
+        raise ValueError(f"devices must be at least 1 (got {devices})")
+    if not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds (got {timeout})")
+    if datamodule is not None and train_dataloaders is not None:
+        raise ValueError("pass datamodule= or train_dataloaders=, not both")
+    device_kind = _resolve_accelerator(accelerator, devices)
+    if precision == "16-mixed" and device_kind == "cpu":  # Lightning would switch to bf16-mixed with a warning
+        raise ValueError("precision 16-mixed (fp16 autocast) needs a GPU; on CPU use bf16-mixed")
+    names = check_strategies(default_strategies() if strategies is None else list(strategies), device_kind)
+    task = make_task(
+        model,
+        datamodule if datamodule is not None else train_dataloaders,
+        demo=config,
+        steps=steps,
+        seed=seed,
+        precision=precision,
+        accelerator=device_kind,
+    )
+    if task.demo is not None:
+        global_batch: int | None = task.demo.global_batch
+        if task.demo.global_batch % devices:
+            raise ValueError(
+                f"the global batch ({task.demo.global_batch}) must be a multiple of devices ({devices}): every"
+                " data-parallel replica gets an equal slice"
+            )
+        first = None
+    else:
+        try:
+            probe = task.build_model()
+            first = first_global_batch(task, probe)
+        except ValueError:
+            raise
+        except Exception as err:
+            raise ValueError(f"building the model or data failed before any strategy ran: {err!r}") from err
+        global_batch = _batch_size(first) if first is not None else None
+        if global_batch is not None and global_batch % devices:
+            raise ValueError(
+                f"the data's batches hold {global_batch} samples, which does not split evenly over {devices} devices:"
+                f" use a batch size that is a multiple of {devices} (each data-parallel replica trains on a slice)"
+            )
+    progress(
+        f"Comparing {len(names)} strategies on {task.label}, {devices} {'CUDA' if device_kind == 'cuda' else 'CPU'}"
+        f" devices each, {task.steps} steps" + (f" of {global_batch} samples" if global_batch else "")
+    )
+    out = Path(out)
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="compare-"))
+    try:
+        task_path = work / "task.pkl"
+        dump_task(task, task_path)
+        results = _run_all(
+            names, task, task_path, devices, work, logs, timeout, list(extra_imports or []), progress, progress_every
+        )
+        _evaluate_all(results, task, work, first)
+        for result in results:
+            if result.step_ms and global_batch:
+                result.samples_per_second = global_batch / (result.step_ms / 1e3)
+        if keep_checkpoints:
+            kept = out / "checkpoints"
+            kept.mkdir(exist_ok=True)
+            for ckpt in work.glob("*.ckpt"):
+                shutil.move(str(ckpt), kept / ckpt.name)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return results
+
+
+def _run_all(
+    names: list[str],
+    task: Task,
+    task_path: Path,
+    devices: int,
+    work: Path,
+    logs: Path,
+    timeout: float,
+    extra_imports: list[str],
+    progress: Callable[[str], None],
+    progress_every: float,
+) -> list[RunResult]:
     results: list[RunResult] = []
-    for i, name in enumerate(strategies, 1):
+    for i, name in enumerate(names, 1):
         procs = processes_for(name, devices)
-        progress(f"[{i}/{len(strategies)}] {name}: {procs} process{'es' if procs > 1 else ''} ...")
-        result = run_one(name, config, devices, out, timeout, extra_imports or [])
+        progress(f"[{i}/{len(names)}] {name}: {procs} process{'es' if procs > 1 else ''}, {task.steps} steps ...")
+        result = run_one(name, task, task_path, devices, work, logs, timeout, extra_imports, progress, progress_every)
         progress(
-            f"        {result.status} in {result.wall_seconds:.1f} s" + (f" ({result.error})" if result.error else "")
+            f"        {result.status} in {result.wall_seconds:.1f} s" + (f": {result.error}" if result.error else "")
         )
         results.append(result)
+    return results
+
+
+def _evaluate_all(results: list[RunResult], task: Task, work: Path, first: Any) -> None:
+    """Load every finished run's checkpoint here: its final loss (and the demo's accuracy) and its parameters, compared
+    with the baseline's."""
     params: dict[str, dict[str, torch.Tensor]] = {}
     for result in results:
         if result.status != "ok":
             continue
+        checkpoint = work / f"{result.strategy}.ckpt"
         try:
-            params[result.strategy], result.final_loss, result.accuracy = evaluate(
-                config, out / f"{result.strategy}.ckpt"
-            )
+            if task.demo is not None:
+                params[result.strategy], result.final_loss, result.accuracy = evaluate(task.demo, checkpoint)
+                continue
+            model = task.build_model()
+            state = torch.load(checkpoint, map_location="cpu", weights_only=False)["state_dict"]
+            model.load_state_dict(state)
+            params[result.strategy] = {k: v.detach().clone().float() for k, v in model.state_dict().items()}
+            result.final_loss = training_loss(model, first) if first is not None else None
         except Exception as err:  # a checkpoint that does not load is this row's failure, not the command's
-            result.status, result.error = "failed", f"checkpoint did not load: {err}"
+            result.status, result.error = "failed", _one_line(f"checkpoint did not load: {err}")
     if BASELINE in params:
         base = params[BASELINE]
         for result in results:
             if result.strategy in params:
                 mine = params[result.strategy]
-                result.max_param_diff = max(float((mine[k] - base[k]).abs().max()) for k in base)
-    return results
+                diffs = [float((mine[k].float() - base[k].float()).abs().max()) for k in base if base[k].numel()]
+                result.max_param_diff = max(diffs, default=0.0)

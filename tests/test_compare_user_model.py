@@ -1,0 +1,172 @@
+"""The comparison on a user's model (not the demo), from Python and from the command line, and every bad value refused
+before a process starts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_dp_strategies_cli
+from lightning_dp_strategies.compare import compare
+from lightning_dp_strategies.compare import runner as runner_module
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "docs" / "examples"
+
+
+def _never_starts_a_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a worker process was started before the bad value was refused")
+
+    monkeypatch.setattr(runner_module.subprocess, "Popen", refuse)
+
+
+@pytest.mark.timeout(240)
+def test_api_runs_a_test_defined_model_and_marks_what_cannot_run_it(tmp_path: Path) -> None:
+    class TinyNet(L.LightningModule):  # defined here: it travels to the workers by value (cloudpickle)
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(5, 12), nn.ReLU(), nn.Linear(12, 3))
+
+        def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+            x, y = batch
+            return F.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.2)
+
+    def batches() -> DataLoader:
+        gen = torch.Generator().manual_seed(3)
+        data = TensorDataset(torch.randn(48, 5, generator=gen), torch.randint(0, 3, (48,), generator=gen))
+        return DataLoader(data, batch_size=8)
+
+    messages: list[str] = []
+    results = compare(
+        ["single", "ring_allreduce", "hybrid_pipeline"],
+        devices=2,
+        out=tmp_path,
+        model=TinyNet,
+        train_dataloaders=batches,
+        steps=5,
+        progress=messages.append,
+        progress_every=0.0,
+    )
+    rows = {r.strategy: r for r in results}
+    single, ring, hybrid = rows["single"], rows["ring_allreduce"], rows["hybrid_pipeline"]
+    assert single.status == ring.status == "ok", [r.error for r in results]
+    assert single.max_param_diff == 0.0
+    assert ring.max_param_diff is not None and ring.max_param_diff <= 1e-5, "ring_allreduce drifted from one device"
+    assert ring.comm_mb_per_step and ring.comm_mb_per_step > 0
+    assert ring.peak_mb_per_rank and len(ring.peak_mb_by_rank) == 2 and min(ring.peak_mb_by_rank) > 10
+    assert ring.samples_per_second and ring.samples_per_second > 0
+    assert single.final_loss is not None and ring.final_loss == pytest.approx(single.final_loss, abs=1e-5)
+    assert len(ring.loss_curve) == 5
+    # no pipeline_body opt-in: refused at setup, one line that names the fix, not a traceback
+    assert hybrid.status == "n/a" and hybrid.error is not None
+    assert "pipeline_body" in hybrid.error and "\n" not in hybrid.error and "Traceback" not in hybrid.error
+    # live progress while a strategy runs; logs kept, checkpoints not
+    assert any("step " in m and "/5" in m for m in messages), messages
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == [f"{n}.log" for n in sorted(rows)]
+    assert not list(tmp_path.rglob("*.ckpt"))
+
+
+@pytest.mark.timeout(240)
+def test_cli_runs_the_readme_model_marks_what_cannot_run_it_and_keeps_checkpoints_when_asked(tmp_path: Path) -> None:
+    """The README's user-model command (docs/examples/my_models.py: a frozen layer, dict batches, a DataModule)."""
+    out = tmp_path / "out"
+    command = ["compare", "--model", "my_models:Forecaster", "--data", "my_models:SeriesData"]
+    command += ["--strategies", "single,dp,hybrid_pipeline", "--steps", "4", "--output", str(out), "--keep-checkpoints"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_dp_strategies", *command, "--accelerator", "cpu"],
+        capture_output=True,
+        text=True,
+        timeout=230,
+        cwd=EXAMPLES,
+    )
+    assert proc.returncode == 1, "a row that did not run makes the exit status 1\n" + proc.stdout + proc.stderr
+    data = json.loads((out / "comparison.json").read_text())
+    rows = {r["strategy"]: r for r in data["results"]}
+    assert rows["dp"]["status"] == "ok" and rows["dp"]["max_param_diff"] <= 1e-5
+    # no pipeline_body opt-in: the row says why in one line, the others ran
+    assert rows["hybrid_pipeline"]["status"] == "n/a" and "pipeline_body" in rows["hybrid_pipeline"]["error"]
+    assert "hybrid_pipeline (n/a): TypeError: Forecaster cannot run under HybridPipelineStrategy" in proc.stdout
+    assert rows["dp"]["final_loss"] == pytest.approx(rows["single"]["final_loss"], abs=1e-5)
+    assert data["config"]["model"] == "my_models:Forecaster"
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["dp.ckpt", "single.ckpt"]
+    assert "checkpoints/" in proc.stdout and "logs/" in proc.stdout and "comparison.json" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--global-batch", "0"], "--global-batch 0: it must be at least 1"),
+        (["--strategies", ",,"], "no strategy named"),
+        (["--timeout", "0"], "--timeout 0: it must be a positive number"),
+        (["--steps", "0"], "--steps 0"),
+        (["--data", "tests.helpers.compare_models:PairsData"], "--data needs --model"),
+        (["--model", "tests.helpers.compare_models"], "expected MODULE:FACTORY"),
+        (["--model", "m:f", "--global-batch", "8"], "with --model, your data sets the batch"),
+    ],
+)
+def test_values_wrong_anywhere_are_refused_without_importing_torch(argv: list[str], message: str) -> None:
+    code = "import sys, lightning_dp_strategies_cli as c\ntry:\n    c.main(sys.argv[1:])\nexcept SystemExit as e:\n"
+    code += "    print('exit', e.code, 'torch' in sys.modules)\n"
+    proc = subprocess.run([sys.executable, "-c", code, "compare", *argv], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip() == "exit 2 False", proc.stdout + proc.stderr
+    assert message in proc.stderr
+
+
+def test_help_answers_without_importing_torch() -> None:
+    code = "import sys, lightning_dp_strategies_cli as c\ntry:\n    c.main(['compare', '--help'])\nexcept SystemExit:\n"
+    code += "    print('torch' in sys.modules, 'lightning' in sys.modules)\n"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip().splitlines()[-1] == "False False", proc.stdout + proc.stderr
+    assert "--model MODULE:FACTORY" in proc.stdout and "--precision" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--strategies", "single,nope"], "unknown strategy 'nope'; these run here: single, dp, ring_allreduce"),
+        (["--strategies", "fsdp"], "fsdp needs a GPU"),
+        (["--strategies", "single,single"], "named twice"),
+        (["--model", "tests.helpers.compare_models:Nope"], "has no attribute 'Nope'"),
+        (["--model", "no_such_module_here:f"], "cannot import 'no_such_module_here'"),
+        (["--model", "tests.helpers.compare_models:Pairs"], "returned Pairs, not a LightningModule"),
+        (
+            ["--model", "tests.helpers.compare_models:Regressor", "--data", "tests.helpers.compare_models:odd_batches"],
+            "hold 9 samples, which does not split evenly over 2 devices",
+        ),
+        (["--accelerator", "gpu"], "no CUDA device"),
+        (["--precision", "16-mixed", "--accelerator", "cpu"], "on CPU use bf16-mixed"),
+    ],
+)
+def test_values_wrong_here_are_refused_before_any_process(
+    argv: list[str], message: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    if "gpu" in argv and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    _never_starts_a_process(monkeypatch)
+    with pytest.raises(SystemExit) as exit_info:
+        lightning_dp_strategies_cli.main(["compare", "--output", str(tmp_path), *argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err
+    if "nope" in argv:
+        assert "fsdp" not in err and "deepspeed" not in err and "xla" not in err
+
+
+def test_an_instance_instead_of_a_factory_names_the_fix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.helpers.compare_models import Regressor
+
+    _never_starts_a_process(monkeypatch)
+    with pytest.raises(ValueError, match="pass its class or a function that returns it"):
+        compare(["single"], out=tmp_path, model=Regressor(), train_dataloaders=lambda: [])
