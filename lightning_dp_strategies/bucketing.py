@@ -37,7 +37,7 @@ from torch import Tensor
 from torch.nn import Parameter
 
 from lightning_dp_strategies.comm import CommCounter, divide
-from lightning_dp_strategies.reducers import GradBucket, Reducer, close_reducer, resolve_reducer
+from lightning_dp_strategies.reducers import GradBucket, Reducer, close_reducer, resolve_reducer, set_event
 from lightning_dp_strategies.sizing import MiB as MiB  # importable from here before sizing existed
 from lightning_dp_strategies.sizing import bucket_boundaries, ring_bytes_per_rank
 
@@ -163,10 +163,6 @@ class Bucket:
         self.pending = len(self.params)
         self.future = None
         self.counter = CommCounter()
-
-
-def _set_event(event: threading.Event, _: object) -> None:
-    event.set()
 
 
 class GradientBuckets:
@@ -430,7 +426,7 @@ class GradientBuckets:
             assert future is not None
             if self.timeout is not None and not future.done():
                 done = threading.Event()
-                future.add_done_callback(functools.partial(_set_event, done))
+                future.add_done_callback(functools.partial(set_event, done))
                 if not done.wait(self.timeout):
                     late = f"not complete after {self.timeout:g} s (the strategy's `timeout`)"
                     raise TimeoutError(self._failure_message(bucket, late))

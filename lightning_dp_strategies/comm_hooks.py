@@ -26,7 +26,15 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
-from lightning_dp_strategies.reducers import CommThread, GradBucket, Reducer, completed, resolve_reducer
+from lightning_dp_strategies.reducers import (
+    CommThread,
+    GradBucket,
+    Reducer,
+    completed,
+    resolve_reducer,
+    set_event,
+    views,
+)
 from lightning_dp_strategies.sizing import ring_bytes_per_rank
 
 __all__ = ["CommHook", "CommHookReducer", "HookBucket", "check_comm_hook", "hook_name", "make_reducer"]
@@ -77,11 +85,7 @@ class HookBucket:
 
     def gradients(self) -> list[Tensor]:
         """Views of ``buffer()`` shaped like the parameters, in order."""
-        out, start = [], 0
-        for param in self._params:
-            out.append(self._buffer[start : start + param.numel()].view(param.shape))
-            start += param.numel()
-        return out
+        return views(self._buffer, [p.shape for p in self._params])
 
     def parameters(self) -> list[Tensor]:
         """The parameters whose gradients the bucket holds, in order."""
@@ -262,7 +266,7 @@ class CommHookReducer:
                 "`dist.all_reduce(buffer, async_op=True).get_future().then(lambda f: f.value()[0])`."
             )
         done = threading.Event()
-        future.add_done_callback(functools.partial(_set, done))
+        future.add_done_callback(functools.partial(set_event, done))
         while not done.wait(_CLOSE_CHECK_SECONDS):
             if self._closing:  # the buckets gave up on it (their timeout) and are being torn down
                 raise RuntimeError(f"closed before the hook's future for bucket {bucket.index} completed")
@@ -280,10 +284,6 @@ class CommHookReducer:
         bucket.counter.bytes_sent += int(ring_bytes_per_rank(buffer.numel() * buffer.element_size(), world))
         bucket.counter.seconds += time.perf_counter() - start
         return buffer
-
-
-def _set(event: threading.Event, _: object) -> None:
-    event.set()
 
 
 def make_reducer(reducer: str | Reducer | None, comm_hook: CommHook | None, comm_state: object = None) -> Reducer:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -102,12 +103,7 @@ class GradBucket:
 
     def gradients(self) -> list[Tensor]:
         """Views of the buffer shaped like ``shapes``, in order."""
-        out, start = [], 0
-        for shape in self.shapes:
-            n = math.prod(shape)
-            out.append(self.buffer[start : start + n].view(shape))
-            start += n
-        return out
+        return views(self.buffer, self.shapes)
 
     def with_buffer(self, buffer: Tensor, op: ReduceKind | None = None, keep_layout: bool = True) -> GradBucket:
         """The same bucket (group, counter, index) over another buffer, e.g. a compressed copy."""
@@ -137,6 +133,26 @@ class Reducer(Protocol):
     """
 
     def __call__(self, bucket: GradBucket) -> Future[Any]: ...
+
+
+def views(buffer: Tensor, shapes: Sequence[Sequence[int]]) -> list[Tensor]:
+    """Consecutive views of a flat ``buffer`` shaped like ``shapes``, in order.
+
+    Examples:
+        >>> [tuple(v.shape) for v in views(torch.arange(7.0), [(2, 3), (1,)])]
+        [(2, 3), (1,)]
+    """
+    out, start = [], 0
+    for shape in shapes:
+        n = math.prod(shape)
+        out.append(buffer[start : start + n].view(*shape))
+        start += n
+    return out
+
+
+def set_event(event: threading.Event, _: object) -> None:
+    """A future's done-callback that wakes whoever waits on ``event`` (``add_done_callback(partial(set_event, e))``)."""
+    event.set()
 
 
 def completed(value: Any = None) -> Future[Any]:

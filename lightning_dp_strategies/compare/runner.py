@@ -326,25 +326,31 @@ _REFUSALS = {"ValueError", "TypeError", "NotImplementedError", "Misconfiguration
 """Exceptions raised before the first step that mean "this strategy cannot run this model or configuration"."""
 
 
-def run_one(
-    name: str,
-    task: Task,
-    task_path: Path,
-    devices: int,
-    work: Path,
-    logs: Path,
-    timeout: float,
-    extra_imports: list[str],
-    progress: Callable[[str], None] = print,
-    progress_every: float = 10.0,
-) -> RunResult:
+@dataclass
+class Session:
+    """What every strategy's run in one comparison shares: the task (and its pickle), the devices, where the workers
+    write (``work``, deleted afterwards) and where the logs stay, the timeout, and how progress is reported."""
+
+    task: Task
+    task_path: Path
+    devices: int
+    work: Path
+    logs: Path
+    timeout: float = 300.0
+    extra_imports: list[str] = field(default_factory=list)
+    progress: Callable[[str], None] = print
+    progress_every: float = 10.0
+
+
+def run_one(name: str, session: Session) -> RunResult:
     """Run one strategy in a subprocess (crashes and hangs become this row's status) and summarise it."""
+    devices, work, timeout = session.devices, session.work, session.timeout
     result = RunResult(name, processes_for(name, devices), 1 if name == BASELINE else devices)
-    cmd = [sys.executable, "-m", "lightning_dp_strategies", "compare", "--worker", name, "--task", str(task_path)]
-    cmd += ["--output", str(work), "--devices", str(devices)]
-    for module in extra_imports:
+    cmd = [sys.executable, "-m", "lightning_dp_strategies", "compare", "--worker", name]
+    cmd += ["--task", str(session.task_path), "--output", str(work), "--devices", str(devices)]
+    for module in session.extra_imports:
         cmd += ["--import", module]
-    log = logs / f"{name}.log"
+    log = session.logs / f"{name}.log"
     start = time.perf_counter()
     said = start
     with open(log, "w") as handle:
@@ -353,10 +359,10 @@ def run_one(
         try:
             while (code := proc.poll()) is None and time.perf_counter() - start < timeout:
                 time.sleep(0.2)
-                if time.perf_counter() - said >= progress_every:
+                if time.perf_counter() - said >= session.progress_every:
                     said = time.perf_counter()
-                    done = _progress_line(work / f"{name}.progress", task.steps)
-                    progress(f"        ... {done} after {said - start:.0f} s")
+                    done = _progress_line(work / f"{name}.progress", session.task.steps)
+                    session.progress(f"        ... {done} after {said - start:.0f} s")
         finally:
             try:
                 os.killpg(proc.pid, 9)  # no rank outlives its row
@@ -512,9 +518,10 @@ def compare(
     try:
         task_path = work / "task.pkl"
         dump_task(task, task_path)
-        results = _run_all(
-            names, task, task_path, devices, work, logs, timeout, list(extra_imports or []), progress, progress_every
+        session = Session(
+            task, task_path, devices, work, logs, timeout, list(extra_imports or []), progress, progress_every
         )
+        results = [_announced(name, i, len(names), session) for i, name in enumerate(names, 1)]
         _evaluate_all(results, task, work, first)
         for result in results:
             if result.step_ms and global_batch:
@@ -529,28 +536,15 @@ def compare(
     return results
 
 
-def _run_all(
-    names: list[str],
-    task: Task,
-    task_path: Path,
-    devices: int,
-    work: Path,
-    logs: Path,
-    timeout: float,
-    extra_imports: list[str],
-    progress: Callable[[str], None],
-    progress_every: float,
-) -> list[RunResult]:
-    results: list[RunResult] = []
-    for i, name in enumerate(names, 1):
-        procs = processes_for(name, devices)
-        progress(f"[{i}/{len(names)}] {name}: {procs} process{'es' if procs > 1 else ''}, {task.steps} steps ...")
-        result = run_one(name, task, task_path, devices, work, logs, timeout, extra_imports, progress, progress_every)
-        progress(
-            f"        {result.status} in {result.wall_seconds:.1f} s" + (f": {result.error}" if result.error else "")
-        )
-        results.append(result)
-    return results
+def _announced(name: str, i: int, count: int, session: Session) -> RunResult:
+    """:func:`run_one`, with a progress line before and after."""
+    procs = processes_for(name, session.devices)
+    steps = session.task.steps
+    session.progress(f"[{i}/{count}] {name}: {procs} process{'es' if procs > 1 else ''}, {steps} steps ...")
+    result = run_one(name, session)
+    after = f"        {result.status} in {result.wall_seconds:.1f} s" + (f": {result.error}" if result.error else "")
+    session.progress(after)
+    return result
 
 
 def _evaluate_all(results: list[RunResult], task: Task, work: Path, first: Any) -> None:

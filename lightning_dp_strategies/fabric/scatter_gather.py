@@ -18,6 +18,7 @@ from typing_extensions import override
 
 from lightning_dp_strategies import data_parallel
 from lightning_dp_strategies.fabric._step import NonfiniteStep
+from lightning_dp_strategies.strategies._options import check_dim
 from lightning_dp_strategies.strategies._registry import register_name
 from lightning_dp_strategies.strategies._resume import AtomicCheckpoints
 from lightning_dp_strategies.strategies.scatter_gather import ParallelForward, ScatterGatherStats
@@ -65,8 +66,7 @@ class FabricScatterGatherStrategy(AtomicCheckpoints, ParallelForward, NonfiniteS
         dim: int = 0,
         nonfinite_grads: Literal["skip", "raise"] | None = None,
     ) -> None:
-        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
-            raise ValueError(f"`dim` must be a non-negative int (the batch dimension, default 0), got {dim!r}.")
+        check_dim(dim)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=None if parallel_devices is None else data_parallel.as_devices(parallel_devices),

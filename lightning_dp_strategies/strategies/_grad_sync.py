@@ -19,7 +19,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_dp_strategies.bucketing import CommStats, GradientBuckets
-from lightning_dp_strategies.comm_hooks import check_comm_hook, hook_name, make_reducer
+from lightning_dp_strategies.comm_hooks import CommHook, check_comm_hook, hook_name, make_reducer
 from lightning_dp_strategies.fingerprint import check_ranks_agree, model_fingerprint
 from lightning_dp_strategies.reducers import Reducer, close_reducer, setup_reducer
 from lightning_dp_strategies.strategies._nonfinite import NonfiniteCheck
@@ -63,6 +63,10 @@ class GradSync:
     """The ``reducer=`` option: a name in ``REDUCERS``, a reducer, or ``None`` (the ring)."""
     step_stats: CommStats
     """Communication of the last optimizer step (all backward passes since the previous step)."""
+    ddp_comm_state: object = None
+    """The ``ddp_comm_state=`` option, as given (set by :meth:`_init_comm_hook`)."""
+    _comm_hook: CommHook | None = None
+    """The communication hook, wrapped when a wrapper was given; ``None``: the ``reducer=`` option reduces."""
 
     def _init_grad_sync_state(self) -> None:
         # runtime state
@@ -82,7 +86,6 @@ class GradSync:
         self.ddp_comm_hook = hook
         """The ``ddp_comm_hook=`` option, as given."""
         self.ddp_comm_state = state
-        """The ``ddp_comm_state=`` option, as given."""
         self.ddp_comm_wrapper = wrapper
         """The ``ddp_comm_wrapper=`` option, as given."""
 
@@ -100,7 +103,7 @@ class GradSync:
             >>> type(NativeStrategy().configure_reducer()).__name__
             'NativeReducer'
         """
-        return make_reducer(self.reducer, getattr(self, "_comm_hook", None), getattr(self, "ddp_comm_state", None))
+        return make_reducer(self.reducer, self._comm_hook, self.ddp_comm_state)
 
     def _make_grad_groups(self, partition: Sequence[Sequence[int]], rank: int, backend: str | None) -> None:
         """One dedicated group per list of ``partition`` (the global ranks that average together), then the reducer

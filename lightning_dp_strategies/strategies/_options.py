@@ -72,6 +72,22 @@ def check_flag(name: str, value: object) -> bool:
     return value
 
 
+def check_dim(dim: object) -> int:
+    """``dim`` itself when it is a non-negative int (the batch dimension scatter/gather splits), else a clear error.
+
+    Examples:
+        >>> check_dim(1)
+        1
+        >>> check_dim(True)
+        Traceback (most recent call last):
+        ...
+        ValueError: `dim` must be a non-negative int (the batch dimension, default 0), got True.
+    """
+    if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
+        raise ValueError(f"`dim` must be a non-negative int (the batch dimension, default 0), got {dim!r}.")
+    return dim
+
+
 def check_timeout(timeout: object) -> timedelta | None:
     if timeout is None or isinstance(timeout, timedelta):
         if isinstance(timeout, timedelta) and timeout.total_seconds() <= 0:
