@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import lightning_dp_strategies_cli
 from lightning_dp_strategies.cli import main
 from lightning_dp_strategies.compare import DemoConfig, GlobalBatchSampler, default_strategies
 
@@ -31,6 +32,11 @@ def test_global_batch_must_split_over_devices(capsys: pytest.CaptureFixture[str]
 def test_defaults_include_the_baseline_and_lightning_ddp() -> None:
     names = default_strategies()
     assert names[0] == "single" and {"dp", "ring_allreduce", "ddp"} <= set(names)
+
+
+def test_the_parsers_demo_default_is_the_demos() -> None:
+    """The parser checks --global-batch without importing the demo: its copy of the default must agree."""
+    assert lightning_dp_strategies_cli.DEMO_GLOBAL_BATCH == DemoConfig().global_batch
 
 
 @pytest.mark.parametrize("replicas", [2, 4])

@@ -164,6 +164,12 @@ def test_values_wrong_here_are_refused_before_any_process(
         assert "fsdp" not in err and "deepspeed" not in err and "xla" not in err
 
 
+def test_data_without_a_batch_is_refused_before_any_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _never_starts_a_process(monkeypatch)
+    with pytest.raises(ValueError, match="the training data yields no batch"):
+        compare(["single"], out=tmp_path, model="tests.helpers.compare_models:Regressor", train_dataloaders=list)
+
+
 def test_an_instance_instead_of_a_factory_names_the_fix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from tests.helpers.compare_models import Regressor
 

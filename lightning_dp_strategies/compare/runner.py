@@ -32,7 +32,7 @@ from lightning_dp_strategies.compare.task import (
     make_task,
     training_loss,
 )
-from lightning_dp_strategies.data_parallel.pytree import _children
+from lightning_dp_strategies.data_parallel.pytree import _tensors
 
 BASELINE = "single"
 """The single-device baseline every other row is compared with."""
@@ -118,7 +118,8 @@ def check_strategies(names: Sequence[str], accelerator: str = "cpu") -> list[str
     cleaned = [n.strip() for n in names if n.strip()]
     if not cleaned:
         raise ValueError("no strategy named: pass names separated by commas, for example single,ring_allreduce")
-    runnable = runnable_strategies("cpu" if accelerator == "auto" else accelerator)
+    kind = "cpu" if accelerator == "auto" else accelerator
+    runnable = runnable_strategies(kind)
     unknown = [n for n in cleaned if n not in available_strategies()]
     if unknown:
         raise ValueError(
@@ -126,7 +127,7 @@ def check_strategies(names: Sequence[str], accelerator: str = "cpu") -> list[str
             " (register your own and pass --import MODULE)"
         )
     for name in cleaned:
-        reason = cannot_run_here(name, "cpu" if accelerator == "auto" else accelerator)
+        reason = cannot_run_here(name, kind)
         if reason:
             raise ValueError(f"{reason}; these run here: {', '.join(runnable)}")
     repeated = sorted({n for n in cleaned if cleaned.count(n) > 1})
@@ -311,7 +312,7 @@ def _one_line(text: str, limit: int = 240) -> str:
 
 def _failure(name: str, work: Path, log: Path, code: int | None, timeout: float) -> tuple[str, str]:
     """The row's status and one-line reason: ``n/a`` for a configuration the strategy refuses before training."""
-    reports = sorted(work.glob(f"{name}.rank*.error.json"), key=lambda p: int(p.name.split(".rank")[1].split(".")[0]))
+    reports = sorted(work.glob(f"{name}.rank*.error.json"), key=_rank_of)
     if code is None:
         return "timeout", f"no result within {timeout:.0f} s (see {log.parent.name}/{log.name})"
     if reports:
@@ -422,13 +423,8 @@ def _resolve_accelerator(accelerator: str, devices: int) -> str:
 
 
 def _batch_size(batch: Any) -> int | None:
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.dim() else None
-    for _, child in _children(batch) or []:
-        size = _batch_size(child)
-        if size is not None:
-            return size
-    return None
+    """The first dim of the first tensor with one in a nested batch."""
+    return next((int(t.shape[0]) for _, t in _tensors(batch, "") if t.dim()), None)
 
 
 def compare(
@@ -495,8 +491,7 @@ def compare(
         first = None
     else:
         try:
-            probe = task.build_model()
-            first = first_global_batch(task, probe)
+            first = first_global_batch(task, task.build_model())
         except ValueError:
             raise
         except Exception as err:
@@ -562,7 +557,7 @@ def _evaluate_all(results: list[RunResult], task: Task, work: Path, first: Any) 
             model = task.build_model()
             state = torch.load(checkpoint, map_location="cpu", weights_only=False)["state_dict"]
             model.load_state_dict(state)
-            params[result.strategy] = {k: v.detach().clone().float() for k, v in model.state_dict().items()}
+            params[result.strategy] = {k: v.detach().clone() for k, v in model.state_dict().items()}
             result.final_loss = training_loss(model, first) if first is not None else None
         except Exception as err:  # a checkpoint that does not load is this row's failure, not the command's
             result.status, result.error = "failed", _one_line(f"checkpoint did not load: {err}")

@@ -14,7 +14,7 @@ import pickle
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +24,9 @@ from torch import Tensor
 
 from lightning_dp_strategies.compare.demo import DemoClassifier, DemoConfig
 from lightning_dp_strategies.data_parallel.pytree import _children, _rebuild
+from lightning_dp_strategies_cli import PRECISIONS
 
 Factory = Callable[[], Any]
-
-PRECISIONS = ("32-true", "64-true", "16-true", "bf16-true", "16-mixed", "bf16-mixed")
-"""The ``precision=`` values the comparison passes to the Trainer."""
 
 
 @dataclass
@@ -135,7 +133,7 @@ def make_task(
         >>> make_task(data="x:y")
         Traceback (most recent call last):
         ...
-        ValueError: data= needs model=: the demo brings its own data
+        ValueError: the data (datamodule= or train_dataloaders=) needs model=: the demo brings its own data
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
@@ -143,10 +141,10 @@ def make_task(
         raise ValueError(f"steps must be at least 1 (got {steps})")
     if model is None:
         if data is not None:
-            raise ValueError("data= needs model=: the demo brings its own data")
+            raise ValueError("the data (datamodule= or train_dataloaders=) needs model=: the demo brings its own data")
         config = demo or DemoConfig()
         if steps is not None and steps != config.steps:
-            config = DemoConfig(**{**config.__dict__, "steps": steps})
+            config = replace(config, steps=steps)
         if config.global_batch < 1:
             raise ValueError(f"the global batch must be at least 1 (got {config.global_batch})")
         label = f"the demo ({config.model_size} MLP)"
@@ -281,20 +279,21 @@ class GlobalBatches(L.LightningDataModule):
 
 
 def first_global_batch(task: Task, model: L.LightningModule) -> Any:
-    """The first global batch of the task's training data, built in this process (``None`` if that cannot be done)."""
+    """The first global batch of the task's training data, built in this process. Errors in the user's data propagate;
+    ``None`` when the data is the model's own ``train_dataloader`` and that needs a Trainer."""
     data = task.build_data()
-    try:
-        if isinstance(data, L.LightningDataModule):
-            data.prepare_data()
-            data.setup("fit")
-            loader = data.train_dataloader()
-        elif data is None:
-            loader = model.train_dataloader()
-        else:
-            loader = data
-        return next(iter(loader))
-    except Exception:  # the model's own loader may need a Trainer: the loss is then not evaluated
-        return None
+    if data is None:
+        try:
+            return next(iter(model.train_dataloader()))
+        except Exception:
+            return None
+    if isinstance(data, L.LightningDataModule):
+        data.prepare_data()
+        data.setup("fit")
+        data = data.train_dataloader()
+    for batch in data:
+        return batch
+    raise ValueError("the training data yields no batch: check the DataLoader (or the DataModule's train_dataloader)")
 
 
 def training_loss(model: L.LightningModule, batch: Any) -> float | None:
