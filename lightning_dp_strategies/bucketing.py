@@ -24,6 +24,7 @@ single-device training; one that some rank used gets the average on every rank.
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 import time
 import warnings
@@ -54,6 +55,17 @@ PEER_FAILURE_HINT = (
     "already written are complete, so resume from the last one with `trainer.fit(..., ckpt_path='last')`."
 )
 """What a failed collective most likely means, and what to do; appended to the strategies' errors."""
+
+_log = logging.getLogger("lightning_dp_strategies")
+
+
+def announce_failure(message: str) -> str:
+    """Log ``message`` on this rank at once, and return it for the exception that carries it.
+
+    The exception may never be printed: Lightning's launcher kills every rank within seconds of one rank dying, and
+    the strategy's teardown runs before the traceback is shown."""
+    _log.error(message)
+    return message
 
 
 def assign_buckets(
@@ -473,7 +485,7 @@ class GradientBuckets:
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size(self.group) if dist.is_initialized() else 1
         hint = getattr(self.reducer, "failure_hint", PEER_FAILURE_HINT)
-        return (
+        return announce_failure(
             f"Reducing gradient bucket {bucket.index} ({len(bucket.params)} parameters from {bucket.names[0]!r}) "
             f"over {world} ranks failed on rank {rank}: {what}\n{hint}"
         )

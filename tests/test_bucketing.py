@@ -301,6 +301,25 @@ def test_custom_reducer_receives_every_bucket_in_order() -> None:
     buckets.close()
 
 
+def test_a_failed_reduction_is_logged_when_it_is_raised(caplog: pytest.LogCaptureFixture) -> None:
+    """The launcher may kill this rank before the exception is printed, so the explanation is logged as it is raised."""
+
+    def broken(bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        future.set_exception(RuntimeError("Connection reset by peer"))
+        return future
+
+    model = Branchy()
+    buckets = GradientBuckets(model.named_parameters(), reducer=broken)
+    buckets.arm()
+    model(torch.randn(2, 6), ("a", "b")).backward()
+    with caplog.at_level("ERROR", logger="lightning_dp_strategies"), pytest.raises(RuntimeError) as raised:
+        buckets.finish()
+    assert "Another rank most likely died" in str(raised.value)
+    assert [r.getMessage() for r in caplog.records if r.name == "lightning_dp_strategies"] == [str(raised.value)]
+    buckets.close()
+
+
 def _check_grads_as_bucket_views(rank: int, world_size: int) -> None:
     model = Branchy()
     buckets = GradientBuckets(model.named_parameters())

@@ -82,3 +82,50 @@ def test_urls_and_sdist_contents_are_declared(pyproject: dict[str, Any]) -> None
     assert {"Homepage", "Documentation", "Changelog", "Issues"} <= set(pyproject["project"]["urls"])
     manifest = (ROOT / "MANIFEST.in").read_text()
     assert "CHANGELOG.md" in manifest and "constraints.txt" in manifest
+
+
+# import name -> distribution name, for the packages whose names differ
+DISTRIBUTION = {"typing_extensions": "typing-extensions"}
+
+
+def _third_party_imports() -> dict[str, set[str]]:
+    """Top-level third-party modules the package imports (anywhere in a file), with the files that import them."""
+    found: dict[str, set[str]] = {}
+    for path in [*PACKAGE.rglob("*.py"), ROOT / "lightning_dp_strategies_cli.py"]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                modules = [node.module]
+            else:
+                continue
+            for module in modules:
+                top = module.split(".")[0]
+                if top not in sys.stdlib_module_names and not top.startswith("lightning_dp_strategies"):
+                    found.setdefault(top, set()).add(path.relative_to(ROOT).as_posix())
+    return found
+
+
+def _requirement_name(requirement: str) -> str:
+    return re.split(r"[<>=!~;\[ ]", requirement, maxsplit=1)[0].lower()
+
+
+def test_every_imported_package_is_a_declared_dependency(pyproject: dict[str, Any]) -> None:
+    """A module imported only because Lightning happens to depend on it breaks when Lightning drops it."""
+    project = pyproject["project"]
+    required = {_requirement_name(r) for r in project["dependencies"]}
+    optional = {_requirement_name(r) for r in project["optional-dependencies"]["compare"]}
+    imported = _third_party_imports()
+    assert {"torch", "lightning", "typing_extensions"} <= set(imported)  # the scan sees the package's imports
+    undeclared = {
+        name: sorted(files)
+        for name, files in imported.items()
+        if DISTRIBUTION.get(name, name) not in required | optional
+    }
+    assert not undeclared, f"imported but not declared in [project] dependencies (or the compare extra): {undeclared}"
+    # the compare extra's packages are imported only where the comparison needs them
+    for name in optional:
+        assert imported.get(name, set()) <= {
+            "lightning_dp_strategies/compare/report.py",
+            "lightning_dp_strategies/compare/task.py",
+        }, (name, imported.get(name))

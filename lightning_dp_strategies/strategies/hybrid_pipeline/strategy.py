@@ -55,7 +55,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_dp_strategies.bucketing import PEER_FAILURE_HINT
+from lightning_dp_strategies.bucketing import PEER_FAILURE_HINT, announce_failure
 from lightning_dp_strategies.comm_hooks import CommHook
 from lightning_dp_strategies.pipeline import (
     PipelineRunner,
@@ -677,8 +677,10 @@ class HybridPipelineStrategy(BucketedDataParallel):
             if "Connection" not in str(error) and "Timed out" not in str(error) and "timeout" not in str(error):
                 raise
             raise RuntimeError(
-                f"The pipeline schedule failed on rank {self.global_rank} "
-                f"while exchanging activations or gradients with a neighbouring stage: {error}\n{PEER_FAILURE_HINT}"
+                announce_failure(
+                    f"The pipeline schedule failed on rank {self.global_rank} while exchanging activations or "
+                    f"gradients with a neighbouring stage: {error}\n{PEER_FAILURE_HINT}"
+                )
             ) from error
         finally:
             runner.before_last_backward = runner.after_last_backward = None
