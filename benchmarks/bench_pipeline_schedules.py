@@ -13,6 +13,12 @@ and M. The model is an MLP of 8 blocks ``Linear(768, 768) + Tanh`` and a head, b
 - ``act MiB``: the peak bytes saved for backward on the busiest rank (``measure_activations``);
 - ``p2p MB/step``: activations and their gradients sent between stages per step (both directions, every rank).
 
+Then (c), in one process with no pipeline: the compute a rank does per step, a stage's forward and backward on the
+batch cut into M micro-batches, over the same batch in one piece. Its inverse is the ceiling: the ``ideal/measured``
+of a schedule whose bubble is exactly its formula's, on top of this compute. And why it grows: one GEMM's time per
+row at the smallest micro-batch's rows over the whole batch's, cycling through 1 weight, a stage's weights or two
+stages' (the bigger the weights that stream through the cache, the more a small GEMM pays per row).
+
 ``--data-parallel 2`` measures instead the data-parallel reduction of S = 2 x D = 2 (four processes, 128 samples per
 replica), each schedule with the reduction started after the schedule (the strategy's ``_overlap_reduction``
 patched to ``False``: every bucket launched at ``backward``) and inside it (each chunk's buckets filled during its
@@ -43,8 +49,67 @@ sys.path.insert(0, str(ROOT))
 BATCH, STAGES = 128, 2
 
 
+def _median_seconds(fn: Any, repeats: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _compute(config: dict[str, Any], out: str) -> None:
+    """Part (c), in one process and no pipeline: a stage's forward and backward as M micro-batches, and one GEMM's
+    cost per row at the micro-batch's rows against the whole batch's, with 1, a stage's or two stages' weights."""
+    import torch
+    from torch import nn
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    width, per_stage = config["width"], config["blocks"] // STAGES
+    stage = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(per_stage)])
+    x = torch.randn(BATCH, width)
+
+    def step(micro: int) -> None:
+        for param in stage.parameters():
+            param.grad = None
+        for chunk in x.chunk(micro):
+            stage(chunk).sum().backward()
+
+    repeats = config["steps"]
+    times: dict[int, list[float]] = {m: [] for m in config["micro"]}
+    for _ in range(3):
+        for micro in times:
+            step(micro)
+    for _ in range(repeats):  # round robin, so that a slow spell of the machine hits every M alike
+        for micro, seconds in times.items():
+            start = time.perf_counter()
+            step(micro)
+            seconds.append(time.perf_counter() - start)
+    result: dict[str, Any] = {"stage": {m: statistics.median(t) for m, t in times.items()}}
+    rows = BATCH // max(config["micro"])
+    gemm: dict[int, float] = {}
+    for count in (1, per_stage, 2 * per_stage):
+        weights = [torch.randn(width, width) for _ in range(count)]
+        small, whole = torch.randn(rows, width), torch.randn(BATCH, width)
+
+        def run(a: torch.Tensor, weights: list[torch.Tensor] = weights) -> None:
+            for weight in weights:
+                a.mm(weight)
+
+        per_row = [_median_seconds(lambda a=a: run(a), repeats) / a.shape[0] for a in (small, whole)]
+        gemm[count] = per_row[0] / per_row[1]
+    result.update(gemm=gemm, rows=rows, weight_mb=width * width * 4 / 1e6)
+    Path(out, "rank0.json").write_text(json.dumps(result))
+
+
 def _run(config: dict[str, Any], out: str) -> None:
     """One configuration, in this process (and, through the strategy's launcher, its other ranks)."""
+    if config["schedule"] == "stage compute":
+        _compute(config, out)
+        return
     import lightning as L
     import torch
     import torch.nn.functional as F
@@ -230,6 +295,21 @@ def main() -> None:
         held = table_in_flight(clock_table(schedule, STAGES, micro))
         ratio = peak / peaks["1f1b"][1] if "1f1b" in peaks and peaks["1f1b"][0] == micro else float("nan")
         print(f"{schedule:>16} {micro:>3} {peak / 2**20:>8.2f} {ratio:>7.2f} {held!s:>31}")
+
+    micros = sorted({1, *(int(m) for m in args.micro.split(","))})
+    compute = measure({"schedule": "stage compute", "micro": micros, "steps": args.steps})[0]
+    stage = {int(m): t for m, t in compute["stage"].items()}
+    blocks = args.blocks // STAGES
+    print(f"\n(c) one process, no pipeline: a stage ({blocks} blocks) forward and backward, {BATCH} rows in M pieces")
+    print(f"{'M':>3} {'ms':>7} {'/ M=1':>6} {'ceiling':>8}  (ideal/measured of a schedule that meets its formula)")
+    for micro in micros:
+        ratio = stage[micro] / stage[1]
+        print(f"{micro:>3} {stage[micro] * 1e3:>7.1f} {ratio:>6.2f} {1 / ratio:>8.2f}")
+    rows, weight_mb = compute["rows"], compute["weight_mb"]
+    shape = f"({rows} x {args.width}) @ ({args.width} x {args.width})"
+    print(f"one GEMM {shape}: its time per row over the time per row of {BATCH} rows")
+    for count, ratio in compute["gemm"].items():
+        print(f"  weights cycled through: {int(count):>2} ({int(count) * weight_mb:5.1f} MB): {ratio:.2f}")
 
 
 if __name__ == "__main__":
