@@ -75,7 +75,8 @@ class CastCompression:
             low, op = buffer.to(self.dtype), bucket.op
         inner = self.inner(bucket.with_buffer(low, op=op))
 
-        def write_back(_: Future[Any]) -> Tensor:
+        def write_back(reduced: Future[Any]) -> Tensor:
+            reduced.value()  # the inner reduction's error, if any, reaches the waiter
             buffer.copy_(low)
             return buffer
 

@@ -122,7 +122,9 @@ class Reducer(Protocol):
 
     A callback chained on a backend's future (``work.get_future().then(...)``) runs, and is released, on the
     backend's own thread: let it capture the buffer and counter, never ``bucket`` or its ``group``. Releasing a
-    process group's last reference there makes the group join that very thread, and the process aborts.
+    process group's last reference there makes the group join that very thread, and the process aborts. The callback
+    runs when the collective failed too: call ``future.value()`` in it first, or the chained future completes as if
+    all went well.
 
     Examples:
         >>> def doubling(bucket: GradBucket) -> Future[Tensor]:  # a toy reducer: synchronous, then done
@@ -339,7 +341,8 @@ class NativeReducer:
         buffer, counter, average = bucket.buffer, bucket.counter, bucket.op == "avg"
         nbytes = int(ring_bytes_per_rank(buffer.numel() * buffer.element_size(), world))
 
-        def done(_: Future[Any]) -> Tensor:
+        def done(future: Future[Any]) -> Tensor:
+            future.value()  # a failed all-reduce raises here: a callback that ignores it turns it into a success
             if average:
                 divide_(buffer, world)
             counter.bytes_sent += nbytes

@@ -9,8 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from torch import Tensor
+from torch.futures import Future
 
 from lightning_dp_strategies.comm import CommCounter, reference_all_reduce
+from lightning_dp_strategies.compression import bf16_compress, fp16_compress
 from lightning_dp_strategies.reducers import (
     REDUCERS,
     GradBucket,
@@ -91,6 +94,42 @@ def _check_failure_reaches_the_waiter(rank: int, world_size: int) -> None:
 @pytest.mark.timeout(120)
 def test_an_error_on_the_communication_thread_is_raised_by_wait() -> None:
     run_distributed(_check_failure_reaches_the_waiter, 2)
+
+
+class _FailedWork:
+    """What ``dist.all_reduce(..., async_op=True)`` returns when the collective fails (a peer died)."""
+
+    def get_future(self) -> Future[list[Tensor]]:
+        future: Future[list[Tensor]] = Future()
+        future.set_exception(RuntimeError("Connection reset by peer"))
+        return future
+
+
+@pytest.mark.parametrize("which", ["native", "fp16_compress(failing)", "bf16_compress('native')", "the guide's"])
+def test_a_failed_collective_fails_the_reducers_future_instead_of_completing_it(
+    which: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``.then`` callback runs when the collective failed too; unless it reads the result, the chained future
+    completes and the bucket keeps this rank's own gradient, silently. Each chain must raise at ``wait()``."""
+    import sys
+
+    from tests.helpers.distributed import REPO_ROOT
+
+    sys.path.insert(0, str(REPO_ROOT / "docs" / "examples"))
+    from own_group_reducer import OwnGroupReducer
+
+    monkeypatch.setattr(dist, "all_reduce", lambda *args, **kwargs: _FailedWork())
+    monkeypatch.setattr(GradBucket, "world_size", property(lambda self: 2))
+    guide = OwnGroupReducer()
+    guide.groups[None] = None  # type: ignore[assignment]  # the group made in setup; all_reduce is replaced
+    reducers = {
+        "native": NativeReducer(),
+        "fp16_compress(failing)": fp16_compress(lambda bucket: _FailedWork().get_future()),
+        "bf16_compress('native')": bf16_compress("native"),
+        "the guide's": guide,
+    }
+    with pytest.raises(RuntimeError, match="Connection reset by peer"):
+        reducers[which](GradBucket(torch.ones(4), op="avg")).wait()
 
 
 def test_one_process_reducers_leave_the_buffer_alone() -> None:

@@ -28,7 +28,12 @@ class OwnGroupReducer:
     def __call__(self, bucket: GradBucket) -> Future[Tensor]:
         work = dist.all_reduce(bucket.buffer, group=self.groups[bucket.group], async_op=True)
         buffer, average, world = bucket.buffer, bucket.op == "avg", bucket.world_size
-        return work.get_future().then(lambda _: buffer.div_(world) if average else buffer)
+
+        def done(reduced: Future[list[Tensor]]) -> Tensor:
+            reduced.value()  # raises if the all-reduce failed (a callback runs either way)
+            return buffer.div_(world) if average else buffer
+
+        return work.get_future().then(done)
 
     def close(self) -> None:
         for mine in self.groups.values():
