@@ -33,6 +33,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -49,15 +50,16 @@ sys.path.insert(0, str(ROOT))
 BATCH, STAGES = 128, 2
 
 
-def _median_seconds(fn: Any, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def _round_robin_medians(runs: dict[Any, Any], repeats: int) -> dict[Any, float]:
+    """Median seconds of each ``runs[key]()``, timed in turns so that a slow spell of the machine hits every key."""
+    times: dict[Any, list[float]] = {key: [] for key in runs}
+    for round_ in range(3 + repeats):  # 3 rounds to warm up
+        for key, run in runs.items():
+            start = time.perf_counter()
+            run()
+            if round_ >= 3:
+                times[key].append(time.perf_counter() - start)
+    return {key: statistics.median(seconds) for key, seconds in times.items()}
 
 
 def _compute(config: dict[str, Any], out: str) -> None:
@@ -79,28 +81,21 @@ def _compute(config: dict[str, Any], out: str) -> None:
             stage(chunk).sum().backward()
 
     repeats = config["steps"]
-    times: dict[int, list[float]] = {m: [] for m in config["micro"]}
-    for _ in range(3):
-        for micro in times:
-            step(micro)
-    for _ in range(repeats):  # round robin, so that a slow spell of the machine hits every M alike
-        for micro, seconds in times.items():
-            start = time.perf_counter()
-            step(micro)
-            seconds.append(time.perf_counter() - start)
-    result: dict[str, Any] = {"stage": {m: statistics.median(t) for m, t in times.items()}}
+    stage_seconds = _round_robin_medians({m: functools.partial(step, m) for m in config["micro"]}, repeats)
+    result: dict[str, Any] = {"stage": stage_seconds}
     rows = BATCH // max(config["micro"])
     gemm: dict[int, float] = {}
     for count in (1, per_stage, 2 * per_stage):
         weights = [torch.randn(width, width) for _ in range(count)]
-        small, whole = torch.randn(rows, width), torch.randn(BATCH, width)
+        inputs = {rows: torch.randn(rows, width), BATCH: torch.randn(BATCH, width)}
 
         def run(a: torch.Tensor, weights: list[torch.Tensor] = weights) -> None:
             for weight in weights:
                 a.mm(weight)
 
-        per_row = [_median_seconds(lambda a=a: run(a), repeats) / a.shape[0] for a in (small, whole)]
-        gemm[count] = per_row[0] / per_row[1]
+        # each size on its own, not in turns: the other size's data would evict part of the weights between calls
+        seconds = {n: _round_robin_medians({n: functools.partial(run, a)}, repeats)[n] for n, a in inputs.items()}
+        gemm[count] = (seconds[rows] / rows) / (seconds[BATCH] / BATCH)
     result.update(gemm=gemm, rows=rows, weight_mb=width * width * 4 / 1e6)
     Path(out, "rank0.json").write_text(json.dumps(result))
 

@@ -6,6 +6,8 @@ the reducers differ from the oracle only in summation order.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -111,17 +113,10 @@ def test_a_failed_collective_fails_the_reducers_future_instead_of_completing_it(
 ) -> None:
     """A ``.then`` callback runs when the collective failed too; unless it reads the result, the chained future
     completes and the bucket keeps this rank's own gradient, silently. Each chain must raise at ``wait()``."""
-    import sys
-
-    from tests.helpers.distributed import REPO_ROOT
-
-    sys.path.insert(0, str(REPO_ROOT / "docs" / "examples"))
-    from own_group_reducer import OwnGroupReducer
-
     monkeypatch.setattr(dist, "all_reduce", lambda *args, **kwargs: _FailedWork())
     monkeypatch.setattr(GradBucket, "world_size", property(lambda self: 2))
-    guide = OwnGroupReducer()
-    guide.groups[None] = None  # type: ignore[assignment]  # the group made in setup; all_reduce is replaced
+    guide = _guide_reducer()
+    guide.groups[None] = None  # the group made in setup; all_reduce is replaced
     reducers = {
         "native": NativeReducer(),
         "fp16_compress(failing)": fp16_compress(lambda bucket: _FailedWork().get_future()),
@@ -188,7 +183,8 @@ def test_the_ring_makes_its_second_connection_in_its_setup_step_per_group() -> N
     run_distributed(_check_setup_step, 4)
 
 
-def _check_own_group_reducer(rank: int, world_size: int) -> None:
+def _guide_reducer() -> Any:
+    """A new ``OwnGroupReducer`` of the extending guide (``docs/examples/own_group_reducer.py``)."""
     import sys
 
     from tests.helpers.distributed import REPO_ROOT
@@ -196,7 +192,11 @@ def _check_own_group_reducer(rank: int, world_size: int) -> None:
     sys.path.insert(0, str(REPO_ROOT / "docs" / "examples"))
     from own_group_reducer import OwnGroupReducer
 
-    reducer = OwnGroupReducer()
+    return OwnGroupReducer()
+
+
+def _check_own_group_reducer(rank: int, world_size: int) -> None:
+    reducer = _guide_reducer()
     pairs = [[0, 1], [1, 2]]
     groups = [dist.new_group(ranks) for ranks in pairs]  # the strategy's groups
     for group, ranks in zip(groups, pairs, strict=True):  # rank 0 is outside the second and still helps make it
