@@ -9,14 +9,14 @@ from __future__ import annotations
 import pytest
 
 LONGEST_FIRST = (
-    "tests/test_notebooks.py",
     "tests/test_docs.py",
-    "tests/strategies/test_hybrid_pipeline_features.py",
     "tests/test_benchmarks.py",
     "tests/reliability/test_determinism.py",
-    "tests/strategies/test_hybrid_pipeline_tuples.py",
+    "tests/test_notebooks.py",
+    "tests/strategies/test_ring_allreduce.py",
     "tests/test_compare_user_model.py",
-    "tests/test_compare.py",
+    "tests/reliability/test_rank_agreement.py",
+    "tests/reliability/test_dead_rank.py",
 )
 
 

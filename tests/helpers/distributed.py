@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -177,3 +178,80 @@ def run_commands(
 def run_script(argv: Sequence[str], timeout: float = 240.0, env: dict[str, str] | None = None) -> str:
     """Run ``python argv...`` (see :func:`run_commands`); for Trainer runs whose launcher starts further ranks."""
     return run_commands([[sys.executable, *argv]], timeout=timeout, env=env)[0]
+
+
+def _external_rank(module: str, argv: list[str], env: dict[str, str], log: str) -> None:
+    """One rank of :func:`run_ranks`: output to ``log``, then ``module`` run as ``__main__`` with ``argv``."""
+    import runpy
+
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(REPO_ROOT)
+    sys.argv = [module, *argv]
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as exit_:
+        if exit_.code not in (None, 0):
+            raise
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+def run_ranks(
+    module: str,
+    argv: Sequence[str],
+    world_size: int,
+    timeout: float = 240.0,
+    env: dict[str, str] | None = None,
+    grace: float = 30.0,
+) -> str:
+    """Run ``python -m module argv...`` as ``world_size`` ranks started the way ``torchrun`` starts them.
+
+    Each rank gets ``LOCAL_RANK``, ``RANK``, ``WORLD_SIZE`` and the main address, so Lightning's launcher starts no
+    processes of its own (``creates_processes_externally``). The ranks are forked from the fork server of
+    :func:`run_distributed`, which has torch and Lightning imported already; a Trainer script launched this way skips
+    the seconds each of Lightning's spawned ranks spends importing them. When a rank fails, the others get
+    ``grace`` seconds to fail too (a refusal is raised on every rank) before they are killed. Returns the ranks'
+    combined output; raises ``AssertionError`` (with it) on a failed rank and ``TimeoutError`` on the deadline.
+    """
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    base = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    base["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), base.get("PYTHONPATH", "")]))
+    if world_size > 1:
+        base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world_size), NODE_RANK="0")
+        base["LOCAL_WORLD_SIZE"] = str(world_size)
+    logs = []
+    procs = []
+    with tempfile.TemporaryDirectory(prefix="ranks-") as folder:
+        for rank in range(world_size):
+            rank_env = dict(base)
+            if world_size > 1:
+                rank_env.update(LOCAL_RANK=str(rank), RANK=str(rank))
+            logs.append(os.path.join(folder, f"rank{rank}.log"))
+            procs.append(ctx.Process(target=_external_rank, args=(module, list(argv), rank_env, logs[-1]), daemon=True))
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        failed = False
+        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+            if not failed and any(p.exitcode not in (None, 0) for p in procs):
+                failed, deadline = True, min(deadline, time.monotonic() + grace)
+            time.sleep(0.05)
+        hung = [rank for rank, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+        outputs = [Path(log).read_text(errors="replace") if os.path.exists(log) else "" for log in logs]
+    joined = "\n".join(f"--- rank {rank}\n{out[-6000:]}" for rank, out in enumerate(outputs))
+    if hung and not failed:
+        raise TimeoutError(f"did not finish within {timeout} s; output:\n{joined}")
+    if any(p.exitcode != 0 for p in procs):
+        raise AssertionError(f"exit statuses {[p.exitcode for p in procs]} (ranks {hung} killed); output:\n{joined}")
+    return joined

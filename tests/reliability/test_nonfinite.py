@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lightning_dp_strategies.strategies._nonfinite import NonfiniteGuard, check_nonfinite_mode
-from tests.helpers.distributed import run_commands, run_distributed, run_script
+from tests.helpers.distributed import run_commands, run_distributed, run_ranks
 
 # numerically sensitive: CI runs this file again under other CPU kernel paths and thread counts
 pytestmark = pytest.mark.numerics
@@ -27,8 +27,8 @@ STRATEGIES = ["dp", "ring_allreduce", "hybrid_pipeline"]
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_skip_leaves_the_bad_step_out_on_every_rank(strategy: str, tmp_path: Path) -> None:
-    run_script(["-m", "tests.reliability.nonfinite_scenario", strategy, "skip", str(tmp_path)], timeout=240)
     ranks = 1 if strategy == "dp" else 2
+    run_ranks("tests.reliability.nonfinite_scenario", [strategy, "skip", str(tmp_path)], ranks, timeout=240)
     results = [torch.load(tmp_path / f"result-rank{r}.pt", weights_only=False) for r in range(ranks)]
     for rank, result in enumerate(results):
         assert result["skipped_steps"] == 1, f"rank {rank} counted {result['skipped_steps']} skipped steps"

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.helpers.distributed import run_script
+from tests.helpers.distributed import run_ranks
 from tests.reliability.scenarios import SETUPS, STEPS_PER_EPOCH, STOP_STEP, TOTAL_STEPS, Net
 
 # numerically sensitive: CI runs this file again under other CPU kernel paths and thread counts
@@ -58,7 +58,7 @@ def load(path: Path) -> dict[str, Any]:
 def resumed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
     strategy = request.param
     out = tmp_path_factory.mktemp(f"resume-{strategy}")
-    run_script(["-m", "tests.reliability.scenarios", "resume", strategy, str(out)], timeout=240)
+    run_ranks("tests.reliability.scenarios", ["resume", strategy, str(out)], world(strategy), timeout=240)
     return strategy, out
 
 

@@ -14,8 +14,9 @@ from typing import Any
 import pytest
 import torch
 
-from tests.helpers.distributed import run_script
+from tests.helpers.distributed import run_ranks, run_script
 from tests.strategies.pipeline_scenarios import (
+    BAD,
     CKPT,
     SUITES,
     VAL_SAMPLES,
@@ -37,9 +38,15 @@ TOLERANCE = 1e-5
 
 
 def launch(suite: str, tmp_path: Path, timeout: float = 240) -> Path:
+    """Run ``suite``'s cases in one launch: ``world2`` through Lightning's own launcher, the others as ``torchrun``
+    starts ranks (:func:`run_ranks`, which skips the per-rank imports)."""
     out = tmp_path / suite
     out.mkdir()
-    run_script(["-m", "tests.strategies.pipeline_scenarios", suite, str(out)], timeout=timeout)
+    if suite == "world2":
+        run_script(["-m", "tests.strategies.pipeline_scenarios", suite, str(out)], timeout=timeout)
+    else:
+        (world,) = {case.world for case in SUITES[suite]}
+        run_ranks("tests.strategies.pipeline_scenarios", [suite, str(out)], world, timeout=timeout)
     return out
 
 
@@ -191,7 +198,7 @@ def test_parity_two_stages_two_replicas_accumulation_checkpoints_validate(tmp_pa
 @pytest.mark.timeout(120)
 def test_bad_input_fails_at_setup_on_every_rank_naming_the_fix(tmp_path: Path, case: str, messages: list[str]) -> None:
     with pytest.raises(AssertionError) as failure:
-        run_script(["-m", "tests.strategies.pipeline_scenarios", case, str(tmp_path)], timeout=100)
+        run_ranks("tests.strategies.pipeline_scenarios", [case, str(tmp_path)], BAD[case][1].world, timeout=100)
     output = str(failure.value)
     for message in messages:
         assert message in output, output[-3000:]

@@ -12,14 +12,14 @@ from typing import Any
 import pytest
 import torch
 
-from tests.helpers.distributed import run_script
+from tests.helpers.distributed import run_ranks
 
 TOLERANCE = 1e-5  # fp32: the stages and replicas add the same terms in another order
 WITH_PARAMETERS = [0, 2, 3, 4, 6]  # the body's blocks that have parameters (Linear, LayerNorm)
 
 
 def run(tmp: Path, stages: int, world: int) -> list[dict[str, Any]]:
-    run_script(["-m", "tests.strategies.pipeline_deferred", str(stages), str(world), str(tmp)], timeout=200)
+    run_ranks("tests.strategies.pipeline_deferred", [str(stages), str(world), str(tmp)], world, timeout=200)
     return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
@@ -45,9 +45,9 @@ def test_each_stage_builds_only_its_own_blocks_and_trains_as_on_one_device(tmp_p
 
 @pytest.mark.timeout(150)
 def test_a_block_no_stage_can_initialize_fails_at_setup_on_every_rank(tmp_path: Path) -> None:
-    argv = ["-m", "tests.strategies.pipeline_deferred", "2", "2", str(tmp_path)]
+    argv = ["2", "2", str(tmp_path)]
     with pytest.raises(AssertionError) as failure:
-        run_script(argv, timeout=120, env={"LDPS_UNINITIALIZABLE": "1"})
+        run_ranks("tests.strategies.pipeline_deferred", argv, 2, timeout=120, env={"LDPS_UNINITIALIZABLE": "1"})
     output = str(failure.value)
     message = "Block 7 (Scale) was built on the meta device"
     assert output.count(message) >= 2, output[-4000:]  # stage 0 does not own it and still raises
@@ -57,9 +57,9 @@ def test_a_block_no_stage_can_initialize_fails_at_setup_on_every_rank(tmp_path: 
 @pytest.mark.timeout(150)
 def test_a_finetuning_callback_with_a_body_on_meta_fails_at_setup_on_every_rank(tmp_path: Path) -> None:
     """BaseFinetuning compares parameters with torch.equal, which the other stages' meta blocks cannot run."""
-    argv = ["-m", "tests.strategies.pipeline_deferred", "2", "2", str(tmp_path)]
+    argv = ["2", "2", str(tmp_path)]
     with pytest.raises(AssertionError) as failure:
-        run_script(argv, timeout=120, env={"LDPS_FINETUNING": "1"})
+        run_ranks("tests.strategies.pipeline_deferred", argv, 2, timeout=120, env={"LDPS_FINETUNING": "1"})
     output = str(failure.value)
     assert output.count("A BaseFinetuning callback compares parameters by value") >= 2, output[-4000:]
     assert "Build the body eagerly" in output and "aten::equal" not in output

@@ -20,7 +20,7 @@ from rich import get_console
 
 from lightning_dp_strategies.pipeline import balance_by_parameters, stage_ranges
 from lightning_dp_strategies.strategies.hybrid_pipeline.summary import PER_DEVICE
-from tests.helpers.distributed import run_script
+from tests.helpers.distributed import run_ranks
 
 # The CI reruns tests marked numerics under other kernel paths and thread counts; one pipeline shape with replicas and
 # one with a frozen stage stand for the others there (same code path, same tolerance).
@@ -30,8 +30,8 @@ WHOLE_MODEL_PARAMETERS = 8  # FeatureNet's parameter tensors
 
 
 def run(tmp: Path, stages: int, world: int, *options: str) -> dict[str, Any]:
-    argv = ["-m", "tests.strategies.pipeline_features", str(stages), str(world), str(tmp)]
-    run_script(argv + list(options), timeout=240)
+    argv = [str(stages), str(world), str(tmp), *options]
+    run_ranks("tests.strategies.pipeline_features", argv, world, timeout=240)
     result: dict[str, Any] = torch.load(tmp / "result.pt", weights_only=False)
     result["seen"] = [torch.load(tmp / f"rank{r}.pt")["seen_parameters"] for r in range(world)]
     return result

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.helpers.distributed import run_script
+from tests.helpers.distributed import run_ranks
 
 TOLERANCE = 1e-5  # fp32: the stages and ranks add the same terms in another order
 WITH_PARAMETERS = [0, 2, 4, 5]  # FeatureNet's blocks with parameters
@@ -27,8 +27,8 @@ def load(out: Path, name: str, ranks: int) -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def roundtrip(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("roundtrip")
-    for phase in ("hybrid", "single", "hybrid-ring"):
-        run_script(["-m", "tests.strategies.pipeline_roundtrip", phase, str(out)], timeout=200)
+    for phase, world in (("hybrid", 2), ("single", 1), ("hybrid-ring", 2)):
+        run_ranks("tests.strategies.pipeline_roundtrip", [phase, str(out)], world, timeout=200)
     return out
 
 

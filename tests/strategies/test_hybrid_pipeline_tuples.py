@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.helpers.distributed import run_script
+from tests.helpers.distributed import run_ranks, run_script
 
 TOLERANCE = 1e-5  # fp32: micro-batches and replicas add the same terms in another order
 # bf16-mixed against bf16-mixed on one device: bf16 matmuls round per micro-batch instead of per batch. Measured on
@@ -23,8 +23,11 @@ BF16_PARAMS, BF16_LOSSES = 3e-3, 5e-3
 
 
 def run(tmp: Path, stages: int, world: int, bad: str | None = None, timeout: float = 240, **env: str) -> dict[str, Any]:
-    argv = ["-m", "tests.strategies.pipeline_tuples", str(stages), str(world), str(tmp)]
-    run_script(argv + ([bad] if bad else []), timeout=timeout, env=env)
+    argv = [str(stages), str(world), str(tmp), *([bad] if bad else [])]
+    if "LDPS_SIMULATE_NOTEBOOK" in env:  # Lightning's own launcher, whose start method the notebook names choose
+        run_script(["-m", "tests.strategies.pipeline_tuples", *argv], timeout=timeout, env=env)
+    else:
+        run_ranks("tests.strategies.pipeline_tuples", argv, world, timeout=timeout, env=env)
     result: dict[str, Any] = torch.load(tmp / "result.pt", weights_only=False)
     return result
 

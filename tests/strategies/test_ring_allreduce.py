@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.helpers.distributed import run_script
+from tests.helpers.distributed import run_ranks, run_script
 from tests.strategies.ring_scenarios import SCENARIOS, ParityNet, reference_parameters
 
 # numerically sensitive: CI runs the parity tests again under other CPU kernel paths and thread counts (not the
@@ -32,8 +32,15 @@ WORLD_3 = ["sgd3", "adam3"]
 
 
 def launch(names: list[str], out: Path, strategy: str = "ring_allreduce", **env: str) -> None:
+    """Run the scenarios in one launch: at world size 2 through Lightning's own launcher, at 3 as ``torchrun`` starts
+    ranks (:func:`run_ranks`, which skips the per-rank imports)."""
     out.mkdir(parents=True, exist_ok=True)
-    run_script(["-m", "tests.strategies.ring_scenarios", ",".join(names), str(out), strategy], timeout=420, env=env)
+    argv = [",".join(names), str(out), strategy]
+    (world,) = {SCENARIOS[name.partition("@")[0]].world for name in names}
+    if world == 2:
+        run_script(["-m", "tests.strategies.ring_scenarios", *argv], timeout=420, env=env)
+    else:
+        run_ranks("tests.strategies.ring_scenarios", argv, world, timeout=420, env=env)
 
 
 def results(out: Path, name: str, strategy: str = "ring_allreduce") -> list[dict[str, Any]]:

@@ -1,0 +1,48 @@
+"""The test helper that starts Trainer scripts the way ``torchrun`` does (:func:`run_ranks`): what each rank sees, and
+that a hung or failed rank fails the test within its bounds instead of hanging the suite."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.distributed import REPO_ROOT, run_ranks
+
+
+@pytest.mark.timeout(120)
+def test_each_rank_gets_torchrun_variables_so_lightning_starts_no_processes(tmp_path: Path) -> None:
+    output = run_ranks("tests.helpers.rank_probe", ["env", str(tmp_path)], 3, timeout=60)
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
+    assert [(s["RANK"], s["LOCAL_RANK"], s["WORLD_SIZE"]) for s in seen] == [(str(r), str(r), "3") for r in range(3)]
+    assert all(s["external"] for s in seen)  # Lightning's launcher leaves the process creation to us
+    assert len({s["MASTER_PORT"] for s in seen}) == 1 and seen[0]["MASTER_ADDR"] == "127.0.0.1"
+    assert all(s["argv"] == ["env", str(tmp_path)] and s["cwd"] == str(REPO_ROOT) for s in seen)
+    assert all(f"probe rank {r} says hello" in output for r in range(3))  # each rank's output comes back
+
+
+@pytest.mark.timeout(120)
+def test_one_process_gets_no_distributed_variables(tmp_path: Path) -> None:
+    run_ranks("tests.helpers.rank_probe", ["env", str(tmp_path)], 1, timeout=60)
+    seen = json.loads((tmp_path / "rank0.json").read_text())
+    assert seen["LOCAL_RANK"] is None and seen["WORLD_SIZE"] is None and not seen["external"]
+
+
+@pytest.mark.timeout(120)
+def test_a_hung_rank_times_out_and_is_killed(tmp_path: Path) -> None:
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="did not finish within 5"):
+        run_ranks("tests.helpers.rank_probe", ["hang", str(tmp_path)], 2, timeout=5)
+    assert time.monotonic() - start < 60
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_rank_fails_the_run_and_the_others_are_killed_after_the_grace(tmp_path: Path) -> None:
+    start = time.monotonic()
+    with pytest.raises(AssertionError) as failure:
+        run_ranks("tests.helpers.rank_probe", ["fail", str(tmp_path)], 2, timeout=100, grace=2)
+    assert time.monotonic() - start < 60  # the deadline was 100 s: the grace after the failure ended it
+    message = str(failure.value)
+    assert "RuntimeError: probe rank 1 refuses" in message and "ranks [0] killed" in message
