@@ -8,6 +8,7 @@ second, and only a valid command imports the package to run (:mod:`lightning_dp_
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -17,9 +18,18 @@ DEMO_GLOBAL_BATCH = 64
 """``DemoConfig().global_batch``, here without importing the demo (and torch)."""
 
 
+def version() -> str:
+    """The installed package's version, read from its metadata (importing the package would import torch)."""
+    try:
+        return importlib.metadata.version("lightning-dp-strategies")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def parser() -> argparse.ArgumentParser:
     """The command line: ``lightning-dp-strategies compare [options]``."""
     top = argparse.ArgumentParser(prog="lightning-dp-strategies", description="Data-parallel Lightning strategies.")
+    top.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     commands = top.add_subparsers(dest="command", required=True)
     cmp = commands.add_parser(
         "compare",

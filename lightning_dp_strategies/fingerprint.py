@@ -95,6 +95,6 @@ def check_ranks_agree(fingerprint: Mapping[str, Any], group: dist.ProcessGroup |
         "the parameters:\n"
         + "\n".join(lines)
         + "\nEvery rank must run the same code with the same configuration: build the model the same way on every "
-        "rank (no rank-dependent layers or sizes), pass the same strategy and Trainer options, and make sure every "
-        "node runs the same version of your code."
+        "rank (no rank-dependent layers or sizes), pass the same strategy options and Trainer or Fabric "
+        "arguments, and make sure every node runs the same version of your code."
     )

@@ -132,6 +132,16 @@ def test_help_answers_without_importing_torch() -> None:
     assert "--model MODULE:FACTORY" in proc.stdout and "--precision" in proc.stdout
 
 
+def test_version_answers_without_importing_torch() -> None:
+    import lightning_dp_strategies
+
+    code = "import sys, lightning_dp_strategies_cli as c\ntry:\n    c.main(['--version'])\nexcept SystemExit:\n"
+    code += "    print('torch' in sys.modules)\n"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    expected = f"lightning-dp-strategies {lightning_dp_strategies.__version__}"
+    assert proc.stdout.strip().splitlines() == [expected, "False"], proc.stdout + proc.stderr
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

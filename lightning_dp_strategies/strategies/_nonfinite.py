@@ -78,8 +78,8 @@ class NonfiniteGuard:
                 raise FloatingPointError(
                     f"A gradient holds NaN or Inf after reduction ({where}), so the optimizer step would corrupt the "
                     "parameters; every rank stopped here. Lower the learning rate, clip gradients "
-                    "(`Trainer(gradient_clip_val=...)`), check the data and loss, or pass `nonfinite_grads='skip'` "
-                    "to skip such steps."
+                    "(`Trainer(gradient_clip_val=...)`, or `fabric.clip_gradients(...)` before `optimizer.step()`), "
+                    "check the data and loss, or pass `nonfinite_grads='skip'` to skip such steps."
                 )
             for group in optimizer.param_groups:
                 for p in group["params"]:

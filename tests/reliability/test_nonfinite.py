@@ -54,6 +54,7 @@ def test_raise_stops_every_rank_with_an_error_that_names_the_fix(strategy: str, 
             timeout=240,
         )
     assert "FloatingPointError" in str(failure.value) and "nonfinite_grads='skip'" in str(failure.value)
+    assert "Trainer(gradient_clip_val=...)" in str(failure.value) and "fabric.clip_gradients" in str(failure.value)
 
 
 def _check_same_decision(rank: int, world_size: int, mode: str) -> None:
