@@ -12,6 +12,7 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -30,7 +31,9 @@ def _never_starts_a_process(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.timeout(240)
-def test_api_runs_a_test_defined_model_and_marks_what_cannot_run_it(tmp_path: Path) -> None:
+def test_api_runs_a_test_defined_model_and_marks_what_cannot_run_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     class TinyNet(L.LightningModule):  # defined here: it travels to the workers by value (cloudpickle)
         def __init__(self) -> None:
             super().__init__()
@@ -43,12 +46,17 @@ def test_api_runs_a_test_defined_model_and_marks_what_cannot_run_it(tmp_path: Pa
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.parameters(), lr=0.2)
 
+        def configure_callbacks(self) -> list[L.Callback]:  # the model's own checkpoints, in the Trainer's root
+            return [ModelCheckpoint(every_n_train_steps=2)]
+
     def batches() -> DataLoader:
         gen = torch.Generator().manual_seed(3)
         data = TensorDataset(torch.randn(48, 5, generator=gen), torch.randint(0, 3, (48,), generator=gen))
         return DataLoader(data, batch_size=8)
 
     messages: list[str] = []
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")  # where the model's own ModelCheckpoint would write, under a default root
     results = compare(
         ["single", "ring_allreduce", "hybrid_pipeline"],
         devices=2,
@@ -75,7 +83,7 @@ def test_api_runs_a_test_defined_model_and_marks_what_cannot_run_it(tmp_path: Pa
     # live progress while a strategy runs; logs kept, checkpoints not
     assert any("step " in m and "/5" in m for m in messages), messages
     assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == [f"{n}.log" for n in sorted(rows)]
-    assert not list(tmp_path.rglob("*.ckpt"))
+    assert not list(tmp_path.rglob("*.ckpt"))  # neither the comparison's nor the model's own, in out or the cwd
 
 
 @pytest.mark.timeout(240)

@@ -261,6 +261,7 @@ def run_worker(name: str, task_path: Path, devices: int, work: Path) -> None:
             num_sanity_val_steps=0,
             logger=False,
             enable_checkpointing=False,
+            default_root_dir=work / name,  # what the model's own callbacks write goes to the temporary work folder
             enable_progress_bar=False,
             enable_model_summary=False,
             callbacks=[recorder],
