@@ -20,6 +20,7 @@ def test_each_rank_gets_torchrun_variables_so_lightning_starts_no_processes(tmp_
     assert all(s["external"] for s in seen)  # Lightning's launcher leaves the process creation to us
     assert len({s["MASTER_PORT"] for s in seen}) == 1 and seen[0]["MASTER_ADDR"] == "127.0.0.1"
     assert all(s["argv"] == ["env", str(tmp_path)] and s["cwd"] == str(REPO_ROOT) for s in seen)
+    assert all(s["from_worker"] == [[0, 1, 2]] for s in seen)  # a DataLoader worker process started in each rank
     assert all(f"probe rank {r} says hello" in output for r in range(3))  # each rank's output comes back
 
 

@@ -234,20 +234,24 @@ def run_ranks(
             if world_size > 1:
                 rank_env.update(LOCAL_RANK=str(rank), RANK=str(rank))
             logs.append(os.path.join(folder, f"rank{rank}.log"))
-            procs.append(ctx.Process(target=_external_rank, args=(module, list(argv), rank_env, logs[-1]), daemon=True))
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
+            # not daemonic, as under torchrun: a rank may start processes of its own (DataLoader workers)
+            procs.append(ctx.Process(target=_external_rank, args=(module, list(argv), rank_env, logs[-1])))
         failed = False
-        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-            if not failed and any(p.exitcode not in (None, 0) for p in procs):
-                failed, deadline = True, min(deadline, time.monotonic() + grace)
-            time.sleep(0.05)
-        hung = [rank for rank, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join()
+        try:
+            for p in procs:
+                p.start()
+            deadline = time.monotonic() + timeout
+            while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+                if not failed and any(p.exitcode not in (None, 0) for p in procs):
+                    failed, deadline = True, min(deadline, time.monotonic() + grace)
+                time.sleep(0.05)
+        finally:  # also when the test is interrupted (pytest-timeout): no rank outlives the call
+            hung = [rank for rank, p in enumerate(procs) if p.is_alive()]
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                if p.pid is not None:
+                    p.join()
         outputs = [Path(log).read_text(errors="replace") if os.path.exists(log) else "" for log in logs]
     joined = "\n".join(f"--- rank {rank}\n{out[-6000:]}" for rank, out in enumerate(outputs))
     if hung and not failed:

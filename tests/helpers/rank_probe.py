@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from lightning.fabric.plugins.environments import LightningEnvironment
+from torch.utils.data import DataLoader
 
 
 def main(mode: str, out: Path) -> None:
@@ -21,6 +22,8 @@ def main(mode: str, out: Path) -> None:
         seen["external"] = LightningEnvironment().creates_processes_externally
         seen["argv"] = sys.argv[1:]
         seen["cwd"] = os.getcwd()
+        # a rank may start processes of its own, as under torchrun: a DataLoader worker
+        seen["from_worker"] = [batch.tolist() for batch in DataLoader(list(range(3)), batch_size=3, num_workers=1)]
         (out / f"rank{rank}.json").write_text(json.dumps(seen))
     elif mode == "hang" and rank == 1:
         time.sleep(3600)
