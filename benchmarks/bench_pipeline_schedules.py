@@ -62,9 +62,21 @@ def _round_robin_medians(runs: dict[Any, Any], repeats: int) -> dict[Any, float]
     return {key: statistics.median(seconds) for key, seconds in times.items()}
 
 
+def _orders(micro: int) -> dict[str, list[tuple[str, int]]]:
+    """The order of a stage's forwards and backwards: all forwards then all backwards (GPipe), or rank 0's order
+    under 1F1B at S = 2 (two forwards, then a backward and a forward in turn, then the last backward)."""
+    gpipe = [("F", m) for m in range(micro)] + [("B", m) for m in range(micro)]
+    one_f_one_b = [("F", m) for m in range(min(2, micro))]
+    for m in range(micro - 2):
+        one_f_one_b += [("B", m), ("F", m + 2)]
+    one_f_one_b += [("B", m) for m in range(max(0, micro - 2), micro)]
+    return {"gpipe": gpipe, "1f1b": one_f_one_b}
+
+
 def _compute(config: dict[str, Any], out: str) -> None:
-    """Part (c), in one process and no pipeline: a stage's forward and backward as M micro-batches, and one GEMM's
-    cost per row at the micro-batch's rows against the whole batch's, with 1, a stage's or two stages' weights."""
+    """Part (c), in one process and no pipeline: a stage's forward and backward as M micro-batches (in GPipe's and
+    in 1F1B's order), and one GEMM's cost per row at the micro-batch's rows against the whole batch's, with 1, a
+    stage's or two stages' weights."""
     import torch
     from torch import nn
 
@@ -74,15 +86,21 @@ def _compute(config: dict[str, Any], out: str) -> None:
     stage = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(per_stage)])
     x = torch.randn(BATCH, width)
 
-    def step(micro: int) -> None:
+    def step(micro: int, order: str) -> None:
         for param in stage.parameters():
             param.grad = None
-        for chunk in x.chunk(micro):
-            stage(chunk).sum().backward()
+        chunks, outputs = x.chunk(micro), {}
+        for kind, m in _orders(micro)[order]:
+            if kind == "F":
+                outputs[m] = stage(chunks[m]).sum()
+            else:
+                outputs.pop(m).backward()
 
     repeats = config["steps"]
-    stage_seconds = _round_robin_medians({m: functools.partial(step, m) for m in config["micro"]}, repeats)
-    result: dict[str, Any] = {"stage": stage_seconds}
+    runs = {f"{m} {order}": functools.partial(step, m, order) for m in config["micro"] for order in ("gpipe", "1f1b")}
+    seconds = _round_robin_medians(runs, repeats)
+    result: dict[str, Any] = {"stage": {m: seconds[f"{m} gpipe"] for m in config["micro"]}}
+    result["order"] = {m: seconds[f"{m} 1f1b"] / seconds[f"{m} gpipe"] for m in config["micro"]}
     rows = BATCH // max(config["micro"])
     gemm: dict[int, float] = {}
     for count in (1, per_stage, 2 * per_stage):
@@ -294,12 +312,15 @@ def main() -> None:
     micros = sorted({1, *(int(m) for m in args.micro.split(","))})
     compute = measure({"schedule": "stage compute", "micro": micros, "steps": args.steps})[0]
     stage = {int(m): t for m, t in compute["stage"].items()}
+    order = {int(m): r for m, r in compute["order"].items()}
     blocks = args.blocks // STAGES
     print(f"\n(c) one process, no pipeline: a stage ({blocks} blocks) forward and backward, {BATCH} rows in M pieces")
-    print(f"{'M':>3} {'ms':>7} {'/ M=1':>6} {'ceiling':>8}  (ideal/measured of a schedule that meets its formula)")
+    print("    (GPipe's order; ceiling: the ideal/measured of a schedule that meets its formula; 1f1b order: the same")
+    print("    pieces in rank 0's 1F1B order over GPipe's)")
+    print(f"{'M':>3} {'ms':>7} {'/ M=1':>6} {'ceiling':>8} {'1f1b order':>11}")
     for micro in micros:
         ratio = stage[micro] / stage[1]
-        print(f"{micro:>3} {stage[micro] * 1e3:>7.1f} {ratio:>6.2f} {1 / ratio:>8.2f}")
+        print(f"{micro:>3} {stage[micro] * 1e3:>7.1f} {ratio:>6.2f} {1 / ratio:>8.2f} {order[micro]:>11.2f}")
     rows, weight_mb = compute["rows"], compute["weight_mb"]
     shape = f"({rows} x {args.width}) @ ({args.width} x {args.width})"
     print(f"one GEMM {shape}: its time per row over the time per row of {BATCH} rows")
