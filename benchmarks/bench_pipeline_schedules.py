@@ -14,8 +14,10 @@ and M. The model is an MLP of 8 blocks ``Linear(768, 768) + Tanh`` and a head, b
 - ``p2p MB/step``: activations and their gradients sent between stages per step (both directions, every rank).
 
 Then (c), in one process with no pipeline: the compute a rank does per step, a stage's forward and backward on the
-batch cut into M micro-batches, over the same batch in one piece. Its inverse is the ceiling: the ``ideal/measured``
-of a schedule whose bubble is exactly its formula's, on top of this compute. And why it grows: one GEMM's time per
+batch cut into M micro-batches in GPipe's order, over the same batch in one piece. Its inverse is the ceiling: the
+``ideal/measured`` of a schedule whose bubble is exactly its formula's, on top of this compute. Beside it, over
+GPipe's order: the same pieces in rank 0's 1F1B order, and with each weight gradient computed once over all the
+pieces (the cost a schedule that batched its weight passes would pay). And why it grows: one GEMM's time per
 row at the smallest micro-batch's rows over the whole batch's, cycling through 1 weight, a stage's weights or two
 stages' (the bigger the weights that stream through the cache, the more a small GEMM pays per row).
 
@@ -75,8 +77,9 @@ def _orders(micro: int) -> dict[str, list[tuple[str, int]]]:
 
 def _compute(config: dict[str, Any], out: str) -> None:
     """Part (c), in one process and no pipeline: a stage's forward and backward as M micro-batches (in GPipe's and
-    in 1F1B's order), and one GEMM's cost per row at the micro-batch's rows against the whole batch's, with 1, a
-    stage's or two stages' weights."""
+    in 1F1B's order, and in GPipe's order with every weight gradient computed once over all the pieces), and one
+    GEMM's cost per row at the micro-batch's rows against the whole batch's, with 1, a stage's or two stages'
+    weights."""
     import torch
     from torch import nn
 
@@ -96,11 +99,54 @@ def _compute(config: dict[str, Any], out: str) -> None:
             else:
                 outputs.pop(m).backward()
 
+    class StashedLinear(torch.autograd.Function):
+        """``a W^T + b`` whose backward returns the input's gradient only and keeps ``(a, dy)`` for one later
+        weight-gradient pass over every micro-batch."""
+
+        @staticmethod
+        def forward(ctx: Any, a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, stash: list) -> torch.Tensor:
+            ctx.save_for_backward(a, weight)
+            ctx.stash = stash
+            return torch.addmm(bias, a, weight.t())
+
+        @staticmethod
+        def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
+            a, weight = ctx.saved_tensors
+            ctx.stash.append((a, dy))
+            return (dy @ weight if ctx.needs_input_grad[0] else None), None, None, None
+
+    linears = [block[0] for block in stage]
+
+    def step_one_weight_pass(micro: int) -> None:
+        for param in stage.parameters():
+            param.grad = None
+        stashes: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in linears]
+        outputs = []
+        for chunk in x.chunk(micro):  # GPipe's order: every forward, then every backward
+            a = chunk
+            for linear, stash in zip(linears, stashes, strict=True):
+                a = torch.tanh(StashedLinear.apply(a, linear.weight, linear.bias, stash))
+            outputs.append(a.sum())
+        for output in outputs:
+            output.backward()
+        with torch.no_grad():
+            for linear, stash in zip(linears, stashes, strict=True):
+                inputs, grads = torch.cat([a for a, _ in stash]), torch.cat([dy for _, dy in stash])
+                linear.weight.grad, linear.bias.grad = grads.t() @ inputs, grads.sum(0)
+
+    step(max(config["micro"]), "gpipe")  # the deferred pass computes the same gradients as autograd
+    expected = [p.grad.clone() for p in stage.parameters()]  # type: ignore[union-attr]
+    step_one_weight_pass(max(config["micro"]))
+    for param, grad in zip(stage.parameters(), expected, strict=True):
+        torch.testing.assert_close(param.grad, grad, rtol=1e-4, atol=1e-5)
+
     repeats = config["steps"]
     runs = {f"{m} {order}": functools.partial(step, m, order) for m in config["micro"] for order in ("gpipe", "1f1b")}
+    runs.update({f"{m} one W pass": functools.partial(step_one_weight_pass, m) for m in config["micro"]})
     seconds = _round_robin_medians(runs, repeats)
     result: dict[str, Any] = {"stage": {m: seconds[f"{m} gpipe"] for m in config["micro"]}}
     result["order"] = {m: seconds[f"{m} 1f1b"] / seconds[f"{m} gpipe"] for m in config["micro"]}
+    result["one_w_pass"] = {m: seconds[f"{m} one W pass"] / seconds[f"{m} gpipe"] for m in config["micro"]}
     rows = BATCH // max(config["micro"])
     gemm: dict[int, float] = {}
     for count in (1, per_stage, 2 * per_stage):
@@ -313,14 +359,17 @@ def main() -> None:
     compute = measure({"schedule": "stage compute", "micro": micros, "steps": args.steps})[0]
     stage = {int(m): t for m, t in compute["stage"].items()}
     order = {int(m): r for m, r in compute["order"].items()}
+    one_w_pass = {int(m): r for m, r in compute["one_w_pass"].items()}
     blocks = args.blocks // STAGES
     print(f"\n(c) one process, no pipeline: a stage ({blocks} blocks) forward and backward, {BATCH} rows in M pieces")
     print("    (GPipe's order; ceiling: the ideal/measured of a schedule that meets its formula; 1f1b order: the same")
-    print("    pieces in rank 0's 1F1B order over GPipe's)")
-    print(f"{'M':>3} {'ms':>7} {'/ M=1':>6} {'ceiling':>8} {'1f1b order':>11}")
+    print("    pieces in rank 0's 1F1B order over GPipe's; one W pass: GPipe's order with each weight gradient")
+    print("    computed once over all the pieces, over GPipe's)")
+    print(f"{'M':>3} {'ms':>7} {'/ M=1':>6} {'ceiling':>8} {'1f1b order':>11} {'one W pass':>11}")
     for micro in micros:
         ratio = stage[micro] / stage[1]
-        print(f"{micro:>3} {stage[micro] * 1e3:>7.1f} {ratio:>6.2f} {1 / ratio:>8.2f} {order[micro]:>11.2f}")
+        cells = f"{ratio:>6.2f} {1 / ratio:>8.2f} {order[micro]:>11.2f} {one_w_pass[micro]:>11.2f}"
+        print(f"{micro:>3} {stage[micro] * 1e3:>7.1f} {cells}")
     rows, weight_mb = compute["rows"], compute["weight_mb"]
     shape = f"({rows} x {args.width}) @ ({args.width} x {args.width})"
     print(f"one GEMM {shape}: its time per row over the time per row of {BATCH} rows")
