@@ -49,10 +49,10 @@ def check_installed() -> str:
 
 
 def check_help_without_torch() -> None:
-    """The console script's `compare --help` comes from the installed top-level parser module, without torch."""
+    """The console script's `compare --help` comes from the installed package's parser, without torch."""
     import subprocess
 
-    code = "import sys, lightning_dp_strategies_cli as c\ntry:\n    c.main(['compare', '--help'])\nexcept SystemExit:\n"
+    code = "import sys, lightning_dp_strategies.cli as c\ntry:\n    c.main(['compare', '--help'])\nexcept SystemExit:\n"
     code += "    print('torch' in sys.modules, c.__file__)\n"
     out = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, check=True).stdout
     imported_torch, location = out.strip().splitlines()[-1].split(" ", 1)
@@ -69,7 +69,7 @@ def check_sdist(dist_dir: Path, version: str) -> None:
     missing = [name for name in expected if name not in names]
     assert not missing, f"{sdist.name} lacks {missing}"
     assert f"{root}/lightning_dp_strategies/__init__.py" in names
-    assert f"{root}/lightning_dp_strategies_cli.py" in names
+    assert f"{root}/lightning_dp_strategies/cli/parser.py" in names
     assert len(list(dist_dir.glob(f"lightning_dp_strategies-{version}-py3-none-any.whl"))) == 1
 
 

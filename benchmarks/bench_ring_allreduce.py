@@ -305,8 +305,8 @@ COMPRESSED = {
 def _row_bytes(result: dict[str, Any], key: str, world: int) -> float:
     """Bytes per step and rank: as the strategy counted them, or (torch hooks, whose traffic the adapter cannot see,
     and ``ddp``) the known payload of the method priced as a bandwidth-optimal all-reduce, 2(N-1)/N of it."""
-    from lightning_dp_strategies.plan_compression import payload_bytes
-    from lightning_dp_strategies.sizing import ring_bytes_per_rank
+    from lightning_dp_strategies.plan.compression import payload_bytes
+    from lightning_dp_strategies.plan.sizing import ring_bytes_per_rank
 
     if PART_C[key][1] == "counted":
         return float(result["stats"][key]["bytes_sent"])
@@ -318,7 +318,7 @@ def _fit_loopback(sizes: list[int], repeats: int) -> dict[str, Any]:
     """Links fitted on 2-rank all-reduces of ``sizes`` (medians of interleaved calls, one launch): the package's ring
     (the transport of its reducers) and gloo's all_reduce (what torch's hooks and ``"native"`` use)."""
     from lightning_dp_strategies.plan import Link
-    from lightning_dp_strategies.sizing import ring_bytes_per_rank
+    from lightning_dp_strategies.plan.sizing import ring_bytes_per_rank
 
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "link.json")
@@ -344,9 +344,9 @@ def _compression_compute(width: int, depth: int, steps: int) -> dict[str, float]
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
     from lightning_dp_strategies import PowerSGD, bf16_compress, fp16_compress
-    from lightning_dp_strategies.comm_hooks import HookBucket
+    from lightning_dp_strategies.plan.sizing import bucket_boundaries
     from lightning_dp_strategies.reducers import GradBucket, close_reducer, resolve_reducer, setup_reducer
-    from lightning_dp_strategies.sizing import bucket_boundaries
+    from lightning_dp_strategies.reducers.comm_hooks import HookBucket
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -411,7 +411,7 @@ def _compression_compute(width: int, depth: int, steps: int) -> dict[str, float]
 
 def part_c(steps: int, width: int, depth: int, rounds: int, link_sizes: list[int]) -> None:
     from lightning_dp_strategies.plan import Link
-    from lightning_dp_strategies.plan_compression import compression_pays
+    from lightning_dp_strategies.plan.compression import compression_pays
 
     keys = list(PART_C)
     result = _train_runs(keys, steps, width, depth, rounds)

@@ -24,7 +24,7 @@ from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_dp_strategies import GradientBuckets, HybridPipelineStrategy, RingAllReduceStrategy
-from lightning_dp_strategies.comm_hooks import CommHookReducer, HookBucket
+from lightning_dp_strategies.reducers.comm_hooks import CommHookReducer, HookBucket
 from tests.helpers.distributed import run_distributed
 
 NUMERICS = pytest.mark.numerics

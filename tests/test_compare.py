@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import lightning_dp_strategies_cli
 from lightning_dp_strategies.cli import main
 from lightning_dp_strategies.compare import DemoConfig, GlobalBatchSampler, default_strategies
+from lightning_dp_strategies.compare.spec import DEMO_GLOBAL_BATCH
 
 
 def test_unknown_strategy_lists_the_available_ones(capsys: pytest.CaptureFixture[str]) -> None:
@@ -36,7 +36,7 @@ def test_defaults_include_the_baseline_and_lightning_ddp() -> None:
 
 def test_the_parsers_demo_default_is_the_demos() -> None:
     """The parser checks --global-batch without importing the demo: its copy of the default must agree."""
-    assert lightning_dp_strategies_cli.DEMO_GLOBAL_BATCH == DemoConfig().global_batch
+    assert DEMO_GLOBAL_BATCH == DemoConfig().global_batch
 
 
 @pytest.mark.parametrize("replicas", [2, 4])

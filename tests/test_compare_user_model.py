@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning_dp_strategies_cli
+from lightning_dp_strategies import cli as lightning_dp_strategies_cli
 from lightning_dp_strategies.compare import compare
 from lightning_dp_strategies.compare import runner as runner_module
 
@@ -125,7 +125,7 @@ def test_cli_runs_the_readme_model_marks_what_cannot_run_it_and_keeps_checkpoint
     ],
 )
 def test_values_wrong_anywhere_are_refused_without_importing_torch(argv: list[str], message: str) -> None:
-    code = "import sys, lightning_dp_strategies_cli as c\ntry:\n    c.main(sys.argv[1:])\nexcept SystemExit as e:\n"
+    code = "import sys, lightning_dp_strategies.cli as c\ntry:\n    c.main(sys.argv[1:])\nexcept SystemExit as e:\n"
     code += "    print('exit', e.code, 'torch' in sys.modules)\n"
     proc = subprocess.run([sys.executable, "-c", code, "compare", *argv], capture_output=True, text=True, timeout=60)
     assert proc.stdout.strip() == "exit 2 False", proc.stdout + proc.stderr
@@ -133,7 +133,7 @@ def test_values_wrong_anywhere_are_refused_without_importing_torch(argv: list[st
 
 
 def test_help_answers_without_importing_torch() -> None:
-    code = "import sys, lightning_dp_strategies_cli as c\ntry:\n    c.main(['compare', '--help'])\nexcept SystemExit:\n"
+    code = "import sys, lightning_dp_strategies.cli as c\ntry:\n    c.main(['compare', '--help'])\nexcept SystemExit:\n"
     code += "    print('torch' in sys.modules, 'lightning' in sys.modules)\n"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.stdout.strip().splitlines()[-1] == "False False", proc.stdout + proc.stderr
@@ -143,7 +143,7 @@ def test_help_answers_without_importing_torch() -> None:
 def test_version_answers_without_importing_torch() -> None:
     import lightning_dp_strategies
 
-    code = "import sys, lightning_dp_strategies_cli as c\ntry:\n    c.main(['--version'])\nexcept SystemExit:\n"
+    code = "import sys, lightning_dp_strategies.cli as c\ntry:\n    c.main(['--version'])\nexcept SystemExit:\n"
     code += "    print('torch' in sys.modules)\n"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     expected = f"lightning-dp-strategies {lightning_dp_strategies.__version__}"

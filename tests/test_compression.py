@@ -11,8 +11,14 @@ import pytest
 import torch
 
 from lightning_dp_strategies.comm import CommCounter, reference_all_reduce
-from lightning_dp_strategies.compression import CastCompression, PowerSGD, bf16_compress, fp16_compress
-from lightning_dp_strategies.reducers import GradBucket, completed
+from lightning_dp_strategies.reducers import (
+    CastCompression,
+    GradBucket,
+    PowerSGD,
+    bf16_compress,
+    completed,
+    fp16_compress,
+)
 from tests.helpers.distributed import run_distributed
 
 # numerically sensitive: CI runs this file again under other CPU kernel paths and thread counts

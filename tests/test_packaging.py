@@ -91,7 +91,7 @@ DISTRIBUTION = {"typing_extensions": "typing-extensions"}
 def _third_party_imports() -> dict[str, set[str]]:
     """Top-level third-party modules the package imports (anywhere in a file), with the files that import them."""
     found: dict[str, set[str]] = {}
-    for path in [*PACKAGE.rglob("*.py"), ROOT / "lightning_dp_strategies_cli.py"]:
+    for path in PACKAGE.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 modules = [alias.name for alias in node.names]

@@ -15,15 +15,16 @@ from torch import Tensor
 from torch.futures import Future
 
 from lightning_dp_strategies.comm import CommCounter, reference_all_reduce
-from lightning_dp_strategies.compression import bf16_compress, fp16_compress
 from lightning_dp_strategies.reducers import (
     REDUCERS,
     GradBucket,
     NativeReducer,
     PerTensorReducer,
     RingReducer,
+    bf16_compress,
     check_reducer,
     completed,
+    fp16_compress,
     resolve_reducer,
     setup_reducer,
 )

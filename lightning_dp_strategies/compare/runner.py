@@ -36,7 +36,8 @@ from lightning_dp_strategies.data_parallel.pytree import _tensors
 
 BASELINE = "single"
 """The single-device baseline every other row is compared with."""
-PREFERRED_ORDER = ("single", "dp", "ring_allreduce", "ddp", "hybrid_pipeline")
+REFERENCE = "ddp"
+"""Lightning's own DDP, the anchor the package's strategies are compared with."""
 WARMUP_STEPS = 3
 
 
@@ -52,14 +53,17 @@ def available_strategies() -> list[str]:
 
 
 def default_strategies() -> list[str]:
-    """The baseline, ``dp``, ``ring_allreduce``, Lightning's ``ddp`` and ``hybrid_pipeline``, where registered.
+    """The baseline, the package's strategies that say ``compared_as`` (by that name), then Lightning's ``ddp``.
 
     Examples:
-        >>> default_strategies()[:4]
-        ['single', 'dp', 'ring_allreduce', 'ddp']
+        >>> default_strategies()
+        ['single', 'dp', 'hybrid_pipeline', 'ring_allreduce', 'ddp']
     """
+    from lightning_dp_strategies.strategies import trainer_strategies
+
+    ours = sorted(n for cls in trainer_strategies() if (n := getattr(cls, "compared_as", None)) is not None)
     names = set(available_strategies())
-    return [n for n in PREFERRED_ORDER if n in names]
+    return [n for n in (BASELINE, *ours, REFERENCE) if n in names]
 
 
 _NEEDS = {
@@ -95,8 +99,8 @@ def runnable_strategies(accelerator: str = "cpu") -> list[str]:
 
     Examples:
         >>> names = runnable_strategies("cpu")
-        >>> names[:4], "fsdp" in names, "deepspeed" in names
-        (['single', 'dp', 'ring_allreduce', 'ddp'], False, False)
+        >>> names[:5], "fsdp" in names, "deepspeed" in names
+        (['single', 'dp', 'hybrid_pipeline', 'ring_allreduce', 'ddp'], False, False)
     """
     defaults = default_strategies()
     others = [n for n in available_strategies() if n not in defaults and cannot_run_here(n, accelerator) is None]

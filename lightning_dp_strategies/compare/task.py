@@ -23,8 +23,8 @@ import torch
 from torch import Tensor
 
 from lightning_dp_strategies.compare.demo import DemoClassifier, DemoConfig
+from lightning_dp_strategies.compare.spec import PRECISIONS
 from lightning_dp_strategies.data_parallel.pytree import _children, _rebuild
-from lightning_dp_strategies_cli import PRECISIONS
 
 Factory = Callable[[], Any]
 

@@ -22,6 +22,7 @@ re-exports, so that neither hides the other):
 - :mod:`.scatter_gather`: :func:`scatter` (with :func:`split_sizes`) and :func:`gather`.
 - :mod:`.replicas`: :func:`replicate`, logical replicas on the CPU.
 - :mod:`.apply`: :func:`parallel_apply` and the :class:`ThreadContext` it carries into the replicas' threads.
+- :mod:`.forward`: :class:`ParallelForward`, the four steps as overridable methods a strategy inherits.
 """
 
 from lightning_dp_strategies.data_parallel.apply import ThreadContext, parallel_apply
@@ -29,4 +30,12 @@ from lightning_dp_strategies.data_parallel.devices import as_devices
 from lightning_dp_strategies.data_parallel.replicas import replicate
 from lightning_dp_strategies.data_parallel.scatter_gather import gather, scatter, split_sizes
 
-__all__ = ["ThreadContext", "as_devices", "gather", "parallel_apply", "replicate", "scatter", "split_sizes"]
+__all__ = [
+    "ThreadContext",
+    "as_devices",
+    "gather",
+    "parallel_apply",
+    "replicate",
+    "scatter",
+    "split_sizes",
+]

@@ -19,12 +19,28 @@ Examples:
     True
 """
 
-from lightning.fabric.strategies import STRATEGY_REGISTRY
+from lightning.fabric.strategies import STRATEGY_REGISTRY, Strategy
 
+from lightning_dp_strategies.core.registry import discover
 from lightning_dp_strategies.fabric.ring_allreduce import FabricRingAllReduceStrategy
 from lightning_dp_strategies.fabric.scatter_gather import FabricScatterGatherStrategy
 
-__all__ = ["FabricRingAllReduceStrategy", "FabricScatterGatherStrategy", "register_fabric_strategies"]
+__all__ = [
+    "FabricRingAllReduceStrategy",
+    "FabricScatterGatherStrategy",
+    "fabric_strategies",
+    "register_fabric_strategies",
+]
+
+
+def fabric_strategies() -> list[type[Strategy]]:
+    """The package's Fabric strategies: every class in this package's modules that has a ``registered_name``.
+
+    Examples:
+        >>> [cls.__name__ for cls in fabric_strategies()]
+        ['FabricRingAllReduceStrategy', 'FabricScatterGatherStrategy']
+    """
+    return discover(__name__, Strategy)
 
 
 def register_fabric_strategies() -> None:
@@ -35,5 +51,8 @@ def register_fabric_strategies() -> None:
         >>> STRATEGY_REGISTRY["ring_allreduce_spawn"]["init_params"]
         {'start_method': 'spawn'}
     """
-    for strategy in (FabricRingAllReduceStrategy, FabricScatterGatherStrategy):
+    for strategy in fabric_strategies():
         strategy.register_strategies(STRATEGY_REGISTRY)
+
+
+register_fabric_strategies()

@@ -9,7 +9,7 @@ from lightning.fabric.utilities.types import Optimizable
 from torch import nn
 from typing_extensions import override
 
-from lightning_dp_strategies.strategies._nonfinite import NonfiniteGuard, check_nonfinite_mode
+from lightning_dp_strategies.core.nonfinite import NonfiniteGuard, check_nonfinite_mode
 
 
 class NonfiniteStep(Strategy):

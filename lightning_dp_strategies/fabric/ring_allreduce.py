@@ -7,46 +7,41 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, ClassVar, Literal
 
-import lightning as L
+import lightning.fabric
 import torch
-import torch.distributed as dist
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
-from lightning.fabric.utilities.imports import _IS_INTERACTIVE
 from lightning.fabric.utilities.types import Optimizable
-from lightning.pytorch.overrides.distributed import _sync_module_states
 from torch import Tensor, nn
-from torch.distributed.distributed_c10d import _get_default_group
 from typing_extensions import override
 
-from lightning_dp_strategies.bucketing import assign_buckets
-from lightning_dp_strategies.comm_hooks import CommHook
-from lightning_dp_strategies.fabric._step import NonfiniteStep
-from lightning_dp_strategies.fingerprint import check_ranks_agree, model_fingerprint
-from lightning_dp_strategies.reducers import Reducer
-from lightning_dp_strategies.strategies._grad_sync import GradSync, base_fingerprint_options
-from lightning_dp_strategies.strategies._options import (
+from lightning_dp_strategies.bucketing import CommStats, GradientBuckets, assign_buckets
+from lightning_dp_strategies.bucketing.sync import GradientSync
+from lightning_dp_strategies.core.agreement import base_fingerprint_options, check_ranks_agree, model_fingerprint
+from lightning_dp_strategies.core.checkpoint_io import AtomicCheckpoints
+from lightning_dp_strategies.core.launch import check_interactive_launch
+from lightning_dp_strategies.core.module_state import broadcast_module_buffers, sync_module_states
+from lightning_dp_strategies.core.options import (
     ConfigOption,
+    ReductionOptions,
+    RingAllReduceConfig,
     check_backend,
-    check_reducer,
     check_start_method,
     check_timeout,
     default_timeout,
 )
-from lightning_dp_strategies.strategies._registry import register_with_launchers
-from lightning_dp_strategies.strategies._resume import AtomicCheckpoints
-from lightning_dp_strategies.strategies.ring_allreduce import RingAllReduceConfig
+from lightning_dp_strategies.core.registry import register_with_launchers
+from lightning_dp_strategies.fabric._step import NonfiniteStep
+from lightning_dp_strategies.reducers import CommHook, Reducer
 
 __all__ = ["FabricRingAllReduceStrategy"]
 
-_BUFFER_BROADCAST_BYTES = 250 * 1024 * 1024  # torch DDP's bucket size for broadcasting buffers
 
-
-class FabricRingAllReduceStrategy(AtomicCheckpoints, GradSync, NonfiniteStep, DDPStrategy):
+class FabricRingAllReduceStrategy(AtomicCheckpoints, NonfiniteStep, DDPStrategy):
     """One process per device under Lightning Fabric; gradients averaged by the bucketed ring all-reduce.
 
     The Fabric counterpart of :class:`~lightning_dp_strategies.RingAllReduceStrategy`, on the same machinery
@@ -108,9 +103,8 @@ class FabricRingAllReduceStrategy(AtomicCheckpoints, GradSync, NonfiniteStep, DD
         ddp_comm_wrapper: Callable[[CommHook], CommHook] | None = None,
     ) -> None:
         check_start_method(start_method)
-        check_reducer(reducer)
-        self._init_comm_hook(reducer, ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper)
         # configuration (validated before Fabric does anything)
+        self.reduction = ReductionOptions(reducer, ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper)
         self.config = RingAllReduceConfig(bucket_cap_mb, first_bucket_cap_mb, broadcast_buffers)
         super().__init__(
             accelerator=accelerator,
@@ -122,9 +116,8 @@ class FabricRingAllReduceStrategy(AtomicCheckpoints, GradSync, NonfiniteStep, DD
             timeout=check_timeout(timeout),
             start_method=start_method,
         )
-        self.reducer = reducer
         # runtime state (groups, reducer, buckets, no-sync flag) and statistics (step_stats, comm_stats)
-        self._init_grad_sync_state()
+        self.grad_sync = GradientSync()
         self._init_nonfinite(nonfinite_grads)
         self._buffer_hook: Any = None
         self._backward_sync_control = _BucketSyncControl(self)
@@ -138,12 +131,7 @@ class FabricRingAllReduceStrategy(AtomicCheckpoints, GradSync, NonfiniteStep, DD
     @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
-        if _IS_INTERACTIVE and self._launcher is not None and not self._launcher.is_interactive_compatible:
-            raise RuntimeError(
-                f"{type(self).__name__}(start_method={self._start_method!r}) cannot launch processes inside Jupyter "
-                f"or an interactive shell. Use `Fabric(strategy='{self.registered_name}_notebook')` there, or run "
-                "your code as a script."
-            )
+        check_interactive_launch(self, self._launcher, self._start_method, self.registered_name, "Fabric")
 
     # ------------------------------------------------------------------ setup
     @override
@@ -151,7 +139,14 @@ class FabricRingAllReduceStrategy(AtomicCheckpoints, GradSync, NonfiniteStep, DD
         if self._timeout is None:
             self._timeout = default_timeout(self._get_process_group_backend())
         super()._setup_distributed()
-        self._make_grad_groups([list(range(self.world_size))], self.global_rank, self._process_group_backend)
+        self.grad_sync.make_groups(
+            [list(range(self.world_size))], self.global_rank, self._process_group_backend, self.configure_reducer()
+        )
+
+    def configure_reducer(self) -> Reducer:
+        """The reducer of the gradient buckets, called once at setup: override it to reduce another way (default:
+        the communication hook's when ``ddp_comm_hook`` was given, else the ``reducer=`` option's)."""
+        return self.reduction.make_reducer()
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:  # type: ignore[override]  # not wrapped
@@ -160,18 +155,18 @@ class FabricRingAllReduceStrategy(AtomicCheckpoints, GradSync, NonfiniteStep, DD
         The module itself is returned (not wrapped), so ``fabric.save`` holds its plain ``state_dict``.
         """
         trainable = any(p.requires_grad for p in module.parameters())
-        if trainable and self.buckets is not None:
+        if trainable and self.grad_sync.buckets is not None:
             raise ValueError(
                 f"{type(self).__name__} averages the gradients of one module, and one with trainable parameters was "
                 "set up already. Put the models in one `nn.Module` (e.g. `nn.ModuleDict`) and set that up once, or "
                 "freeze the second one (`requires_grad_(False)`) before `fabric.setup`."
             )
         check_ranks_agree(model_fingerprint(module, self._fingerprint_options(module)))  # before the broadcast
-        if dist.is_initialized() and self.world_size > 1:
-            _sync_module_states(module)
+        sync_module_states(module)
         if trainable:
             cfg = self.config
-            self._attach_buckets(list(module.named_parameters()), cfg.bucket_cap_mb, cfg.first_bucket_cap_mb)
+            named = list(module.named_parameters())
+            self.grad_sync.attach(named, cfg.bucket_cap_mb, cfg.first_bucket_cap_mb, timeout=self._timeout)
             self._trained = module
             if cfg.broadcast_buffers and any(True for _ in module.buffers()):
                 self._buffer_hook = module.register_forward_pre_hook(self._broadcast_buffers)
@@ -182,39 +177,37 @@ class FabricRingAllReduceStrategy(AtomicCheckpoints, GradSync, NonfiniteStep, DD
         cfg = self.config
         trainable = [p for p in module.parameters() if p.requires_grad]
         return {
-            **base_fingerprint_options(self, self.reducer, self.world_size),
+            **base_fingerprint_options(
+                self, self.reducer, self.reduction.comm_hook, self.ddp_comm_state, self.world_size
+            ),
             **vars(cfg),
             "precision": getattr(self.precision, "precision", type(self.precision).__name__),
             "bucket_layout": assign_buckets(trainable, cfg.bucket_cap_mb, cfg.first_bucket_cap_mb),
-            "fabric": L.__version__,
+            "fabric": lightning.fabric.__version__,
         }
 
     def _broadcast_buffers(self, module: nn.Module, args: Any) -> None:
         """Before a training forward (train mode, gradients on, not inside ``no_backward_sync``): rank 0's buffers."""
-        if module.training and torch.is_grad_enabled() and not self._sync_blocked and self.world_size > 1:
-            buffers = list(module.buffers())
-            if buffers:
-                dist._broadcast_coalesced(_get_default_group(), buffers, _BUFFER_BROADCAST_BYTES, 0)
+        if module.training and torch.is_grad_enabled() and not self.grad_sync.blocked:
+            broadcast_module_buffers(module)
 
     # ------------------------------------------------------------------ one step
     @override
     def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
         """Arm the buckets (or count a skipped pass inside ``no_backward_sync``), run backward through the precision
         plugin, and wait until ``.grad`` holds the average over the ranks."""
-        self._arm_or_skip()
+        self.grad_sync.arm_or_skip()
         try:
             super().backward(tensor, module, *args, **kwargs)
         except BaseException:
-            if self.buckets is not None:
-                self.buckets.abort()
+            self.grad_sync.abort()
             raise
-        if self.buckets is not None:
-            self.buckets.finish()
+        self.grad_sync.finish()
 
     @override
     def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, **kwargs)
-        self._record_step()
+        self.grad_sync.record_step()
         return output
 
     @contextmanager
@@ -223,7 +216,7 @@ class FabricRingAllReduceStrategy(AtomicCheckpoints, GradSync, NonfiniteStep, DD
 
         ``fabric.no_backward_sync(model)`` enters this.
         """
-        with self._sync_blocked_block():
+        with self.grad_sync.no_sync():
             yield None
 
     # ------------------------------------------------------------------ teardown
@@ -233,15 +226,35 @@ class FabricRingAllReduceStrategy(AtomicCheckpoints, GradSync, NonfiniteStep, DD
         if self._buffer_hook is not None:
             self._buffer_hook.remove()
             self._buffer_hook = None
-        self._close_reducer_and_buckets()
+        self.grad_sync.close()
         self._trained = None
         super().teardown()
-        self._destroy_grad_groups()
+        self.grad_sync.destroy_groups()
+
+    # ------------------------------------------------------------------ what it holds
+    @property
+    def buckets(self) -> GradientBuckets | None:
+        """This rank's gradient buckets (``None`` before setup and after teardown)."""
+        return self.grad_sync.buckets
+
+    @property
+    def step_stats(self) -> CommStats:
+        """Gradient communication of the last optimizer step."""
+        return self.grad_sync.step_stats
+
+    @property
+    def comm_stats(self) -> CommStats:
+        """Running totals of gradient communication on this rank since setup (kept after teardown)."""
+        return self.grad_sync.totals
 
     # ------------------------------------------------------------------ options (read-only; see `config`)
     bucket_cap_mb = ConfigOption[float]()
     first_bucket_cap_mb = ConfigOption[float]()
     broadcast_buffers = ConfigOption[bool]()
+    reducer = ConfigOption[str | Reducer | None]("reduction")
+    ddp_comm_hook = ConfigOption[CommHook | None]("reduction")
+    ddp_comm_state = ConfigOption[object]("reduction")
+    ddp_comm_wrapper = ConfigOption[Callable[[CommHook], CommHook] | None]("reduction")
 
 
 class _BucketSyncControl(_BackwardSyncControl):

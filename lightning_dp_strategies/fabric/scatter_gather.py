@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from lightning.fabric.accelerators import Accelerator
@@ -16,12 +16,12 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from torch import nn
 from typing_extensions import override
 
-from lightning_dp_strategies import data_parallel
+from lightning_dp_strategies.core.checkpoint_io import AtomicCheckpoints
+from lightning_dp_strategies.core.options import check_dim
+from lightning_dp_strategies.core.registry import register_name
+from lightning_dp_strategies.data_parallel import as_devices
+from lightning_dp_strategies.data_parallel.forward import ParallelForward, ScatterGatherStats
 from lightning_dp_strategies.fabric._step import NonfiniteStep
-from lightning_dp_strategies.strategies._options import check_dim
-from lightning_dp_strategies.strategies._registry import register_name
-from lightning_dp_strategies.strategies._resume import AtomicCheckpoints
-from lightning_dp_strategies.strategies.scatter_gather import ParallelForward, ScatterGatherStats
 
 __all__ = ["FabricScatterGatherStrategy"]
 
@@ -57,6 +57,11 @@ class FabricScatterGatherStrategy(AtomicCheckpoints, ParallelForward, NonfiniteS
         (torch.Size([5, 1]), 2)
     """
 
+    registered_name: ClassVar[str] = "scatter_gather"
+    registered_description: ClassVar[str] = (
+        "DataParallel-style scatter/replicate/parallel_apply/gather in one process (Fabric)"
+    )
+
     def __init__(
         self,
         accelerator: Accelerator | None = None,
@@ -69,7 +74,7 @@ class FabricScatterGatherStrategy(AtomicCheckpoints, ParallelForward, NonfiniteS
         check_dim(dim)
         super().__init__(
             accelerator=accelerator,
-            parallel_devices=None if parallel_devices is None else data_parallel.as_devices(parallel_devices),
+            parallel_devices=None if parallel_devices is None else as_devices(parallel_devices),
             checkpoint_io=checkpoint_io,
             precision=precision,
         )
@@ -84,17 +89,11 @@ class FabricScatterGatherStrategy(AtomicCheckpoints, ParallelForward, NonfiniteS
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         # "dp" stays Fabric's own DataParallelStrategy (torch.nn.DataParallel), which Fabric registers itself
-        register_name(
-            strategy_registry,
-            "scatter_gather",
-            cls,
-            description="DataParallel-style scatter/replicate/parallel_apply/gather in one process (Fabric)",
-            where="Fabric",
-        )
+        register_name(strategy_registry, cls.registered_name, cls, cls.registered_description, where="Fabric")
 
     @override
     def replica_devices(self) -> list[torch.device]:
-        return data_parallel.as_devices(self.parallel_devices or [self.root_device])
+        return as_devices(self.parallel_devices or [self.root_device])
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:  # type: ignore[override]  # not wrapped

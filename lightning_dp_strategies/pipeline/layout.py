@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from lightning_dp_strategies.pipeline.activations import from_args
 from lightning_dp_strategies.pipeline.partition import stage_ranges
-from lightning_dp_strategies.sizing import divisors
+from lightning_dp_strategies.plan.sizing import divisors
 
 __all__ = ["Layout", "StageBody", "check_mesh", "prefix_of"]
 

@@ -15,7 +15,7 @@ micro-batch of a step.
 
 from __future__ import annotations
 
-from lightning_dp_strategies.sizing import divisors
+from lightning_dp_strategies.plan.sizing import divisors
 
 __all__ = ["check_micro_batches", "effective_micro_batches", "valid_batch_sizes"]
 

@@ -1,9 +1,17 @@
-"""Lightning ``Strategy`` subclasses; the only package modules (with the comparison command) that import Lightning."""
+"""Lightning Trainer strategies; importing this package registers their names with the Trainer's
+``StrategyRegistry``.
 
-from lightning.pytorch.strategies import StrategyRegistry
+Each strategy is one module here (a subpackage for the hybrid pipeline) whose class says its own registered name
+(``registered_name``), cost model (``cost_model``) and whether the comparison runs it by default (``compared_as``);
+:func:`trainer_strategies` finds them, so nothing else lists them.
+"""
 
-from lightning_dp_strategies.strategies.bucketed import BucketedConfig, BucketedDataParallel
-from lightning_dp_strategies.strategies.checkpoint_io import AtomicCheckpointIO
+from lightning.pytorch.strategies import Strategy, StrategyRegistry
+
+from lightning_dp_strategies.core.checkpoint_io import AtomicCheckpointIO
+from lightning_dp_strategies.core.options import BucketedConfig
+from lightning_dp_strategies.core.registry import discover
+from lightning_dp_strategies.strategies.bucketed import BucketedDataParallel
 from lightning_dp_strategies.strategies.hybrid_pipeline import HybridPipelineStrategy
 from lightning_dp_strategies.strategies.ring_allreduce import RingAllReduceStrategy
 from lightning_dp_strategies.strategies.scatter_gather import ScatterGatherStrategy
@@ -16,7 +24,19 @@ __all__ = [
     "RingAllReduceStrategy",
     "ScatterGatherStrategy",
     "register_all",
+    "register_trainer_strategies",
+    "trainer_strategies",
 ]
+
+
+def trainer_strategies() -> list[type[Strategy]]:
+    """The package's Trainer strategies: every class in this package's modules that has a ``registered_name``.
+
+    Examples:
+        >>> [cls.__name__ for cls in trainer_strategies()]
+        ['HybridPipelineStrategy', 'RingAllReduceStrategy', 'ScatterGatherStrategy']
+    """
+    return discover(__name__, Strategy)
 
 
 def register_all() -> None:
@@ -24,16 +44,23 @@ def register_all() -> None:
     and Fabric's ``STRATEGY_REGISTRY`` (safe to call twice).
 
     Examples:
-        >>> register_all()  # importing lightning_dp_strategies already did; a second call changes nothing
+        >>> register_all()  # importing lightning_dp_strategies with Lightning already did; nothing changes
         >>> "ring_allreduce" in StrategyRegistry and "dp" in StrategyRegistry
         True
         >>> from lightning.fabric.strategies import STRATEGY_REGISTRY
         >>> "ring_allreduce" in STRATEGY_REGISTRY and "scatter_gather" in STRATEGY_REGISTRY
         True
     """
-    # imported here: the Fabric strategies build on this package's modules, which must not import them back
     from lightning_dp_strategies.fabric import register_fabric_strategies
 
-    for strategy in (HybridPipelineStrategy, RingAllReduceStrategy, ScatterGatherStrategy):
-        strategy.register_strategies(StrategyRegistry)
+    register_trainer_strategies()
     register_fabric_strategies()
+
+
+def register_trainer_strategies() -> None:
+    """Register the Trainer strategy names with the Trainer's ``StrategyRegistry`` (safe to call twice)."""
+    for strategy in trainer_strategies():
+        strategy.register_strategies(StrategyRegistry)
+
+
+register_trainer_strategies()

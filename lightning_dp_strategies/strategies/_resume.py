@@ -1,13 +1,12 @@
-"""Checkpoints and resuming, shared by the three strategies: atomic files by default, the resumed epoch's order."""
+"""Resuming under the Trainer: atomic checkpoint files by default, and the resumed epoch's sample order."""
 
 from __future__ import annotations
 
-from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.pytorch.strategies import Strategy
 from typing_extensions import override
 
-from lightning_dp_strategies.strategies.checkpoint_io import with_atomic_default
+from lightning_dp_strategies.core.checkpoint_io import AtomicCheckpoints
 
 
 def with_resumed_sampler_epoch(strategy: Strategy, dataloader: object) -> object:
@@ -26,23 +25,6 @@ def with_resumed_sampler_epoch(strategy: Strategy, dataloader: object) -> object
         epoch = trainer.fit_loop.epoch_progress.current.processed  # type: ignore[attr-defined]  # as Lightning
         _set_sampler_epoch(dataloader, epoch)
     return dataloader
-
-
-class AtomicCheckpoints:
-    """Mixed in ahead of a Trainer or Fabric strategy: an :class:`~.checkpoint_io.AtomicCheckpointIO` unless one
-    was given."""
-
-    _checkpoint_io: CheckpointIO | None
-
-    @property
-    def checkpoint_io(self) -> CheckpointIO:
-        """The ``checkpoint_io`` given, else an :class:`~.checkpoint_io.AtomicCheckpointIO`."""
-        self._checkpoint_io = with_atomic_default(self._checkpoint_io)
-        return self._checkpoint_io
-
-    @checkpoint_io.setter
-    def checkpoint_io(self, io: CheckpointIO) -> None:
-        self._checkpoint_io = io
 
 
 class CheckpointAndResume(AtomicCheckpoints, Strategy):

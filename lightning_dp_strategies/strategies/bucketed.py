@@ -6,7 +6,7 @@ group (and the reducer's own groups, made in its setup step), the buckets, armin
 accumulation steps and inside ``no_backward_sync``), abort on an exception, the per-step statistics, and teardown::
 
     setup_distributed ──▶ grad_group_ranks() ──▶ one group each ──▶ setup_reducer(reducer, group, ranks)
-    setup / configure_ddp ──▶ _build_buckets(bucketed_parameters())
+    configure_ddp ──▶ ranks agree ──▶ rank 0's weights ──▶ _build_buckets(bucketed_parameters())
     pre_backward: arm (or skip)  ─ backward ─  post_backward: finish (.grad holds the average)
     teardown ──▶ close buckets and reducer ──▶ destroy the groups
 
@@ -15,71 +15,53 @@ Contract for a subclass:
 - ``grad_group_ranks()``: the world split into the lists of global ranks that average together (default: the
   whole world, one group). Called on every rank, it must give every rank the same lists.
 - ``bucketed_parameters()``: the ``(name, parameter)`` pairs this rank averages (default: the whole module's).
-- call ``self._build_buckets()`` once the module is in place (``RingAllReduceStrategy`` does it in
-  ``configure_ddp``); a strategy that runs backward itself arms and finishes ``self.buckets`` there.
+- ``configure_reducer()``: how a bucket is reduced (default: the ``reducer=`` option or the communication hook).
+- the base's ``configure_ddp`` checks that the ranks agree, broadcasts rank 0's weights and attaches the buckets; a
+  strategy that places its module otherwise overrides it and calls ``self._build_buckets()`` once the module is in
+  place, and one that runs backward itself arms and finishes ``self.grad_sync`` there.
 - its own options go in a frozen dataclass derived from :class:`BucketedConfig`, passed as ``config=``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Generator, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, ClassVar, Literal
 
 import lightning.pytorch as pl
-import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies.registry import _StrategyRegistry
-from lightning.fabric.utilities.imports import _IS_INTERACTIVE
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
+from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_dp_strategies.comm_hooks import CommHook
-from lightning_dp_strategies.plan import RING_ALLREDUCE, CostModel
-from lightning_dp_strategies.reducers import Reducer
-from lightning_dp_strategies.strategies._grad_sync import BucketedGradSync
-from lightning_dp_strategies.strategies._options import (
+from lightning_dp_strategies.bucketing import CommStats, GradientBuckets, assign_buckets
+from lightning_dp_strategies.bucketing.sync import GradientSync
+from lightning_dp_strategies.core.agreement import base_fingerprint_options, check_ranks_agree, model_fingerprint
+from lightning_dp_strategies.core.launch import check_interactive_launch
+from lightning_dp_strategies.core.module_state import sync_module_states
+from lightning_dp_strategies.core.options import (
+    BucketedConfig,
+    ConfigOption,
+    ReductionOptions,
     check_backend,
-    check_positive,
-    check_reducer,
     check_start_method,
     check_timeout,
     default_timeout,
 )
-from lightning_dp_strategies.strategies._registry import register_with_launchers
+from lightning_dp_strategies.core.registry import register_with_launchers
+from lightning_dp_strategies.plan import RING_ALLREDUCE, CostModel
+from lightning_dp_strategies.reducers import CommHook, Reducer
+from lightning_dp_strategies.strategies._nonfinite import NonfiniteCheck
 from lightning_dp_strategies.strategies._resume import CheckpointAndResume
 
 __all__ = ["BucketedConfig", "BucketedDataParallel"]
 
 
-@dataclass(frozen=True)
-class BucketedConfig:
-    """The bucket options every bucketed strategy has; a strategy's own options extend it (validated on creation).
-
-    Examples:
-        >>> BucketedConfig(bucket_cap_mb=10).first_bucket_cap_mb
-        1.0
-        >>> BucketedConfig(bucket_cap_mb=0)  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        ValueError: `bucket_cap_mb` must be a positive number of MiB (default 25), got 0.
-    """
-
-    bucket_cap_mb: float = 25.0
-    """Cap of every gradient bucket but the first, in MiB."""
-    first_bucket_cap_mb: float = 1.0
-    """Cap of the first bucket in MiB, small so that communication starts early in backward."""
-
-    def __post_init__(self) -> None:
-        for name in ("bucket_cap_mb", "first_bucket_cap_mb"):
-            object.__setattr__(self, name, check_positive(name, getattr(self, name)))
-
-
-class BucketedDataParallel(CheckpointAndResume, BucketedGradSync, DDPStrategy):
+class BucketedDataParallel(CheckpointAndResume, NonfiniteCheck, DDPStrategy):
     """Base of the strategies whose gradients ``GradientBuckets`` average over groups of ranks (see the module doc).
 
     Lightning's launchers, cluster environments and process-group setup come from
@@ -99,10 +81,11 @@ class BucketedDataParallel(CheckpointAndResume, BucketedGradSync, DDPStrategy):
         ddp_comm_wrapper: applied to the hook once, ``ddp_comm_wrapper(ddp_comm_hook)``, as in Lightning's DDP.
 
     Examples:
-        >>> class EveryRank(BucketedDataParallel):  # the smallest complete strategy: DDP on the package's buckets
-        ...     def configure_ddp(self) -> None:
-        ...         self._build_buckets()
-        >>> EveryRank(config=BucketedConfig(bucket_cap_mb=5)).config.bucket_cap_mb
+        >>> from lightning_dp_strategies.reducers import NativeReducer
+        >>> class NativeDDP(BucketedDataParallel):  # a complete strategy: DDP on the package's buckets
+        ...     def configure_reducer(self) -> Reducer:
+        ...         return NativeReducer()
+        >>> NativeDDP(config=BucketedConfig(bucket_cap_mb=5)).config.bucket_cap_mb
         5.0
     """
 
@@ -114,6 +97,9 @@ class BucketedDataParallel(CheckpointAndResume, BucketedGradSync, DDPStrategy):
     """The name :meth:`register_strategies` gives Lightning, with ``{name}_spawn`` and ``{name}_notebook`` (the fork
     launcher, for Jupyter) beside it; ``None`` registers nothing."""
     registered_description: ClassVar[str] = ""
+    compared_as: ClassVar[str | None] = None
+    """The name the comparison (``lightning-dp-strategies compare``) runs it under when no strategies are named;
+    ``None``: only when named."""
 
     @classmethod
     def launched_processes(cls, devices: int) -> int:
@@ -138,8 +124,7 @@ class BucketedDataParallel(CheckpointAndResume, BucketedGradSync, DDPStrategy):
         ddp_comm_wrapper: Callable[[CommHook], CommHook] | None = None,
     ) -> None:
         check_start_method(start_method)
-        check_reducer(reducer)
-        self._init_comm_hook(reducer, ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper)
+        reduction = ReductionOptions(reducer, ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -152,12 +137,10 @@ class BucketedDataParallel(CheckpointAndResume, BucketedGradSync, DDPStrategy):
         )
         # configuration
         self.config = config if config is not None else BucketedConfig()
-        self.reducer = reducer
-        # runtime state (buckets, no-sync flag) and statistics (step_stats)
-        self._init_grad_sync(nonfinite_grads)
-        self._grad_groups: list[dist.ProcessGroup] = []
-        self._grad_group: dist.ProcessGroup | None = None
-        self._reducer: Reducer | None = None
+        self.reduction = reduction
+        self._init_nonfinite(nonfinite_grads)
+        # runtime state and statistics
+        self.grad_sync = GradientSync()
 
     # ------------------------------------------------------------------ what a subclass says
     def grad_group_ranks(self) -> list[list[int]]:
@@ -170,6 +153,22 @@ class BucketedDataParallel(CheckpointAndResume, BucketedGradSync, DDPStrategy):
         assert module is not None
         return list(module.named_parameters())
 
+    def configure_reducer(self) -> Reducer:
+        """The reducer of the gradient buckets, called once at setup: override it to reduce another way.
+
+        The default is the communication hook's (:class:`~lightning_dp_strategies.reducers.CommHookReducer`) when
+        ``ddp_comm_hook`` was given, else the ``reducer=`` option's (see :mod:`lightning_dp_strategies.reducers`).
+
+        Examples:
+            >>> from lightning_dp_strategies import NativeReducer, RingAllReduceStrategy
+            >>> class NativeStrategy(RingAllReduceStrategy):
+            ...     def configure_reducer(self) -> Reducer:
+            ...         return NativeReducer()
+            >>> type(NativeStrategy().configure_reducer()).__name__
+            'NativeReducer'
+        """
+        return self.reduction.make_reducer()
+
     # ------------------------------------------------------------------ names and launch
     @classmethod
     @override
@@ -180,13 +179,7 @@ class BucketedDataParallel(CheckpointAndResume, BucketedGradSync, DDPStrategy):
     @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
-        if _IS_INTERACTIVE and self._launcher is not None and not self._launcher.is_interactive_compatible:
-            name = f"Trainer(strategy='{self.registered_name}_notebook')` or `" if self.registered_name else ""
-            raise MisconfigurationException(
-                f"{type(self).__name__}(start_method={self._start_method!r}) cannot launch processes inside Jupyter "
-                f"or an interactive shell. Use `{name}{type(self).__name__}(start_method='fork')` there, or run your "
-                "code as a script."
-            )
+        check_interactive_launch(self, self._launcher, self._start_method, self.registered_name, "Trainer")
 
     # ------------------------------------------------------------------ setup
     @override
@@ -194,12 +187,20 @@ class BucketedDataParallel(CheckpointAndResume, BucketedGradSync, DDPStrategy):
         if self._timeout is None:
             self._timeout = default_timeout(self._get_process_group_backend())
         super().setup_distributed()
-        self._setup_grad_groups()
+        self.grad_sync.make_groups(
+            self.grad_group_ranks(), self.global_rank, self._process_group_backend, self.configure_reducer()
+        )
 
-    def _setup_grad_groups(self) -> None:
-        """One dedicated group per averaging group, then the reducer's own groups, on every rank in the same order
-        (see :meth:`~._grad_sync.GradSync._make_grad_groups`, which the Fabric strategies share)."""
-        self._make_grad_groups(self.grad_group_ranks(), self.global_rank, self._process_group_backend)
+    @override
+    def configure_ddp(self) -> None:
+        """Check that the ranks agree, broadcast rank 0's parameters and buffers, then attach the gradient buckets
+        (instead of wrapping the module in torch DDP)."""
+        module = self.lightning_module
+        assert module is not None
+        self._require_trainable("train with `strategy='auto'`")
+        self._check_ranks_agree()  # before the broadcast below, which mismatched shapes would hang
+        sync_module_states(module)
+        self._build_buckets()
 
     def _build_buckets(
         self, named_params: Sequence[tuple[str, nn.Parameter]] | None = None, allow_no_trainable: bool = False
@@ -207,11 +208,12 @@ class BucketedDataParallel(CheckpointAndResume, BucketedGradSync, DDPStrategy):
         """Attach the gradient buckets to ``named_params`` (default: :meth:`bucketed_parameters`).
 
         ``allow_no_trainable``: a rank may own no trainable parameter (every rank of its group alike)."""
-        self._attach_buckets(
+        self.grad_sync.attach(
             self.bucketed_parameters() if named_params is None else named_params,
             self.config.bucket_cap_mb,
             self.config.first_bucket_cap_mb,
             allow_no_trainable=allow_no_trainable,
+            timeout=self._timeout,
         )
 
     def _require_trainable(self, fix: str) -> None:
@@ -224,29 +226,108 @@ class BucketedDataParallel(CheckpointAndResume, BucketedGradSync, DDPStrategy):
                 f"to train. Unfreeze at least one parameter before `trainer.fit`, or {fix}."
             )
 
-    @override
     def _fingerprint_options(self) -> dict[str, Any]:
-        return {**super()._fingerprint_options(), **vars(self.config)}
+        """What every rank must agree on besides the model; subclasses add their own options."""
+        module = self.lightning_module
+        trainer = module.trainer if module is not None else None
+        reduction = self.reduction
+        trainable = [p for p in module.parameters() if p.requires_grad] if module is not None else []
+        return {
+            **base_fingerprint_options(
+                self, reduction.reducer, reduction.comm_hook, reduction.ddp_comm_state, self.world_size
+            ),
+            **vars(self.config),
+            "bucket_layout": assign_buckets(trainable, self.config.bucket_cap_mb, self.config.first_bucket_cap_mb),
+            "precision": getattr(self.precision_plugin, "precision", type(self.precision_plugin).__name__),
+            "accumulate_grad_batches": getattr(trainer, "accumulate_grad_batches", None),
+            "gradient_clip_val": getattr(trainer, "gradient_clip_val", None),
+        }
+
+    def _check_ranks_agree(self) -> None:
+        """Fail on every rank, before anything else is communicated, if the ranks' models or options differ."""
+        module = self.lightning_module
+        assert module is not None
+        check_ranks_agree(model_fingerprint(module, self._fingerprint_options()))
 
     # ------------------------------------------------------------------ one step
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Backward passes inside this context accumulate gradients locally and do not communicate.
+
+        Lightning enters it on gradient-accumulation steps; in manual optimization use it as ``no_sync``::
+
+            with self.trainer.strategy.no_backward_sync():
+                self.manual_backward(loss)   # local only
+            self.manual_backward(loss2)      # averages the accumulated gradients
+        """
+        with self.grad_sync.no_sync():
+            yield None
+
+    no_backward_sync = block_backward_sync
+
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
-        self._arm_or_skip()
+        self.grad_sync.arm_or_skip()
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
-        if self.buckets is not None:
-            self.buckets.finish()
+        self.grad_sync.finish()
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | Any | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self.grad_sync.record_step()
+        self._log_step()
+        return output
+
+    def _log_step(self) -> None:
+        """Called after every optimizer step; the default logs nothing."""
+
+    def _should_log(self, enabled: bool) -> bool:
+        """Whether to log now: ``enabled``, a logger exists, and this is a ``log_every_n_steps`` step."""
+        module = self.lightning_module
+        if not enabled or module is None or module.logger is None:
+            return False
+        every = int(getattr(module.trainer, "log_every_n_steps", 1))
+        return every > 0 and module.trainer.global_step % every == 0
+
+    # ------------------------------------------------------------------ what it holds
+    @property
+    def buckets(self) -> GradientBuckets | None:
+        """This rank's gradient buckets (``None`` before setup and after teardown)."""
+        return self.grad_sync.buckets
+
+    @property
+    def step_stats(self) -> CommStats:
+        """Gradient communication of the last optimizer step."""
+        return self.grad_sync.step_stats
+
+    @property
+    def comm_stats(self) -> CommStats:
+        """Running totals of gradient communication on this rank since setup (kept after teardown)."""
+        return self.grad_sync.totals
 
     # ------------------------------------------------------------------ teardown
     @override
     def on_exception(self, exception: BaseException) -> None:
-        if self.buckets is not None:
-            self.buckets.abort()
+        self.grad_sync.abort()
         super().on_exception(exception)
 
     @override
     def teardown(self) -> None:
-        self._close_reducer_and_buckets()
+        self.grad_sync.close()
         super().teardown()
-        self._destroy_grad_groups()
+        self.grad_sync.destroy_groups()
+
+    # ------------------------------------------------------------------ options (read-only)
+    reducer = ConfigOption[str | Reducer | None]("reduction")
+    ddp_comm_hook = ConfigOption[CommHook | None]("reduction")
+    ddp_comm_state = ConfigOption[object]("reduction")
+    ddp_comm_wrapper = ConfigOption[Callable[[CommHook], CommHook] | None]("reduction")

@@ -3,39 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, ClassVar, Literal
 
 import lightning.pytorch as pl
-import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
-from torch import Tensor
-from torch.distributed.distributed_c10d import _get_default_group
 from typing_extensions import override
 
-from lightning_dp_strategies.bucketing import assign_buckets
-from lightning_dp_strategies.comm_hooks import CommHook
-from lightning_dp_strategies.reducers import Reducer
-from lightning_dp_strategies.strategies._options import ConfigOption, check_flag
-from lightning_dp_strategies.strategies.bucketed import BucketedConfig, BucketedDataParallel
+from lightning_dp_strategies.core.module_state import broadcast_module_buffers
+from lightning_dp_strategies.core.options import ConfigOption, RingAllReduceConfig
+from lightning_dp_strategies.reducers import CommHook, Reducer
+from lightning_dp_strategies.strategies.bucketed import BucketedDataParallel
 
 __all__ = ["RingAllReduceConfig", "RingAllReduceStrategy"]
-
-
-@dataclass(frozen=True)
-class RingAllReduceConfig(BucketedConfig):
-    """The options of :class:`RingAllReduceStrategy` (see its arguments), validated on creation."""
-
-    broadcast_buffers: bool = True
-    log_comm_stats: bool = False
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_flag("broadcast_buffers", self.broadcast_buffers)
-        check_flag("log_comm_stats", self.log_comm_stats)
 
 
 class RingAllReduceStrategy(BucketedDataParallel):
@@ -78,6 +59,7 @@ class RingAllReduceStrategy(BucketedDataParallel):
     config: RingAllReduceConfig
     registered_name: ClassVar[str | None] = "ring_allreduce"
     registered_description: ClassVar[str] = "Bucketed ring all-reduce data parallelism"
+    compared_as: ClassVar[str | None] = "ring_allreduce"
 
     def __init__(
         self,
@@ -116,36 +98,11 @@ class RingAllReduceStrategy(BucketedDataParallel):
             ddp_comm_wrapper=ddp_comm_wrapper,
         )
 
-    # ------------------------------------------------------------------ setup
-    @override
-    def configure_ddp(self) -> None:
-        """Broadcast rank 0's parameters and buffers, then attach the gradient buckets (instead of wrapping in DDP)."""
-        module = self.lightning_module
-        assert module is not None
-        self._require_trainable("train with `strategy='auto'`")
-        self._check_ranks_agree()  # before the broadcast below, which mismatched shapes would hang
-        _sync_module_states(module)
-        self._build_buckets()
-
-    @override
-    def _fingerprint_options(self) -> dict[str, Any]:
-        cfg = self.config
-        layout = assign_buckets(self._trainable_parameters(), cfg.bucket_cap_mb, cfg.first_bucket_cap_mb)
-        return {**super()._fingerprint_options(), "bucket_layout": layout}
-
-    def _trainable_parameters(self) -> list[Tensor]:
-        module = self.lightning_module
-        return [p for p in module.parameters() if p.requires_grad] if module is not None else []
-
     # ------------------------------------------------------------------ one step
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.config.broadcast_buffers and dist.is_initialized() and self.world_size > 1:
-            module = self.lightning_module
-            assert module is not None
-            buffers = list(module.buffers())
-            if buffers:
-                dist._broadcast_coalesced(_get_default_group(), buffers, 250 * 1024 * 1024, 0)
+        if self.config.broadcast_buffers and self.lightning_module is not None:
+            broadcast_module_buffers(self.lightning_module)
         return super().training_step(*args, **kwargs)
 
     @override

@@ -18,29 +18,17 @@ from lightning.pytorch.strategies import ParallelStrategy, Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
-from torch.nn import Module
 from typing_extensions import override
 
-from lightning_dp_strategies import data_parallel
+from lightning_dp_strategies.core.options import check_dim
+from lightning_dp_strategies.core.registry import register_name
+from lightning_dp_strategies.data_parallel import as_devices
+from lightning_dp_strategies.data_parallel.forward import ParallelForward, ScatterGatherStats
 from lightning_dp_strategies.plan import SCATTER_GATHER, CostModel
 from lightning_dp_strategies.strategies._nonfinite import NonfiniteCheck
-from lightning_dp_strategies.strategies._options import check_dim
-from lightning_dp_strategies.strategies._registry import register_name
 from lightning_dp_strategies.strategies._resume import CheckpointAndResume
 
 __all__ = ["ParallelForward", "ScatterGatherStats", "ScatterGatherStrategy"]
-
-
-@dataclass
-class ScatterGatherStats:
-    """What the strategy did since setup (one process, so plain counters)."""
-
-    forward_calls: int = 0
-    """Calls of the LightningModule's forward that went through scatter -> replicate -> parallel_apply -> gather."""
-    replica_calls: int = 0
-    """Replica forwards run, summed over those calls (``replica_calls / forward_calls`` replicas per call)."""
-    last_num_replicas: int = 0
-    """Replicas used by the latest call (fewer than the devices when the batch is smaller)."""
 
 
 @dataclass
@@ -48,71 +36,6 @@ class _StepState:
     hook: str | None = None  # the step hook now running
     forward_calls: int = 0  # parallel forward calls inside it
     warned: set[str] = field(default_factory=set)  # hooks already warned about (never called forward)
-
-
-class ParallelForward:
-    """One forward call across devices as four overridable steps, :meth:`scatter` -> :meth:`replicate` ->
-    :meth:`parallel_apply` -> :meth:`gather` (see :meth:`parallel_forward`): what the Trainer's
-    :class:`ScatterGatherStrategy` and Fabric's (:mod:`lightning_dp_strategies.fabric`) share. A strategy says
-    :meth:`replica_devices` and sets ``dim`` and ``stats``.
-    """
-
-    dim: int
-    """The batch dimension that inputs are split and outputs concatenated along."""
-    stats: ScatterGatherStats
-
-    def replica_devices(self) -> list[torch.device]:
-        """The devices the replicas run on, the root device (where outputs are gathered) first."""
-        raise NotImplementedError
-
-    def parallel_forward(self, module: Module, /, *args: Any, **kwargs: Any) -> Any:
-        """One forward call of ``module`` across the devices; reads like ``torch.nn.DataParallel.forward``.
-
-        Called with ``module``'s own ``forward`` in place (not the redirection), so replicas copy the real one.
-        """
-        devices = self.replica_devices()
-        inputs = self.scatter(args, kwargs, devices)
-        self.stats.forward_calls += 1
-        self.stats.replica_calls += len(inputs)
-        self.stats.last_num_replicas = len(inputs)
-        if len(inputs) == 1:
-            return module.forward(*inputs[0][0], **inputs[0][1])
-        replicas = self.replicate(module, devices[: len(inputs)])
-        outputs = self.parallel_apply(replicas, inputs, devices[: len(inputs)])
-        return self.gather(outputs, devices[0])
-
-    def scatter(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], devices: Sequence[torch.device]
-    ) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
-        """Split forward's arguments into ``(args, kwargs)`` per replica (see :func:`~.data_parallel.scatter`)."""
-        try:
-            return data_parallel.scatter((args, kwargs), devices, dim=self.dim, name="forward(...)")
-        except ValueError as err:
-            raise ValueError(
-                f"{type(self).__name__} cannot split the arguments of forward ([0] = positional, [1] = keyword) "
-                f"across {len(devices)} replicas: {err}"
-            ) from err
-
-    def replicate(self, module: Module, devices: Sequence[torch.device]) -> list[Module]:
-        """One replica of ``module`` per device (see :func:`~.data_parallel.replicate`)."""
-        return data_parallel.replicate(module, devices)
-
-    def parallel_apply(
-        self,
-        replicas: Sequence[Module],
-        inputs: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
-        devices: Sequence[torch.device],
-    ) -> list[Any]:
-        """Run every replica's ``forward`` on its inputs in its own thread (see :func:`~.data_parallel.parallel_apply`).
-
-        ``forward`` is called, not the replica: hooks registered on the LightningModule itself run once, on the whole
-        batch, around the gathered call; hooks on its submodules run in every replica.
-        """
-        return data_parallel.parallel_apply([replica.forward for replica in replicas], inputs, devices)
-
-    def gather(self, outputs: Sequence[Any], device: torch.device) -> Any:
-        """Merge the replicas' outputs on the root device (see :func:`~.data_parallel.gather`)."""
-        return data_parallel.gather(outputs, device, dim=self.dim)
 
 
 class ScatterGatherStrategy(CheckpointAndResume, NonfiniteCheck, ParallelForward, ParallelStrategy):
@@ -149,6 +72,11 @@ class ScatterGatherStrategy(CheckpointAndResume, NonfiniteCheck, ParallelForward
     """
 
     cost_model: ClassVar[CostModel] = SCATTER_GATHER
+    registered_name: ClassVar[str | None] = "scatter_gather"
+    """Registered with ``"dp"`` beside it, the name Lightning 1.x gave DataParallel."""
+    registered_description: ClassVar[str] = "DataParallel-style scatter/replicate/parallel_apply/gather in one process"
+    compared_as: ClassVar[str | None] = "dp"
+    """The name the comparison runs it under when no strategies are named."""
     """Its per-step communication formula (:mod:`lightning_dp_strategies.plan`)."""
 
     @classmethod
@@ -168,7 +96,7 @@ class ScatterGatherStrategy(CheckpointAndResume, NonfiniteCheck, ParallelForward
         check_dim(dim)
         super().__init__(
             accelerator=accelerator,
-            parallel_devices=None if parallel_devices is None else data_parallel.as_devices(parallel_devices),
+            parallel_devices=None if parallel_devices is None else as_devices(parallel_devices),
             cluster_environment=None,
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
@@ -189,7 +117,7 @@ class ScatterGatherStrategy(CheckpointAndResume, NonfiniteCheck, ParallelForward
 
     @parallel_devices.setter
     def parallel_devices(self, devices: Sequence[torch.device | str | int] | None) -> None:
-        self._parallel_devices = None if devices is None else data_parallel.as_devices(devices)
+        self._parallel_devices = None if devices is None else as_devices(devices)
 
     @property
     @override
@@ -378,10 +306,6 @@ class ScatterGatherStrategy(CheckpointAndResume, NonfiniteCheck, ParallelForward
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        for name in ("scatter_gather", "dp"):
-            register_name(
-                strategy_registry,
-                name,
-                cls,
-                description="DataParallel-style scatter/replicate/parallel_apply/gather in one process",
-            )
+        if cls.registered_name is not None:
+            for name in (cls.registered_name, "dp"):
+                register_name(strategy_registry, name, cls, description=cls.registered_description)

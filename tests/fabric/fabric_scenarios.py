@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_dp_strategies  # noqa: F401  # registers the Fabric names
 from lightning_dp_strategies import FabricRingAllReduceStrategy
-from lightning_dp_strategies.fingerprint import RankMismatchError
+from lightning_dp_strategies.core.agreement import RankMismatchError
 
 WORLD = 2
 SAMPLES = 44  # 22 per rank: batches of 4,4,4,4,4,2 (an uneven final batch), 6 optimizer steps per epoch

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_dp_strategies
-from lightning_dp_strategies.strategies.checkpoint_io import AtomicCheckpointIO
+from lightning_dp_strategies.core.checkpoint_io import AtomicCheckpointIO
 
 GLOBAL_BATCH = 8
 SAMPLES = 32  # 4 steps per epoch for every strategy

@@ -23,8 +23,8 @@ from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
 import lightning_dp_strategies
-from lightning_dp_strategies.strategies import checkpoint_io as module
-from lightning_dp_strategies.strategies.checkpoint_io import AtomicCheckpointIO, with_atomic_default
+from lightning_dp_strategies.core import checkpoint_io as module
+from lightning_dp_strategies.core.checkpoint_io import AtomicCheckpointIO, with_atomic_default
 from tests.helpers.distributed import REPO_ROOT
 
 OLD = {"step": 1, "weights": torch.arange(1000.0)}
@@ -86,7 +86,7 @@ def test_a_failing_rename_removes_the_temporary_file(tmp_path: Path, monkeypatch
 
 KILLED_MID_SAVE = """
 import sys, time, torch
-from lightning_dp_strategies.strategies.checkpoint_io import AtomicCheckpointIO
+from lightning_dp_strategies.core.checkpoint_io import AtomicCheckpointIO
 target, marker = sys.argv[1], sys.argv[2]
 real_save = torch.save
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_dp_strategies.strategies._nonfinite import NonfiniteGuard, check_nonfinite_mode
+from lightning_dp_strategies.core.nonfinite import NonfiniteGuard, check_nonfinite_mode
 from tests.helpers.distributed import run_commands, run_distributed, run_ranks
 
 # numerically sensitive: CI runs this file again under other CPU kernel paths and thread counts

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from torch import nn
 
-from lightning_dp_strategies.fingerprint import RankMismatchError, check_ranks_agree, model_fingerprint
+from lightning_dp_strategies.core.agreement import RankMismatchError, check_ranks_agree, model_fingerprint
 from tests.helpers.distributed import run_commands, run_distributed
 
 

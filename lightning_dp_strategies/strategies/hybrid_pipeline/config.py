@@ -6,9 +6,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_dp_strategies.core.options import BucketedConfig, check_flag
 from lightning_dp_strategies.pipeline import SCHEDULES, check_balance, check_schedule, default_virtual_stages
-from lightning_dp_strategies.strategies._options import check_flag
-from lightning_dp_strategies.strategies.bucketed import BucketedConfig
 
 __all__ = ["HybridPipelineConfig"]
 

@@ -55,8 +55,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_dp_strategies.bucketing import PEER_FAILURE_HINT, announce_failure
-from lightning_dp_strategies.comm_hooks import CommHook
+from lightning_dp_strategies.bucketing.sync import destroy_groups
+from lightning_dp_strategies.comm.failures import PEER_FAILURE_HINT, announce_failure
+from lightning_dp_strategies.core.checkpoint_io import AtomicCheckpointIO, atomic_write
 from lightning_dp_strategies.pipeline import (
     PipelineRunner,
     balance_by_parameters,
@@ -81,9 +82,8 @@ from lightning_dp_strategies.pipeline.schedule import chunk_ranks
 from lightning_dp_strategies.pipeline.streamed import Inbox, Outbox, write_streamed
 from lightning_dp_strategies.plan import HYBRID_PIPELINE, CostModel
 from lightning_dp_strategies.reducers import Reducer
-from lightning_dp_strategies.strategies._grad_sync import destroy_groups
+from lightning_dp_strategies.reducers.comm_hooks import CommHook
 from lightning_dp_strategies.strategies.bucketed import BucketedDataParallel
-from lightning_dp_strategies.strategies.checkpoint_io import AtomicCheckpointIO, atomic_write
 from lightning_dp_strategies.strategies.hybrid_pipeline.config import HybridPipelineConfig
 from lightning_dp_strategies.strategies.hybrid_pipeline.opt_in import (
     PipelinedBody,
@@ -164,6 +164,7 @@ class HybridPipelineStrategy(BucketedDataParallel):
     config: HybridPipelineConfig
     cost_model: ClassVar[CostModel] = HYBRID_PIPELINE
     registered_name: ClassVar[str | None] = "hybrid_pipeline"
+    compared_as: ClassVar[str | None] = "hybrid_pipeline"
     registered_description: ClassVar[str] = (
         "Pipeline stages across ranks (GPipe, 1F1B, interleaved and zero-bubble schedules) x data parallelism"
     )
@@ -640,7 +641,7 @@ class HybridPipelineStrategy(BucketedDataParallel):
         """Whether this step's data-parallel reduction starts inside the schedule, as each chunk's gradients become
         final: on the step that synchronises, under Lightning's own ``optimizer_zero_grad`` and backward."""
         module = self.lightning_module
-        if self.buckets is None or self._sync_blocked or module is None:
+        if self.buckets is None or self.grad_sync.blocked or module is None:
             return False
         trainer = module.trainer
         return not trainer.fit_loop._skip_backward and not is_overridden("optimizer_zero_grad", module)
@@ -688,7 +689,7 @@ class HybridPipelineStrategy(BucketedDataParallel):
             for p, grad in before.items():
                 p.grad = grad
             if self.buckets is not None:
-                self.buckets.sync_blocked = self._sync_blocked
+                self.buckets.sync_blocked = self.grad_sync.blocked
         return result
 
     def _optimized_ids(self) -> set[int]:
@@ -729,7 +730,7 @@ class HybridPipelineStrategy(BucketedDataParallel):
                 p.grad.add_(grad)
         self._pending = {}
         if self.buckets is not None:
-            if self._sync_blocked:
+            if self.grad_sync.blocked:
                 self.buckets.skip()
             else:
                 self.buckets.arm()
@@ -742,7 +743,7 @@ class HybridPipelineStrategy(BucketedDataParallel):
         stats = self.step_stats.copy()
         stats.pipeline_bytes_sent, stats.pipeline_bytes_received = self._p2p_since_step
         self._p2p_since_step = [0, 0]
-        self.step_stats = stats
+        self.grad_sync.step_stats = stats
         module = self.lightning_module
         if self._should_log(self.config.log_pipeline_stats) and module is not None and module.logger is not None:
             last = self.pipeline_stats.last

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Generic, TypeVar, overload
 
 import torch.distributed as dist
 
-from lightning_dp_strategies.reducers import check_reducer
+from lightning_dp_strategies.reducers import CommHook, Reducer, check_comm_hook, check_reducer, make_reducer
 
 T = TypeVar("T")
 
 __all__ = [
+    "BucketedConfig",
     "ConfigOption",
+    "ReductionOptions",
+    "RingAllReduceConfig",
     "check_backend",
     "check_flag",
     "check_positive",
@@ -110,14 +115,18 @@ def check_start_method(start_method: object) -> str:
 
 
 class ConfigOption(Generic[T]):
-    """A read-only strategy attribute that reads the option of the same name from the strategy's ``config``.
+    """A read-only strategy attribute that reads the option of the same name from the strategy's ``config`` (or
+    another frozen options object, named by ``source``).
 
     For the option names strategies exposed before their options moved into one frozen configuration object.
     """
 
+    def __init__(self, source: str = "config") -> None:
+        self.source = source
+
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
-        self.__doc__ = f"``config.{name}`` (read-only)."
+        self.__doc__ = f"``{self.source}.{name}`` (read-only)."
 
     @overload
     def __get__(self, obj: None, owner: type | None = None) -> ConfigOption[T]: ...
@@ -126,7 +135,7 @@ class ConfigOption(Generic[T]):
     def __get__(self, obj: object | None, owner: type | None = None) -> ConfigOption[T] | T:
         if obj is None:
             return self
-        value: T = getattr(obj.config, self.name)  # type: ignore[attr-defined]
+        value: T = getattr(getattr(obj, self.source), self.name)
         return value
 
     def __set__(self, obj: object, value: object) -> None:
@@ -134,3 +143,69 @@ class ConfigOption(Generic[T]):
             f"`{self.name}` is read-only: the options are fixed when the strategy is made; pass {self.name}=... to "
             f"{type(obj).__name__}(...)."
         )
+
+
+@dataclass(frozen=True)
+class BucketedConfig:
+    """The bucket options every bucketed strategy has; a strategy's own options extend it (validated on creation).
+
+    Examples:
+        >>> BucketedConfig(bucket_cap_mb=10).first_bucket_cap_mb
+        1.0
+        >>> BucketedConfig(bucket_cap_mb=0)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: `bucket_cap_mb` must be a positive number of MiB (default 25), got 0.
+    """
+
+    bucket_cap_mb: float = 25.0
+    """Cap of every gradient bucket but the first, in MiB."""
+    first_bucket_cap_mb: float = 1.0
+    """Cap of the first bucket in MiB, small so that communication starts early in backward."""
+
+    def __post_init__(self) -> None:
+        for name in ("bucket_cap_mb", "first_bucket_cap_mb"):
+            object.__setattr__(self, name, check_positive(name, getattr(self, name)))
+
+
+@dataclass(frozen=True)
+class RingAllReduceConfig(BucketedConfig):
+    """The options of the ring all-reduce strategies, Trainer and Fabric (see their arguments)."""
+
+    broadcast_buffers: bool = True
+    log_comm_stats: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_flag("broadcast_buffers", self.broadcast_buffers)
+        check_flag("log_comm_stats", self.log_comm_stats)
+
+
+@dataclass(frozen=True)
+class ReductionOptions:
+    """How a bucket is reduced: the ``reducer=`` option or a torch DDP communication hook, validated on creation.
+
+    Examples:
+        >>> ReductionOptions(reducer="native").make_reducer().__class__.__name__
+        'NativeReducer'
+        >>> ReductionOptions(reducer="nope")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: Unknown reducer 'nope': ...
+    """
+
+    reducer: str | Reducer | None = None
+    ddp_comm_hook: CommHook | None = None
+    ddp_comm_state: object = None
+    ddp_comm_wrapper: Callable[[CommHook], CommHook] | None = None
+    comm_hook: CommHook | None = field(init=False, repr=False, compare=False)
+    """The hook to call: ``ddp_comm_wrapper(ddp_comm_hook)`` when a wrapper was given."""
+
+    def __post_init__(self) -> None:
+        check_reducer(self.reducer)
+        hook = check_comm_hook(self.ddp_comm_hook, self.ddp_comm_state, self.ddp_comm_wrapper, self.reducer)
+        object.__setattr__(self, "comm_hook", hook)
+
+    def make_reducer(self) -> Reducer:
+        """The hook's reducer when a hook was given, else the ``reducer=`` option's (a new one each call)."""
+        return make_reducer(self.reducer, self.comm_hook, self.ddp_comm_state)

@@ -26,16 +26,10 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
-from lightning_dp_strategies.reducers import (
-    CommThread,
-    GradBucket,
-    Reducer,
-    completed,
-    resolve_reducer,
-    set_event,
-    views,
-)
-from lightning_dp_strategies.sizing import ring_bytes_per_rank
+from lightning_dp_strategies.plan.sizing import ring_bytes_per_rank
+from lightning_dp_strategies.reducers.base import GradBucket, Reducer, completed, set_event, views
+from lightning_dp_strategies.reducers.builtin import resolve_reducer
+from lightning_dp_strategies.reducers.thread import CommThread
 
 __all__ = ["CommHook", "CommHookReducer", "HookBucket", "check_comm_hook", "hook_name", "make_reducer"]
 

@@ -24,12 +24,11 @@ single-device training; one that some rank used gets the average on every rank.
 from __future__ import annotations
 
 import functools
-import logging
 import threading
 import time
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -37,98 +36,16 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn import Parameter
 
+from lightning_dp_strategies.bucketing.layout import assign_buckets
+from lightning_dp_strategies.bucketing.stats import CommStats
 from lightning_dp_strategies.comm import CommCounter, divide
-from lightning_dp_strategies.reducers import GradBucket, Reducer, close_reducer, resolve_reducer, set_event
-from lightning_dp_strategies.sizing import MiB as MiB  # importable from here before sizing existed
-from lightning_dp_strategies.sizing import bucket_boundaries, ring_bytes_per_rank
+from lightning_dp_strategies.comm.failures import PEER_FAILURE_HINT, announce_failure
+from lightning_dp_strategies.plan.sizing import MiB as MiB  # importable from here before sizing existed
+from lightning_dp_strategies.plan.sizing import ring_bytes_per_rank
+from lightning_dp_strategies.reducers.base import GradBucket, Reducer, close_reducer, set_event
+from lightning_dp_strategies.reducers.builtin import resolve_reducer
 
-__all__ = [
-    "Bucket",
-    "CommStats",
-    "GradientBuckets",
-    "assign_buckets",
-]
-
-PEER_FAILURE_HINT = (
-    "Another rank most likely died or stopped responding (a crash, an out-of-memory kill, a lost node) or the "
-    "collective timed out (the strategy's `timeout`). Look for the first error in the other ranks' logs; checkpoints "
-    "already written are complete, so resume from the last one with `trainer.fit(..., ckpt_path='last')`."
-)
-"""What a failed collective most likely means, and what to do; appended to the strategies' errors."""
-
-_log = logging.getLogger("lightning_dp_strategies")
-
-
-def announce_failure(message: str) -> str:
-    """Log ``message`` on this rank at once, and return it for the exception that carries it.
-
-    The exception may never be printed: Lightning's launcher kills every rank within seconds of one rank dying, and
-    the strategy's teardown runs before the traceback is shown."""
-    _log.error(message)
-    return message
-
-
-def assign_buckets(
-    params: Sequence[Tensor], bucket_cap_mb: float = 25.0, first_bucket_cap_mb: float = 1.0
-) -> list[list[int]]:
-    """Group parameter indices into buckets, in reverse registration order, one dtype and device per bucket.
-
-    A bucket is closed before it would exceed its cap (``first_bucket_cap_mb`` for the first bucket of each dtype and
-    device, ``bucket_cap_mb`` after); a single tensor larger than the cap gets a bucket of its own. Buckets are ordered
-    by the position of their first parameter in reverse order, the order their gradients become ready.
-
-    Examples:
-        >>> sizes = [torch.empty(n) for n in (100, 300_000, 10, 300_000)]  # 4 bytes each element
-        >>> assign_buckets(sizes, bucket_cap_mb=2, first_bucket_cap_mb=1)
-        [[3], [2, 1, 0]]
-    """
-    sizes = [((t.dtype, t.device), t.numel() * t.element_size()) for t in params]
-    return bucket_boundaries(sizes, bucket_cap_mb, first_bucket_cap_mb)
-
-
-@dataclass
-class CommStats:
-    """Counts of gradient communication; :class:`GradientBuckets` keeps running totals, strategies per-step deltas.
-
-    Examples:
-        >>> before = CommStats(bytes_sent=1000, synced_backwards=2)
-        >>> step = CommStats(bytes_sent=1600, synced_backwards=3) - before
-        >>> step.bytes_sent, step.synced_backwards, step.as_dict("comm/")["comm/bytes_sent"]
-        (600, 1, 600.0)
-    """
-
-    bytes_sent: int = 0
-    """Bytes this rank sent for gradient reduction."""
-    messages: int = 0
-    """Point-to-point messages this rank sent."""
-    ring_operations: int = 0
-    """Bucket reductions (one all-reduce each)."""
-    overlapped_buckets: int = 0
-    """Buckets whose reduction started while backward was still running."""
-    comm_seconds: float = 0.0
-    """Seconds the communication thread spent reducing buckets (overlapped with backward or not)."""
-    exposed_seconds: float = 0.0
-    """Seconds the training loop waited for communication after backward had finished."""
-    synced_backwards: int = 0
-    """Backward passes whose gradients were reduced."""
-    skipped_backwards: int = 0
-    """Backward passes that did not communicate (gradient accumulation, ``no_sync``)."""
-    pipeline_bytes_sent: int = 0
-    """Bytes this rank sent to neighbouring pipeline stages: activations forward, their gradients backward
-    (``hybrid_pipeline`` only)."""
-    pipeline_bytes_received: int = 0
-    """Bytes this rank received from neighbouring pipeline stages (``hybrid_pipeline`` only)."""
-
-    def __sub__(self, other: CommStats) -> CommStats:
-        return CommStats(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
-
-    def copy(self) -> CommStats:
-        """An independent snapshot."""
-        return CommStats(**{f.name: getattr(self, f.name) for f in fields(self)})
-
-    def as_dict(self, prefix: str = "") -> dict[str, float]:
-        """The fields as a flat ``{prefix + name: value}`` dictionary, e.g. for a logger."""
-        return {prefix + f.name: float(getattr(self, f.name)) for f in fields(self)}
+__all__ = ["Bucket", "GradientBuckets"]
 
 
 @dataclass

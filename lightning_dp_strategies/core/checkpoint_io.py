@@ -163,3 +163,20 @@ def with_atomic_default(checkpoint_io: CheckpointIO | None) -> CheckpointIO:
     if isinstance(checkpoint_io, _WrappingCheckpointIO):
         checkpoint_io.checkpoint_io = AtomicCheckpointIO()
     return checkpoint_io
+
+
+class AtomicCheckpoints:
+    """Mixed in ahead of a Trainer or Fabric strategy: an :class:`AtomicCheckpointIO` unless one
+    was given."""
+
+    _checkpoint_io: CheckpointIO | None
+
+    @property
+    def checkpoint_io(self) -> CheckpointIO:
+        """The ``checkpoint_io`` given, else an :class:`AtomicCheckpointIO`."""
+        self._checkpoint_io = with_atomic_default(self._checkpoint_io)
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO) -> None:
+        self._checkpoint_io = io

@@ -20,8 +20,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lightning_dp_strategies.plan import Link, bucket_count
-from lightning_dp_strategies.sizing import ring_bytes_per_rank
+from lightning_dp_strategies.plan.model import Link, bucket_count
+from lightning_dp_strategies.plan.sizing import ring_bytes_per_rank
 
 __all__ = ["METHODS", "CompressionVerdict", "compression_pays", "payload_bytes"]
 

@@ -1,24 +1,13 @@
-"""The ``lightning-dp-strategies`` command (also ``python -m lightning_dp_strategies``): running a parsed command.
-
-The arguments and the checks that need no torch are in the top-level module ``lightning_dp_strategies_cli``, so that
-``--help`` answers without importing the package.
-"""
+"""Running a checked ``compare`` command: one strategy's worker, or the whole comparison and its report."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
-import lightning_dp_strategies_cli
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; returns the exit status (0 when every strategy ran)."""
-    return lightning_dp_strategies_cli.main(argv)
+from lightning_dp_strategies.compare.spec import DEMO_GLOBAL_BATCH
 
 
 def _listing(out: Path, kept: bool, wrote_png: bool) -> list[str]:
@@ -42,7 +31,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         except ImportError as err:
             parser.error(f"--import {module}: {err}")
 
-    import lightning_dp_strategies  # noqa: F401  (registers the strategy names)
+    import lightning  # noqa: F401  (importing Lightning registers the package's strategy names)
+
     from lightning_dp_strategies.compare import demo, report, runner
 
     if args.worker:
@@ -53,7 +43,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.model is None:
         config = demo.DemoConfig(
             steps=args.steps,
-            global_batch=args.global_batch or lightning_dp_strategies_cli.DEMO_GLOBAL_BATCH,
+            global_batch=args.global_batch or DEMO_GLOBAL_BATCH,
             model_size=args.model_size or "medium",
             seed=args.seed,
         )
@@ -94,7 +84,3 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     print("\n".join(_listing(args.output, args.keep_checkpoints, wrote_png)))
     print(f"in {time.perf_counter() - start:.0f} s")
     return 0 if all(r.status == "ok" for r in results) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
+import lightning.fabric
+import torch
 import torch.distributed as dist
 from torch import nn
+
+from lightning_dp_strategies.reducers import hook_name
 
 __all__ = ["RankMismatchError", "check_ranks_agree", "model_fingerprint"]
 
@@ -98,3 +102,19 @@ def check_ranks_agree(fingerprint: Mapping[str, Any], group: dist.ProcessGroup |
         "rank (no rank-dependent layers or sizes), pass the same strategy options and Trainer or Fabric "
         "arguments, and make sure every node runs the same version of your code."
     )
+
+
+def base_fingerprint_options(
+    strategy: object, reducer: object, comm_hook: Callable[..., Any] | None, comm_state: object, world_size: int
+) -> dict[str, Any]:
+    """The options every rank of a bucketed strategy, Trainer or Fabric, must agree on besides the model."""
+    kind = reducer if isinstance(reducer, str) or reducer is None else type(reducer)
+    return {
+        "strategy": type(strategy).__qualname__,
+        "reducer": getattr(kind, "__qualname__", kind),
+        "ddp_comm_hook": hook_name(comm_hook),
+        "ddp_comm_state": type(comm_state).__qualname__,
+        "world_size": world_size,
+        "torch": torch.__version__,
+        "lightning": lightning.fabric.__version__,
+    }

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from typing import Any
 
 from lightning.fabric.strategies.registry import _StrategyRegistry
@@ -49,3 +51,25 @@ def register_with_launchers(
         register_name(
             registry, name + suffix, strategy, f"{description}; launcher {how}", where, start_method=start_method
         )
+
+
+def discover(package: str, base: type) -> list[type]:
+    """The strategy classes of ``package``'s modules: every subclass of ``base`` a module defines with a
+    ``registered_name``, in module-name order. A strategy is found from its own file; nothing else lists it.
+
+    Modules whose names start with ``_`` are helpers and are not searched.
+    """
+    found: list[type] = []
+    for info in sorted(pkgutil.iter_modules(importlib.import_module(package).__path__), key=lambda m: m.name):
+        if info.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"{package}.{info.name}")
+        for value in vars(module).values():
+            if (
+                isinstance(value, type)
+                and issubclass(value, base)
+                and (value.__module__ == module.__name__ or value.__module__.startswith(module.__name__ + "."))
+                and getattr(value, "registered_name", None) is not None
+            ):
+                found.append(value)
+    return found

@@ -1,114 +1,21 @@
-"""Gradient compression as wrappers around any reducer: fp16/bf16 casts, and PowerSGD with error feedback.
-
-A wrapper is itself a reducer (:class:`~lightning_dp_strategies.reducers.Reducer`): it hands the inner reducer a
-smaller bucket and writes the result back. So ``reducer=bf16_compress("native")`` and
-``reducer=PowerSGD("ring", rank=4)`` drop into any strategy's ``reducer=`` option.
-
-What goes over the wire, per rank, with N ranks and a ring inner reducer:
-
-====================  ===============================================  ==========================================
-wrapper               payload                                          exact?
-====================  ===============================================  ==========================================
-none                  the fp32 bucket                                  yes (to summation order)
-``fp16_compress``     half the bytes                                   fp16 rounding: about 1e-3 relative
-``bf16_compress``     half the bytes                                   bf16 rounding: about 1e-2 relative
-``PowerSGD(rank=r)``  ``r(n + m)`` per ``n x m`` matrix, the rest fp32  low-rank; error feedback keeps what is lost
-====================  ===============================================  ==========================================
-"""
+"""PowerSGD: low-rank compression of each matrix gradient, with error feedback (Vogels et al., 2019)."""
 
 from __future__ import annotations
 
 import functools
 import math
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
-from lightning_dp_strategies.reducers import (
-    CommThread,
-    GradBucket,
-    Reducer,
-    close_reducer,
-    resolve_reducer,
-    setup_reducer,
-)
+from lightning_dp_strategies.reducers.base import GradBucket, Reducer, close_reducer, setup_reducer
+from lightning_dp_strategies.reducers.builtin import resolve_reducer
+from lightning_dp_strategies.reducers.thread import CommThread
 
-__all__ = ["CastCompression", "PowerSGD", "bf16_compress", "fp16_compress"]
-
-
-class CastCompression:
-    """Reduce a ``dtype`` copy of the bucket with ``inner``, then cast the result back into the bucket.
-
-    For an average, every rank divides by N *before* the cast and the inner reducer sums, so fp16's range (max
-    65504) only has to hold the average, not the sum of N gradients. Bytes sent shrink by the dtype's size ratio
-    (half, from fp32 to fp16/bf16); the presence flags survive the cast (``1 / N`` stays positive).
-
-    Args:
-        inner: the reducer of the compressed bucket (a name such as ``"ring"`` or ``"native"``, or a reducer).
-        dtype: the wire dtype, ``torch.float16`` or ``torch.bfloat16``.
-
-    Examples:
-        >>> bucket = GradBucket(torch.tensor([1.0, 2.0**-12, 3.0]))
-        >>> bf16_compress("ring")(bucket).wait()  # one process: only the rounding of bf16 shows
-        tensor([1.0000e+00, 2.4414e-04, 3.0000e+00])
-    """
-
-    def __init__(self, inner: str | Reducer | None = "ring", dtype: torch.dtype = torch.float16) -> None:
-        if dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(f"CastCompression compresses to torch.float16 or torch.bfloat16, got {dtype}.")
-        self.inner = resolve_reducer(inner)
-        self.dtype = dtype
-
-    def __call__(self, bucket: GradBucket) -> Future[Tensor]:
-        buffer = bucket.buffer
-        if buffer.dtype == self.dtype:  # nothing to compress
-            return self.inner(bucket)
-        world = bucket.world_size
-        if bucket.op == "avg" and world > 1:
-            low = buffer.div(world).to(self.dtype)  # divide in full precision, then cast: no overflow in the sum
-            op: Any = "sum"
-        else:
-            low, op = buffer.to(self.dtype), bucket.op
-        inner = self.inner(bucket.with_buffer(low, op=op))
-
-        def write_back(reduced: Future[Any]) -> Tensor:
-            reduced.value()  # the inner reduction's error, if any, reaches the waiter
-            buffer.copy_(low)
-            return buffer
-
-        return inner.then(write_back)
-
-    def setup(self, group: dist.ProcessGroup | None, ranks: Sequence[int], backend: str | None = None) -> None:
-        """The inner reducer's setup step (see :func:`~lightning_dp_strategies.reducers.setup_reducer`)."""
-        setup_reducer(self.inner, group, ranks, backend)
-
-    def close(self) -> None:
-        """Close the inner reducer."""
-        close_reducer(self.inner)
-
-
-def fp16_compress(inner: str | Reducer | None = "ring") -> CastCompression:
-    """``inner`` on an fp16 copy of every bucket (half the bytes), divided by N before the sum.
-
-    Examples:
-        >>> fp16_compress("native").dtype
-        torch.float16
-    """
-    return CastCompression(inner, torch.float16)
-
-
-def bf16_compress(inner: str | Reducer | None = "ring") -> CastCompression:
-    """``inner`` on a bf16 copy of every bucket: half the bytes, fp32's range, 8 bits of mantissa.
-
-    Examples:
-        >>> bf16_compress().dtype
-        torch.bfloat16
-    """
-    return CastCompression(inner, torch.bfloat16)
+__all__ = ["PowerSGD"]
 
 
 def _orthonormalize(matrix: Tensor, eps: float = 1e-8) -> None:

@@ -1,21 +1,17 @@
-"""The ``lightning-dp-strategies`` command's arguments and the checks that need no torch.
+"""The command's arguments, and the checks that need no torch: ``--help`` and bad values are answered here at once.
 
-This module lives outside the ``lightning_dp_strategies`` package because importing the package imports torch and
-Lightning (it registers the strategy names): ``--help`` and bad values are answered here first, in a fraction of a
-second, and only a valid command imports the package to run (:mod:`lightning_dp_strategies.cli`).
+Only a valid command imports torch and Lightning, to run (:mod:`lightning_dp_strategies.cli.run`).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.metadata
-from collections.abc import Sequence
 from pathlib import Path
 
-PRECISIONS = ("32-true", "64-true", "16-true", "bf16-true", "16-mixed", "bf16-mixed")
-"""The ``precision`` values the comparison passes to the Trainer (the command's choices, and ``compare()``'s)."""
-DEMO_GLOBAL_BATCH = 64
-"""``DemoConfig().global_batch``, here without importing the demo (and torch)."""
+from lightning_dp_strategies.compare.spec import DEMO_GLOBAL_BATCH, PRECISIONS
+
+__all__ = ["check", "parser", "version"]
 
 
 def version() -> str:
@@ -128,19 +124,3 @@ def check(args: argparse.Namespace) -> str | None:
         if value is not None and (value.count(":") != 1 or not all(value.split(":"))):
             return f"{flag} {value}: expected MODULE:FACTORY, for example my_models:make_net"
     return None
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; returns the exit status (0 when every strategy ran)."""
-    cli = parser()
-    args = cli.parse_args(argv)
-    problem = check(args)
-    if problem:
-        cli.error(problem)
-    from lightning_dp_strategies.cli import run  # imports torch and Lightning: only for a command that will run
-
-    return run(args, cli)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,0 +1,11 @@
+"""Gradient buckets: which parameters share a bucket (:mod:`.layout`), the flat buffers and their reduction
+overlapped with backward (:mod:`.buckets`), the statistics (:mod:`.stats`), and the gradient synchronisation a strategy
+holds (:mod:`.sync`).
+"""
+
+from lightning_dp_strategies.bucketing.buckets import Bucket, GradientBuckets
+from lightning_dp_strategies.bucketing.layout import assign_buckets
+from lightning_dp_strategies.bucketing.stats import CommStats
+from lightning_dp_strategies.plan.sizing import MiB
+
+__all__ = ["Bucket", "CommStats", "GradientBuckets", "MiB", "assign_buckets"]

@@ -1,0 +1,30 @@
+"""Which parameters share a bucket: reverse registration order, one dtype and device each, capped in size."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import Tensor
+
+from lightning_dp_strategies.plan.sizing import bucket_boundaries
+
+__all__ = ["assign_buckets"]
+
+
+def assign_buckets(
+    params: Sequence[Tensor], bucket_cap_mb: float = 25.0, first_bucket_cap_mb: float = 1.0
+) -> list[list[int]]:
+    """Group parameter indices into buckets, in reverse registration order, one dtype and device per bucket.
+
+    A bucket is closed before it would exceed its cap (``first_bucket_cap_mb`` for the first bucket of each dtype and
+    device, ``bucket_cap_mb`` after); a single tensor larger than the cap gets a bucket of its own. Buckets are ordered
+    by the position of their first parameter in reverse order, the order their gradients become ready.
+
+    Examples:
+        >>> import torch
+        >>> sizes = [torch.empty(n) for n in (100, 300_000, 10, 300_000)]  # 4 bytes each element
+        >>> assign_buckets(sizes, bucket_cap_mb=2, first_bucket_cap_mb=1)
+        [[3], [2, 1, 0]]
+    """
+    sizes = [((t.dtype, t.device), t.numel() * t.element_size()) for t in params]
+    return bucket_boundaries(sizes, bucket_cap_mb, first_bucket_cap_mb)

@@ -1,0 +1,166 @@
+"""Gradient synchronisation as an object a strategy holds: groups, reducer, buckets, the no-sync flag, statistics.
+
+A strategy (Trainer or Fabric) makes one :class:`GradientSync` and calls it at fixed points::
+
+    setup        make_groups(partition, rank, backend, reducer)  ──▶  attach(named_parameters, caps)
+    each pass    arm_or_skip()  ─ backward ─  finish()      (inside ``no_sync()``: accumulate locally)
+    each step    record_step()                               (``step_stats``: that step's communication)
+    teardown     close()  ──▶  destroy_groups()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Iterable, Sequence
+from contextlib import contextmanager
+from datetime import timedelta
+
+import torch.distributed as dist
+from torch import nn
+
+from lightning_dp_strategies.bucketing.buckets import GradientBuckets
+from lightning_dp_strategies.bucketing.stats import CommStats
+from lightning_dp_strategies.reducers import Reducer, close_reducer, setup_reducer
+
+__all__ = ["GradientSync", "destroy_groups"]
+
+
+def destroy_groups(groups: Iterable[object]) -> None:
+    """Destroy the process groups a strategy made at setup, once each; ``None``, the placeholder a rank outside a
+    group holds, and the default group (Lightning's) are skipped."""
+    if not dist.is_initialized():
+        return
+    destroyed: set[int] = set()
+    for group in groups:
+        if isinstance(group, dist.ProcessGroup) and group is not dist.group.WORLD and id(group) not in destroyed:
+            destroyed.add(id(group))
+            dist.destroy_process_group(group)
+
+
+class GradientSync:
+    """The gradient averaging of one strategy: one process group per averaging group, the reducer, the buckets.
+
+    Configuration is given to the methods that use it; the object holds runtime state (``groups``, ``group``,
+    ``reducer``, ``buckets``, ``blocked``) and statistics (``step_stats``, ``totals``).
+
+    Examples:
+        >>> sync = GradientSync()
+        >>> sync.arm_or_skip(); sync.finish()  # before setup: nothing to do
+        >>> with sync.no_sync():
+        ...     sync.blocked
+        True
+        >>> sync.blocked, sync.totals.synced_backwards
+        (False, 0)
+    """
+
+    def __init__(self) -> None:
+        # runtime state
+        self.groups: list[dist.ProcessGroup] = []
+        self.group: dist.ProcessGroup | None = None
+        """This rank's averaging group (``None`` before setup, or when this rank averages with no one)."""
+        self.reducer: Reducer | None = None
+        self.buckets: GradientBuckets | None = None
+        self.blocked = False
+        """Inside :meth:`no_sync`: backward passes accumulate locally."""
+        # statistics
+        self.step_stats = CommStats()
+        """Communication of the last optimizer step (all backward passes since the previous step)."""
+        self._step_start = CommStats()
+        self._closed_totals = CommStats()
+
+    # ------------------------------------------------------------------ setup
+    def make_groups(self, partition: Sequence[Sequence[int]], rank: int, backend: str | None, reducer: Reducer) -> None:
+        """One dedicated group per list of ``partition`` (the global ranks that average together), then the
+        reducer's own groups, on every rank in the same order; this rank's group kept.
+
+        A dedicated group keeps the communication thread from interleaving with collectives the main thread issues
+        on the default group (metric syncs, SyncBatchNorm, barriers).
+        """
+        self.groups = [dist.new_group(list(ranks), backend=backend) for ranks in partition]
+        self.reducer = reducer
+        for group, ranks in zip(self.groups, partition, strict=True):
+            setup_reducer(reducer, group, list(ranks), backend)
+        mine = [group for group, ranks in zip(self.groups, partition, strict=True) if rank in ranks]
+        self.group = mine[0] if mine else None
+
+    def attach(
+        self,
+        named_params: Sequence[tuple[str, nn.Parameter]],
+        bucket_cap_mb: float,
+        first_bucket_cap_mb: float,
+        allow_no_trainable: bool = False,
+        timeout: timedelta | None = None,
+    ) -> GradientBuckets:
+        """Attach the gradient buckets to ``named_params``, averaging over this rank's group with the reducer."""
+        self.buckets = GradientBuckets(
+            named_params,
+            group=self.group,
+            reducer=self.reducer,
+            bucket_cap_mb=bucket_cap_mb,
+            first_bucket_cap_mb=first_bucket_cap_mb,
+            allow_no_trainable=allow_no_trainable,
+            timeout=timeout.total_seconds() if timeout is not None else None,
+        )
+        self.buckets.sync_blocked = self.blocked
+        return self.buckets
+
+    # ------------------------------------------------------------------ each backward pass
+    @contextmanager
+    def no_sync(self) -> Generator[None, None, None]:
+        """Backward passes inside accumulate gradients locally; the previous state comes back on exit (nesting)."""
+        previous = self.blocked
+        self.set_blocked(True)
+        try:
+            yield None
+        finally:
+            self.set_blocked(previous)
+
+    def set_blocked(self, blocked: bool) -> None:
+        self.blocked = blocked
+        if self.buckets is not None:
+            self.buckets.sync_blocked = blocked
+
+    def arm_or_skip(self) -> None:
+        """Before a backward pass: arm the buckets, or count a skipped one inside a no-sync block."""
+        if self.buckets is None:
+            return
+        if self.blocked:
+            self.buckets.skip()
+        else:
+            self.buckets.arm()
+
+    def finish(self) -> None:
+        """After a backward pass: wait until every ``.grad`` holds the average (nothing to do when skipped)."""
+        if self.buckets is not None:
+            self.buckets.finish()
+
+    def abort(self) -> None:
+        """On an exception: drop the buckets' pending work so that nothing waits for it."""
+        if self.buckets is not None:
+            self.buckets.abort()
+
+    # ------------------------------------------------------------------ statistics
+    def record_step(self) -> None:
+        """After an optimizer step: the communication since the previous one becomes :attr:`step_stats`."""
+        if self.buckets is not None:
+            self.step_stats = self.buckets.totals - self._step_start
+            self._step_start = self.buckets.totals.copy()
+
+    @property
+    def totals(self) -> CommStats:
+        """Running totals of gradient communication on this rank since setup (kept after :meth:`close`)."""
+        return self.buckets.totals if self.buckets is not None else self._closed_totals
+
+    # ------------------------------------------------------------------ teardown
+    def close(self) -> None:
+        """Close the buckets (which close their reducer), or the reducer alone when no buckets were built."""
+        if self.buckets is None and self.reducer is not None:
+            close_reducer(self.reducer)
+        self.reducer = None
+        if self.buckets is not None:
+            self.buckets.close()
+            self._closed_totals = self.buckets.totals
+            self.buckets = None
+
+    def destroy_groups(self) -> None:
+        destroy_groups(self.groups)
+        self.groups, self.group = [], None

@@ -1,0 +1,72 @@
+"""The cost model: a strategy's per-step communication, exposed time and pipeline bubble at any world size.
+
+Every message costs a latency ``alpha`` (seconds) plus its bytes over a bandwidth ``beta`` (bytes/s): a :class:`Link`.
+For a workload (gradient bytes, batch, activations) and a world size, :func:`predict` counts what the busiest rank
+sends per optimizer step and prices it on the link::
+
+    ring_allreduce    per bucket 2(N-1) ring steps; each rank sends 2(N-1)/N of the gradient bytes
+                      t = buckets * 2(N-1) * alpha + 2(N-1)/N * gradient_bytes / beta
+    scatter_gather    all traffic goes through the root device (one process, N devices):
+                      root bytes = (N-1) * (param_bytes + grad_bytes) + batch * (in + out bytes/sample) * (N-1)/N
+                      t = 4(N-1) * alpha + root bytes / beta     (replicate, scatter, gather, reduce: N-1 each)
+    hybrid_pipeline   S stages x D = N/S replicas, M micro-batches; bubble = (S-1)/(M+S-1)
+                      P2P: an interior stage sends M activations forward and M gradients backward (one of each at
+                      the ends): min(S-1, 2) * M messages, min(S-1, 2) * batch * activation bytes/sample;
+                      plus a ring all-reduce over D replicas of the stage's gradient bytes, gradient_bytes / S
+
+The ring's gradient reduction may hide behind backward: given ``Workload.backward_seconds``, the exposed time is
+``max(0, comm - backward_seconds)``, otherwise all of it. The pipeline's is priced as fully exposed, an upper bound:
+``hybrid_pipeline`` starts each stage's reduction inside the schedule, at that stage's last backward, so part of it
+overlaps the drain. Contention, congestion and hierarchy (NVLink inside a node, a slower network between nodes) are
+not modelled: fit one :class:`Link` per level and plan with the slowest.
+
+=====================  ===================================================================
+module                 what it holds
+=====================  ===================================================================
+``plan.sizing``        bucket boundaries, ring bytes per rank, divisors
+``plan.model``         :class:`Link`, :class:`Workload`, :class:`Prediction`
+``plan.formulas``      :class:`CostModel` and one formula per strategy
+``plan.predict``       :func:`predict`, :func:`plan`, :func:`cost_model_of`
+``plan.compression``   :func:`compression_pays`: when a compressed reducer beats the plain one
+``plan.tables``        :func:`format_table`, :func:`text_table`
+=====================  ===================================================================
+"""
+
+from lightning_dp_strategies.plan.compression import CompressionVerdict, compression_pays, payload_bytes
+from lightning_dp_strategies.plan.formulas import (
+    COST_MODELS,
+    HYBRID_PIPELINE,
+    RING_ALLREDUCE,
+    SCATTER_GATHER,
+    STRATEGIES,
+    CostModel,
+)
+from lightning_dp_strategies.plan.model import Link, Prediction, Workload, bucket_count
+from lightning_dp_strategies.plan.predict import cost_model_of, plan, predict
+from lightning_dp_strategies.plan.sizing import MiB, bucket_boundaries, divisors, ring_bytes_per_rank
+from lightning_dp_strategies.plan.tables import format_table, text_table
+
+__all__ = [
+    "COST_MODELS",
+    "HYBRID_PIPELINE",
+    "RING_ALLREDUCE",
+    "SCATTER_GATHER",
+    "STRATEGIES",
+    "CompressionVerdict",
+    "CostModel",
+    "Link",
+    "MiB",
+    "Prediction",
+    "Workload",
+    "bucket_boundaries",
+    "bucket_count",
+    "compression_pays",
+    "cost_model_of",
+    "divisors",
+    "format_table",
+    "payload_bytes",
+    "plan",
+    "predict",
+    "ring_bytes_per_rank",
+    "text_table",
+]

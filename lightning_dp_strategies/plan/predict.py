@@ -1,0 +1,123 @@
+"""Predict a strategy's step at a world size (:func:`predict`), or every strategy at several (:func:`plan`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from lightning_dp_strategies.plan.formulas import COST_MODELS, STRATEGIES, CostModel
+from lightning_dp_strategies.plan.model import Link, Prediction, Workload
+from lightning_dp_strategies.plan.sizing import divisors
+
+__all__ = ["cost_model_of", "plan", "predict"]
+
+
+_ALIASES = {"dp": "scatter_gather"}
+
+
+def cost_model_of(strategy: str | CostModel | type | object) -> CostModel:
+    """The cost model of a built-in strategy name, a :class:`CostModel`, or a strategy (class) with a ``cost_model``.
+
+    Examples:
+        >>> from lightning_dp_strategies.plan import RING_ALLREDUCE
+        >>> cost_model_of("dp").name
+        'scatter_gather'
+        >>> class MyRing:  # e.g. a subclass of RingAllReduceStrategy, which carries RING_ALLREDUCE
+        ...     cost_model = RING_ALLREDUCE
+        >>> cost_model_of(MyRing).name
+        'ring_allreduce'
+    """
+    if isinstance(strategy, CostModel):
+        return strategy
+    if isinstance(strategy, str):
+        name = _ALIASES.get(strategy, strategy)
+        if name in COST_MODELS:
+            return COST_MODELS[name]
+        raise ValueError(
+            f"Unknown strategy {strategy!r}: choose one of {', '.join(STRATEGIES)} (or 'dp'), or pass a strategy "
+            "class that has a `cost_model` (every strategy of this package and its subclasses do)."
+        )
+    model = getattr(strategy, "cost_model", None)
+    if isinstance(model, CostModel):
+        return model
+    raise ValueError(f"{strategy!r} has no `cost_model`: give its class a `cost_model = plan.CostModel(...)`.")
+
+
+def predict(
+    strategy: str | CostModel | type,
+    workload: Workload,
+    world_size: int,
+    link: Link,
+    stages: int = 1,
+    micro_batches: int = 1,
+    bucket_cap_mb: float = 25.0,
+    first_bucket_cap_mb: float = 1.0,
+) -> Prediction:
+    """Predict one strategy's per-step communication at ``world_size`` devices (formulas in the module docstring).
+
+    Args:
+        strategy: ``"ring_allreduce"``, ``"scatter_gather"`` (or ``"dp"``), ``"hybrid_pipeline"``, a strategy class
+            with a ``cost_model`` (yours, if it subclasses one of this package's), or a :class:`CostModel`.
+        workload: what a step moves.
+        world_size: devices in all (``hybrid_pipeline``: ``stages x`` data-parallel replicas).
+        link: latency and bandwidth of one device's link.
+        stages: pipeline stages (``hybrid_pipeline`` only; must divide ``world_size``).
+        micro_batches: micro-batches per step (``hybrid_pipeline`` only).
+        bucket_cap_mb: gradient bucket cap in MiB, as the strategies take it.
+        first_bucket_cap_mb: the first bucket's cap in MiB.
+
+    Examples:
+        >>> from lightning_dp_strategies.plan import MiB
+        >>> work = Workload(gradient_bytes=100 * MiB, batch_size=32, activation_bytes_per_sample=64 * 1024)
+        >>> p = predict("hybrid_pipeline", work, 8, Link(1e-5, 1e10), stages=4, micro_batches=8)
+        >>> p.bubble_fraction, p.messages_per_rank, round(p.comm_seconds * 1e3, 2)
+        (0.2727272727272727, 20, 3.24)
+    """
+    model = cost_model_of(strategy)
+    label = strategy if isinstance(strategy, str) else getattr(strategy, "__name__", model.name)
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an integer >= 1 (the number of devices), got {world_size!r}.")
+    if stages < 1 or micro_batches < 1:
+        raise ValueError(f"stages and micro_batches must be >= 1, got {stages} and {micro_batches}.")
+    if not model.pipelined and (stages, micro_batches) != (1, 1):
+        raise ValueError(
+            f"stages and micro_batches apply to pipelined strategies such as 'hybrid_pipeline' only; leave them at 1 "
+            f"for {label!r}."
+        )
+    if world_size % stages:
+        raise ValueError(
+            f"stages={stages} does not divide world_size={world_size}: the pipeline is replicated world_size/stages "
+            f"times, so pick stages from {divisors(world_size)[:12]} or a world size that is a multiple of {stages}."
+        )
+    caps = (bucket_cap_mb, first_bucket_cap_mb)
+    nbytes, messages, comm, exposed, bubble = model.formula(workload, world_size, link, stages, micro_batches, caps)
+    name = model.name if isinstance(strategy, str) else label
+    return Prediction(name, world_size, stages, micro_batches, nbytes, messages, comm, exposed, bubble)
+
+
+def plan(
+    workload: Workload,
+    link: Link,
+    world_sizes: Sequence[int] = (8, 64, 512),
+    strategies: Sequence[str | CostModel | type] = STRATEGIES,
+    stages: int = 4,
+    micro_batches: int = 16,
+    bucket_cap_mb: float = 25.0,
+    first_bucket_cap_mb: float = 1.0,
+) -> list[Prediction]:
+    """Predict every strategy at every world size: the table to read before renting 512 devices.
+
+    ``stages`` and ``micro_batches`` apply to ``hybrid_pipeline``; the bucket caps (MiB) to the gradient buckets of
+    ``ring_allreduce`` and ``hybrid_pipeline``.
+
+    Examples:
+        >>> from lightning_dp_strategies.plan import MiB
+        >>> rows = plan(Workload(gradient_bytes=400 * MiB), Link(1e-5, 1e10), world_sizes=(8, 512))
+        >>> [(p.strategy, p.world_size) for p in rows][:3]
+        [('ring_allreduce', 8), ('scatter_gather', 8), ('hybrid_pipeline', 8)]
+    """
+    predictions = []
+    for world in world_sizes:
+        for strategy in strategies:
+            s, m = (stages, micro_batches) if cost_model_of(strategy).pipelined else (1, 1)
+            predictions.append(predict(strategy, workload, world, link, s, m, bucket_cap_mb, first_bucket_cap_mb))
+    return predictions

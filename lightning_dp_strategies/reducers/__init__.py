@@ -1,0 +1,93 @@
+"""The gradient-reduction contract (a bucket in, a future out) and the built-in reducers.
+
+A reducer is any callable ``reducer(bucket) -> torch.futures.Future`` (the shape of torch DDP's communication hooks).
+It must leave ``bucket.buffer`` holding the average (``bucket.op == "avg"``) or the sum (``"sum"``) of every rank's
+buffer over ``bucket.group`` by the time the future completes, add what it sent to ``bucket.counter``, and be called
+in the same order on every rank (:class:`~lightning_dp_strategies.bucketing.GradientBuckets` guarantees that: buckets
+launch strictly in index order). A reducer that needs process groups of its own (a second connection, a
+hierarchy's intra- and inter-node groups) makes them in an optional ``setup`` step (see :func:`setup_reducer`), and
+releases them in ``close``. The strategies' buckets ask for ``"sum"``: every gradient is divided by the world
+size on its way into the bucket (fused into that copy, as torch DDP does), so the sum is the average; ``"avg"`` is
+for direct callers. Compression wraps a reducer: the casts (:mod:`~lightning_dp_strategies.reducers.casts`) and PowerSGD
+(:mod:`~lightning_dp_strategies.reducers.powersgd`); torch's DDP communication hooks run through an adapter
+(:mod:`~lightning_dp_strategies.reducers.comm_hooks`).
+
+==============  ==============================================================  ==========================
+name            what it does                                                    runs on
+==============  ==============================================================  ==========================
+``ring``        this package's ring all-reduce (reduce-scatter + all-gather)    a communication thread
+``native``      the backend's ``all_reduce`` (gloo's ring, NCCL's ring/tree)     the backend's own threads
+``per_tensor``  one blocking ``all_reduce`` per gradient: the naive reference   the caller (blocks backward)
+==============  ==============================================================  ==========================
+
+
+Compression wrappers, and what goes over the wire per rank with N ranks and a ring inner reducer:
+
+====================  ===============================================  ==========================================
+wrapper               payload                                          exact?
+====================  ===============================================  ==========================================
+none                  the fp32 bucket                                  yes (to summation order)
+``fp16_compress``     half the bytes                                   fp16 rounding: about 1e-3 relative
+``bf16_compress``     half the bytes                                   bf16 rounding: about 1e-2 relative
+``PowerSGD(rank=r)``  ``r(n + m)`` per ``n x m`` matrix, the rest fp32  low-rank; error feedback keeps what is lost
+====================  ===============================================  ==========================================
+"""
+
+from lightning_dp_strategies.reducers.base import (
+    GradBucket,
+    ReduceKind,
+    Reducer,
+    close_reducer,
+    completed,
+    setup_reducer,
+)
+from lightning_dp_strategies.reducers.base import (
+    set_event as set_event,
+)
+from lightning_dp_strategies.reducers.base import (
+    views as views,
+)
+from lightning_dp_strategies.reducers.builtin import (
+    REDUCERS,
+    NativeReducer,
+    PerTensorReducer,
+    RingReducer,
+    check_reducer,
+    resolve_reducer,
+)
+from lightning_dp_strategies.reducers.casts import CastCompression, bf16_compress, fp16_compress
+from lightning_dp_strategies.reducers.comm_hooks import (
+    CommHook,
+    CommHookReducer,
+    HookBucket,
+    check_comm_hook,
+    hook_name,
+    make_reducer,
+)
+from lightning_dp_strategies.reducers.powersgd import PowerSGD
+from lightning_dp_strategies.reducers.thread import CommThread as CommThread
+
+__all__ = [
+    "REDUCERS",
+    "CastCompression",
+    "CommHook",
+    "CommHookReducer",
+    "GradBucket",
+    "HookBucket",
+    "NativeReducer",
+    "PerTensorReducer",
+    "PowerSGD",
+    "ReduceKind",
+    "Reducer",
+    "RingReducer",
+    "bf16_compress",
+    "check_comm_hook",
+    "check_reducer",
+    "close_reducer",
+    "completed",
+    "fp16_compress",
+    "hook_name",
+    "make_reducer",
+    "resolve_reducer",
+    "setup_reducer",
+]
