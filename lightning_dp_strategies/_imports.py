@@ -11,12 +11,13 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import sys
+import threading
 import warnings
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
-__all__ = ["MOVED", "PUBLIC", "install", "public_name"]
+__all__ = ["MOVED", "PUBLIC", "install", "public_name", "register_all"]
 
 _PACKAGE = "lightning_dp_strategies"
 
@@ -42,7 +43,7 @@ PUBLIC: dict[str, str] = {
             "fp16_compress",
             "resolve_reducer",
         ),
-        "strategies": ("BucketedDataParallel", "register_all"),
+        "strategies": ("BucketedDataParallel",),
     }.items()
     for name in names
 }
@@ -99,62 +100,91 @@ class _Alias(importlib.abc.Loader):
         module.__dict__["__getattr__"] = lambda name: getattr(target, name)
 
 
-class _AfterImport(importlib.abc.Loader):
-    """Runs a module's own loader, then a callback (the module's loader is put back afterwards)."""
+class _Tracked(importlib.abc.Loader):
+    """Runs a module's own loader between the finder's ``entered`` and ``left`` (its loader is put back after)."""
 
-    def __init__(self, loader: importlib.abc.Loader, then: Any) -> None:
-        self.loader, self.then = loader, then
+    def __init__(self, loader: importlib.abc.Loader, finder: _Finder) -> None:
+        self.loader, self.finder = loader, finder
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
         return self.loader.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
+        self.finder.entered()
         try:
             self.loader.exec_module(module)
         finally:
             module.__loader__ = self.loader
             if module.__spec__ is not None:
                 module.__spec__.loader = self.loader
-        self.then()
+            self.finder.left()
 
 
 class _Finder(importlib.abc.MetaPathFinder):
-    """Resolves the :data:`MOVED` paths, and registers the strategies once ``lightning`` has been imported."""
+    """Resolves the :data:`MOVED` paths, and registers the strategy names once Lightning is imported.
+
+    Registering imports the strategy modules, which import Lightning: it must not run while one of this package's
+    modules is half executed (it may be the very module that imported Lightning). So until the names are registered,
+    the imports of ``lightning`` and of this package's modules are tracked, and the names are registered when the
+    outermost of them has finished and Lightning is loaded.
+    """
+
+    def __init__(self) -> None:
+        self.pending = True
+        self._depth = threading.local()
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None = None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
         if fullname in MOVED:
             return importlib.util.spec_from_loader(fullname, _Alias(MOVED[fullname]))
-        if fullname != "lightning" or not self._registering:
+        if not self.pending or not (fullname == "lightning" or fullname.startswith(f"{_PACKAGE}.")):
             return None
-        self._registering = False
         for finder in sys.meta_path:
             find = getattr(finder, "find_spec", None)
             spec = find(fullname, path, target) if finder is not self and find is not None else None
             if spec is not None:
                 if spec.loader is not None:
-                    spec.loader = _AfterImport(spec.loader, _register)
+                    spec.loader = _Tracked(spec.loader, self)
                 return spec
         return None
 
-    _registering = True
+    def entered(self) -> None:
+        self._depth.value = getattr(self._depth, "value", 0) + 1
+
+    def left(self) -> None:
+        self._depth.value -= 1
+        self.register_when_ready()
+
+    def register_when_ready(self) -> None:
+        if self.pending and getattr(self._depth, "value", 0) == 0 and "lightning" in sys.modules:
+            self.pending = False
+            register_all()
 
 
-def _register() -> None:
-    """Import the strategy packages, which register their names on import; one that is being imported right now
-    (it imported Lightning) registers when it finishes."""
-    for package in (f"{_PACKAGE}.strategies", f"{_PACKAGE}.fabric"):
-        if package not in sys.modules:
-            importlib.import_module(package)
+def register_all() -> None:
+    """Register every strategy name of this package with Lightning's registries, the Trainer's ``StrategyRegistry``
+    and Fabric's ``STRATEGY_REGISTRY`` (safe to call twice; importing Lightning already did).
+
+    Examples:
+        >>> register_all()
+        >>> from lightning.pytorch.strategies import StrategyRegistry
+        >>> "ring_allreduce" in StrategyRegistry and "dp" in StrategyRegistry
+        True
+        >>> from lightning.fabric.strategies import STRATEGY_REGISTRY
+        >>> "ring_allreduce" in STRATEGY_REGISTRY and "scatter_gather" in STRATEGY_REGISTRY
+        True
+    """
+    from lightning_dp_strategies.fabric import register_fabric_strategies
+    from lightning_dp_strategies.strategies import register_trainer_strategies
+
+    register_trainer_strategies()
+    register_fabric_strategies()
 
 
 def install() -> None:
     """Install the finder for the moved paths; register the strategy names now if Lightning is imported already,
-    else right after it is."""
+    else as soon as it is."""
     finder = _Finder()
-    if "lightning" in sys.modules:
-        finder._registering = False
     sys.meta_path.insert(0, finder)
-    if "lightning" in sys.modules:
-        _register()
+    finder.register_when_ready()

@@ -153,7 +153,10 @@ def test_version_answers_without_importing_torch() -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--strategies", "single,nope"], "unknown strategy 'nope'; these run here: single, dp, ring_allreduce"),
+        (
+            ["--strategies", "single,nope"],
+            "unknown strategy 'nope'; these run here: single, dp, hybrid_pipeline, ring_allreduce, ddp",
+        ),
         (["--strategies", "fsdp"], "fsdp needs a GPU"),
         (["--strategies", "single,single"], "named twice"),
         (["--model", "tests.helpers.compare_models:Nope"], "has no attribute 'Nope'"),

@@ -1,9 +1,10 @@
-"""Gradient buckets: which parameters share a bucket (:mod:`.layout`), the flat buffers and their reduction
-overlapped with backward (:mod:`.buckets`), the statistics (:mod:`.stats`), and the gradient synchronisation a strategy
-holds (:mod:`.sync`).
+"""Gradient buckets: which parameters share a bucket (:mod:`.layout`), one bucket's flat buffer (:mod:`.bucket`), the
+buffers' reduction overlapped with backward (:mod:`.buckets`), the statistics (:mod:`.stats`), and the gradient
+synchronisation a strategy holds (:mod:`.sync`).
 """
 
-from lightning_dp_strategies.bucketing.buckets import Bucket, GradientBuckets
+from lightning_dp_strategies.bucketing.bucket import Bucket
+from lightning_dp_strategies.bucketing.buckets import GradientBuckets
 from lightning_dp_strategies.bucketing.layout import assign_buckets
 from lightning_dp_strategies.bucketing.stats import CommStats
 from lightning_dp_strategies.plan.sizing import MiB

@@ -34,6 +34,13 @@ def parser() -> argparse.ArgumentParser:
         " each strategy on the same global batches, each in its own processes; print a table and write"
         " comparison.json, comparison.png and one log per strategy to the output folder.",
     )
+    _what_to_train(cmp)
+    _how_to_run(cmp)
+    return top
+
+
+def _what_to_train(cmp: argparse.ArgumentParser) -> None:
+    """The model, the data, the strategies and the training run."""
     cmp.add_argument(
         "--model",
         metavar="MODULE:FACTORY",
@@ -46,7 +53,9 @@ def parser() -> argparse.ArgumentParser:
         help="your data: a callable returning a LightningDataModule or a DataLoader of global batches (default: the"
         " model's own train_dataloader); needs --model",
     )
-    cmp.add_argument("--strategies", help="comma-separated names (default: single,dp,ring_allreduce,ddp,...)")
+    cmp.add_argument(
+        "--strategies", help="comma-separated names (default: single,dp,hybrid_pipeline,ring_allreduce,ddp)"
+    )
     cmp.add_argument("--devices", type=int, default=2, help="devices or processes per strategy (default 2)")
     cmp.add_argument("--steps", type=int, default=30, help="optimizer steps per strategy (default 30)")
     cmp.add_argument(
@@ -68,6 +77,10 @@ def parser() -> argparse.ArgumentParser:
         type=int,
         help=f"demo: samples per optimizer step, all ranks (default {DEMO_GLOBAL_BATCH}); your data sets its own",
     )
+
+
+def _how_to_run(cmp: argparse.ArgumentParser) -> None:
+    """Where the results go, the seed, the time limit, extra imports, and the worker's own arguments."""
     cmp.add_argument("--output", type=Path, default=Path("comparison"), help="output folder (default ./comparison)")
     cmp.add_argument("--keep-checkpoints", action="store_true", help="keep each strategy's final checkpoint")
     cmp.add_argument("--seed", type=int, default=0, help="seed for the model's initial weights and the demo data")
@@ -84,7 +97,6 @@ def parser() -> argparse.ArgumentParser:
     )
     cmp.add_argument("--worker", help=argparse.SUPPRESS)
     cmp.add_argument("--task", type=Path, help=argparse.SUPPRESS)
-    return top
 
 
 def check(args: argparse.Namespace) -> str | None:

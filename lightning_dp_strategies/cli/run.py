@@ -6,6 +6,10 @@ import argparse
 import importlib
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lightning_dp_strategies.compare.demo import DemoConfig
 
 from lightning_dp_strategies.compare.spec import DEMO_GLOBAL_BATCH
 
@@ -33,7 +37,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     import lightning  # noqa: F401  (importing Lightning registers the package's strategy names)
 
-    from lightning_dp_strategies.compare import demo, report, runner
+    from lightning_dp_strategies.compare import demo, runner
 
     if args.worker:
         runner.run_worker(args.worker, args.task, args.devices, args.output)
@@ -68,6 +72,15 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         )
     except ValueError as err:  # every bad value is found before any process starts
         parser.error(str(err))
+    _report(args, results, config)
+    print(f"in {time.perf_counter() - start:.0f} s")
+    return 0 if all(r.status == "ok" for r in results) else 1
+
+
+def _report(args: argparse.Namespace, results: list[Any], config: DemoConfig | None) -> None:
+    """Print the table, write the JSON and the figure, and list what was written."""
+    from lightning_dp_strategies.compare import report
+
     print()
     print(report.format_table(results))
     workload = config or {
@@ -82,5 +95,3 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     wrote_png = report.write_figure(results, args.output / "comparison.png")
     print()
     print("\n".join(_listing(args.output, args.keep_checkpoints, wrote_png)))
-    print(f"in {time.perf_counter() - start:.0f} s")
-    return 0 if all(r.status == "ok" for r in results) else 1

@@ -29,8 +29,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_dp_strategies.comm.ops import CommCounter, ReduceOpLike, divide_, is_average
-from lightning_dp_strategies.comm.ops import divide as divide  # importable from here before comm.ops existed
+from lightning_dp_strategies.comm.ops import (
+    CommCounter,
+    ReduceOpLike,
+    divide as divide,  # importable from here before comm.ops existed
+    divide_,
+    is_average,
+)
+from lightning_dp_strategies.comm.streamed import streamed_ring_all_reduce
 
 __all__ = [
     "new_duplex_group",
@@ -216,99 +222,14 @@ def _streamed_ring_all_reduce(
     workspace: Tensor | None,
     duplex: dist.ProcessGroup | None = None,
 ) -> None:
-    """The ring as one stream of messages (gloo): each send issued the moment its data is ready.
+    """The ring as one stream of messages (gloo), moved to :mod:`lightning_dp_strategies.comm.streamed`.
 
-    The same chunks move as in :func:`ring_reduce_scatter` then :func:`ring_all_gather`, but no step waits for the
-    whole previous one: piece k of reduce-scatter step s+1 leaves as soon as piece k of step s is added in, and the
-    reduced pieces go straight on into the all-gather. Tags keep the messages apart: reduce-scatter step s piece k is
-    ``s * P + k``, all-gather step s is ``(N - 1 + s) * P + k``. Reduce-scatter receives are posted up front,
-    double-buffered in the scratch (step s in slot ``s % 2``).
-
-    With ``duplex`` at two ranks, rank 1's messages to rank 0 go over ``duplex`` and rank 0's to rank 1 over
-    ``group`` (see :func:`ring_all_reduce`).
-
-    When are the all-gather receives posted? Gloo writes a send in the calling thread when the peer's receive is
-    already posted, and leaves it to its I/O thread otherwise. Where this rank's sends and receives travel over
-    different connections (more than two ranks, or two with ``duplex``), they are posted up front, with the first
-    reduce-scatter receives: the peer then writes its reduced pieces straight from its own thread. Over one
-    connection (two ranks, no ``duplex``) piece k's are posted once this rank has reduced its own piece k: posted up
-    front, the peer's synchronous writes would compete with this rank's reads on the same socket, in series with its
-    additions (the measurements behind both choices are in ``docs/benchmarks.md``). Either way they land in place: a
-    chunk's reduced copy can only arrive after this rank's contribution to it has been received downstream.
+    The piece count is worked out here, from this module's :data:`PIPELINE_PIECE_BYTES`: chunk 0 is the largest, so
+    it is the same on every rank.
     """
-    pg = group if group is not None else dist.group.WORLD
-    assert pg is not None
-    size, rank = pg.size(), pg.rank()
-    nxt, prv = (rank + 1) % size, (rank - 1) % size  # group ranks: ProcessGroup.send/recv address peers by them
-    # two ranks: rank 1 sends over `duplex`, rank 0 receives over it, so each direction has its own connection
-    send_pg = duplex if duplex is not None and size == 2 and rank == 1 else pg
-    recv_pg = duplex if duplex is not None and size == 2 and rank == 0 else pg
-    steps = size - 1
-    chunks = flat.tensor_split(size)
-    pieces = _piece_count(chunks[0].numel(), flat.element_size())  # chunk 0 is the largest: the same on every rank
-    split = [c.tensor_split(pieces) for c in chunks]
-    stride = -(-chunks[0].numel() // pieces)  # scratch row per piece, so re-posting row k never touches row k+1
-    slots = min(2, steps)
-    needed = slots * pieces * stride
-    if workspace is not None and workspace.numel() >= needed and workspace.dtype == flat.dtype:
-        scratch = workspace.view(-1)[:needed].view(slots, pieces, stride)
-    else:
-        scratch = torch.empty(slots, pieces, stride, dtype=flat.dtype, device=flat.device)
-    sends: list[dist.Work] = []
-
-    def send(piece: Tensor, tag: int) -> None:
-        if piece.numel():
-            sends.append(send_pg.send([piece], nxt, tag))
-            if counter is not None:
-                counter.bytes_sent += piece.numel() * piece.element_size()
-                counter.messages += 1
-
-    def recv(piece: Tensor, tag: int) -> dist.Work | None:
-        return recv_pg.recv([piece], prv, tag) if piece.numel() else None
-
-    def post_reduce_scatter(step: int, k: int) -> tuple[dist.Work | None, Tensor]:
-        into = scratch[step % 2, k, : split[(rank - step - 1) % size][k].numel()]
-        return recv(into, step * pieces + k), into
-
-    def post_all_gather(k: int) -> None:  # all-gather step s brings piece k of chunk (rank - s) % size, in place
-        for s in range(steps):
-            gathered[s].append(recv(split[(rank - s) % size][k], (steps + s) * pieces + k))
-
-    incoming: list[list[tuple[dist.Work | None, Tensor]]] = [[] for _ in range(steps)]
-    gathered: list[list[dist.Work | None]] = [[] for _ in range(steps)]
-    for s in range(slots):
-        incoming[s] = [post_reduce_scatter(s, k) for k in range(pieces)]
-    gather_early = size > 2 or send_pg is not recv_pg  # see the docstring
-    if gather_early:
-        for k in range(pieces):
-            post_all_gather(k)
-    for k, piece in enumerate(split[rank]):
-        send(piece, k)
-    for step in range(steps):
-        target = split[(rank - step - 1) % size]
-        for k in range(pieces):
-            work, received = incoming[step][k]
-            if work is not None:
-                work.wait()
-                target[k].add_(received)
-            if step + 2 < steps:  # row k of this slot is free again
-                incoming[step + 2].append(post_reduce_scatter(step + 2, k))
-            if step + 1 < steps:
-                send(target[k], (step + 1) * pieces + k)
-            else:  # fully reduced: this rank's chunk, straight into the all-gather
-                if average:
-                    divide_(target[k], size)
-                send(target[k], steps * pieces + k)
-                if not gather_early:
-                    post_all_gather(k)
-    for step in range(steps):
-        for k, work in enumerate(gathered[step]):
-            if work is not None:
-                work.wait()
-            if step + 1 < steps:
-                send(split[(rank - step) % size][k], (steps + step + 1) * pieces + k)
-    for work in sends:
-        work.wait()
+    largest = -(-flat.numel() // dist.get_world_size(group))
+    pieces = _piece_count(largest, flat.element_size())
+    streamed_ring_all_reduce(flat, average, group, counter, workspace, duplex, pieces)
 
 
 def new_duplex_group(ranks: list[int] | None = None, backend: str | None = None) -> dist.ProcessGroup | None:

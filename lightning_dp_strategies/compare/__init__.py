@@ -6,7 +6,9 @@ module                    what it holds
 :mod:`.spec`              the fixed choices (precisions, the demo's batch), importable without torch
 :mod:`.demo`              the built-in model and data
 :mod:`.task`              one strategy's run, described so a worker process can rebuild it
-:mod:`.runner`            which strategies can run here, the workers, :func:`compare`
+:mod:`.catalogue`         which strategies there are, which run by default, which can run here
+:mod:`.worker`            one strategy's training, inside the processes launched for it
+:mod:`.runner`            each strategy in its own processes, the evaluation, :func:`compare`
 :mod:`.report`            the table, the JSON and the figure
 ========================  ==================================================================================
 
@@ -19,56 +21,37 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from lightning_dp_strategies.compare.catalogue import (
+        BASELINE as BASELINE,
+        available_strategies as available_strategies,
+        default_strategies as default_strategies,
+        runnable_strategies as runnable_strategies,
+    )
     from lightning_dp_strategies.compare.demo import (
         DemoClassifier as DemoClassifier,
-    )
-    from lightning_dp_strategies.compare.demo import (
         DemoConfig as DemoConfig,
-    )
-    from lightning_dp_strategies.compare.demo import (
         GlobalBatchSampler as GlobalBatchSampler,
-    )
-    from lightning_dp_strategies.compare.demo import (
         make_dataset as make_dataset,
     )
     from lightning_dp_strategies.compare.report import (
         format_table as format_table,
-    )
-    from lightning_dp_strategies.compare.report import (
         make_figure as make_figure,
-    )
-    from lightning_dp_strategies.compare.report import (
         write_figure as write_figure,
-    )
-    from lightning_dp_strategies.compare.report import (
         write_json as write_json,
     )
     from lightning_dp_strategies.compare.runner import (
-        BASELINE as BASELINE,
-    )
-    from lightning_dp_strategies.compare.runner import (
         RunResult as RunResult,
-    )
-    from lightning_dp_strategies.compare.runner import (
-        available_strategies as available_strategies,
-    )
-    from lightning_dp_strategies.compare.runner import (
         compare as compare,
-    )
-    from lightning_dp_strategies.compare.runner import (
-        default_strategies as default_strategies,
-    )
-    from lightning_dp_strategies.compare.runner import (
-        runnable_strategies as runnable_strategies,
     )
     from lightning_dp_strategies.compare.task import (
         replica_slice as replica_slice,
     )
 
 _HOMES = {
+    "catalogue": ("BASELINE", "available_strategies", "default_strategies", "runnable_strategies"),
     "demo": ("DemoClassifier", "DemoConfig", "GlobalBatchSampler", "make_dataset"),
     "report": ("format_table", "make_figure", "write_figure", "write_json"),
-    "runner": ("BASELINE", "RunResult", "available_strategies", "compare", "default_strategies", "runnable_strategies"),
+    "runner": ("RunResult", "compare"),
     "task": ("replica_slice",),
 }
 

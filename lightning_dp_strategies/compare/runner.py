@@ -1,9 +1,12 @@
 """Run each strategy on the demo or the user's model in its own subprocess, then evaluate every result the same way in
-this process."""
+this process.
+
+Which strategies exist and can run here is :mod:`.catalogue`; what runs inside the launched processes is
+:mod:`.worker`. Their names are importable from here as well.
+"""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -17,142 +20,32 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import torch
-from lightning.pytorch.strategies import StrategyRegistry
 from torchmetrics.classification import MulticlassAccuracy
 
+# importable from here before the catalogue and the worker had their own modules
+from lightning_dp_strategies.compare.catalogue import (
+    BASELINE as BASELINE,
+    REFERENCE as REFERENCE,
+    available_strategies as available_strategies,
+    cannot_run_here as cannot_run_here,
+    check_strategies as check_strategies,
+    default_strategies as default_strategies,
+    processes_for as processes_for,
+    runnable_strategies as runnable_strategies,
+)
 from lightning_dp_strategies.compare.demo import DemoClassifier, DemoConfig, make_dataset
 from lightning_dp_strategies.compare.task import (
-    GlobalBatches,
     Task,
     dump_task,
     first_global_batch,
-    load_task,
     make_task,
     training_loss,
 )
+from lightning_dp_strategies.compare.worker import run_worker as run_worker
 from lightning_dp_strategies.data_parallel.pytree import _tensors
 
-BASELINE = "single"
-"""The single-device baseline every other row is compared with."""
-REFERENCE = "ddp"
-"""Lightning's own DDP, the anchor the package's strategies are compared with."""
 WARMUP_STEPS = 3
-
-
-def available_strategies() -> list[str]:
-    """The names ``compare`` accepts: the baseline, then every registered strategy (ours and Lightning's).
-
-    Examples:
-        >>> names = available_strategies()
-        >>> names[0], "ring_allreduce" in names, "ddp" in names
-        ('single', True, True)
-    """
-    return [BASELINE, *sorted(StrategyRegistry)]
-
-
-def default_strategies() -> list[str]:
-    """The baseline, the package's strategies that say ``compared_as`` (by that name), then Lightning's ``ddp``.
-
-    Examples:
-        >>> default_strategies()
-        ['single', 'dp', 'hybrid_pipeline', 'ring_allreduce', 'ddp']
-    """
-    from lightning_dp_strategies.strategies import trainer_strategies
-
-    ours = sorted(n for cls in trainer_strategies() if (n := getattr(cls, "compared_as", None)) is not None)
-    names = set(available_strategies())
-    return [n for n in (BASELINE, *ours, REFERENCE) if n in names]
-
-
-_NEEDS = {
-    "DeepSpeedStrategy": ("cuda", "deepspeed", "a GPU and the deepspeed package"),
-    "FSDPStrategy": ("cuda", None, "a GPU"),
-    "XLAStrategy": ("xla", "torch_xla", "a TPU and torch_xla"),
-    "SingleDeviceXLAStrategy": ("xla", "torch_xla", "a TPU and torch_xla"),
-    "SingleTPUStrategy": ("xla", "torch_xla", "a TPU and torch_xla"),
-}
-"""Registered Lightning strategies that need hardware or packages beyond a CPU: (device kind, package, in words)."""
-
-
-def cannot_run_here(name: str, accelerator: str) -> str | None:
-    """Why a registered strategy cannot run on ``accelerator`` (``"cpu"`` or ``"cuda"``) here, or ``None``.
-
-    Examples:
-        >>> cannot_run_here("fsdp", "cpu"), cannot_run_here("ring_allreduce", "cpu")
-        ('fsdp needs a GPU', None)
-    """
-    if name == BASELINE or name not in StrategyRegistry:
-        return None
-    needs = _NEEDS.get(StrategyRegistry[name]["strategy"].__name__)
-    if needs is None:
-        return None
-    kind, package, words = needs
-    if kind != accelerator or (package is not None and importlib.util.find_spec(package) is None):
-        return f"{name} needs {words}"
-    return None
-
-
-def runnable_strategies(accelerator: str = "cpu") -> list[str]:
-    """The names that can run on ``accelerator`` here: the defaults first, then the other registered ones.
-
-    Examples:
-        >>> names = runnable_strategies("cpu")
-        >>> names[:5], "fsdp" in names, "deepspeed" in names
-        (['single', 'dp', 'hybrid_pipeline', 'ring_allreduce', 'ddp'], False, False)
-    """
-    defaults = default_strategies()
-    others = [n for n in available_strategies() if n not in defaults and cannot_run_here(n, accelerator) is None]
-    return defaults + others
-
-
-def check_strategies(names: Sequence[str], accelerator: str = "cpu") -> list[str]:
-    """The names to compare, stripped; ``ValueError`` (naming what can run) if one is empty, unknown, repeated or needs
-    hardware this machine lacks.
-
-    Examples:
-        >>> check_strategies([" single", "ring_allreduce "])
-        ['single', 'ring_allreduce']
-        >>> check_strategies(["", " "])
-        Traceback (most recent call last):
-        ...
-        ValueError: no strategy named: pass names separated by commas, for example single,ring_allreduce
-    """
-    cleaned = [n.strip() for n in names if n.strip()]
-    if not cleaned:
-        raise ValueError("no strategy named: pass names separated by commas, for example single,ring_allreduce")
-    kind = "cpu" if accelerator == "auto" else accelerator
-    runnable = runnable_strategies(kind)
-    unknown = [n for n in cleaned if n not in available_strategies()]
-    if unknown:
-        raise ValueError(
-            f"unknown strategy {', '.join(map(repr, unknown))}; these run here: {', '.join(runnable)}"
-            " (register your own and pass --import MODULE)"
-        )
-    for name in cleaned:
-        reason = cannot_run_here(name, kind)
-        if reason:
-            raise ValueError(f"{reason}; these run here: {', '.join(runnable)}")
-    repeated = sorted({n for n in cleaned if cleaned.count(n) > 1})
-    if repeated:
-        raise ValueError(f"strategy {', '.join(map(repr, repeated))} named twice: name each strategy once")
-    return cleaned
-
-
-def processes_for(name: str, devices: int) -> int:
-    """Processes a strategy starts: one for the baseline; what the registered class says (``launched_processes``,
-    which this package's strategies and their subclasses have); else one per device, as Lightning's own launch.
-
-    Examples:
-        >>> [processes_for(name, 2) for name in ("single", "dp", "ring_allreduce", "ddp")]
-        [1, 1, 2, 2]
-    """
-    if name == BASELINE:
-        return 1
-    strategy = StrategyRegistry[name]["strategy"] if name in StrategyRegistry else None
-    count = getattr(strategy, "launched_processes", None)
-    return int(count(devices)) if callable(count) else devices
 
 
 @dataclass
@@ -187,109 +80,6 @@ class RunResult:
     peak_mb_by_rank: list[float] = field(default_factory=list)
     loss_curve: list[float] = field(default_factory=list)
     step_times_ms: list[float] = field(default_factory=list)
-
-
-# ---------------------------------------------------------------------------------------------- worker (subprocess)
-
-
-class _Recorder(L.Callback):
-    def __init__(self, progress: Path | None = None) -> None:
-        self.progress = progress
-        self.start = 0.0
-        self.step_ms: list[float] = []
-        self.losses: list[float] = []
-        self.comm_bytes: list[float] = []
-        self.pipeline_bytes: list[float] = []
-        self.exposed_ms: list[float] = []
-        self.bubbles: list[float] = []
-
-    def on_train_batch_start(self, *args: Any) -> None:
-        self.start = time.perf_counter()
-
-    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, *args: Any) -> None:
-        self.step_ms.append((time.perf_counter() - self.start) * 1e3)
-        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-        if loss is None:
-            loss = trainer.callback_metrics.get("train_loss")
-        self.losses.append(float(loss) if loss is not None else float("nan"))
-        stats = getattr(trainer.strategy, "step_stats", None)
-        if stats is not None:
-            self.comm_bytes.append(float(getattr(stats, "bytes_sent", 0)))
-            self.exposed_ms.append(float(getattr(stats, "exposed_seconds", 0.0)) * 1e3)
-            # hybrid_pipeline: activations and their gradients between stages, both directions, on this rank
-            exchanged = getattr(stats, "pipeline_bytes_sent", 0) + getattr(stats, "pipeline_bytes_received", 0)
-            self.pipeline_bytes.append(float(exchanged))
-        pipeline = getattr(trainer.strategy, "pipeline_stats", None)  # hybrid_pipeline: idle over total, this rank
-        if pipeline is not None and not pipeline.last.warmup:
-            self.bubbles.append(float(pipeline.last.bubble))
-        if self.progress is not None and trainer.is_global_zero:  # read by the parent for its live progress line
-            self.progress.write_text(f"{len(self.step_ms)} {self.losses[-1]}")
-
-
-def _peak_mb(trainer: L.Trainer) -> float:
-    """This process's peak memory: CUDA memory allocated on its devices, else the process's peak resident set."""
-    if trainer.strategy.root_device.type == "cuda":
-        return max(torch.cuda.max_memory_allocated(i) for i in range(torch.cuda.device_count())) / 1e6
-    try:  # Linux: this process image's peak (getrusage's maxrss would include the launching parent's, kept over exec)
-        status = Path("/proc/self/status").read_text()
-        return next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")) * 1024 / 1e6
-    except (OSError, StopIteration):
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6
-
-
-def _rank() -> int:
-    return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
-
-
-def run_worker(name: str, task_path: Path, devices: int, work: Path) -> None:
-    """Train the task with one strategy (inside the launched processes): each rank writes ``{name}.rank{r}.json``, rank
-    0 a checkpoint; a rank that fails writes ``{name}.rank{r}.error.json`` (its one-line reason) and raises."""
-    task = load_task(task_path)
-    if task.accelerator == "cpu":
-        torch.set_num_threads(1)  # one CPU core stands for one device (scatter/gather's replicas are threads)
-    recorder = _Recorder(work / f"{name}.progress")
-    trainer: L.Trainer | None = None
-    try:
-        model = task.build_model()
-        data = None if task.demo is not None else GlobalBatches(task.build_data())
-        trainer = L.Trainer(
-            strategy="auto" if name == BASELINE else name,
-            accelerator=task.accelerator,
-            devices=1 if name == BASELINE else devices,
-            precision=task.precision,  # type: ignore[arg-type]
-            max_steps=task.steps,
-            use_distributed_sampler=False,  # the global batches are cut per replica, identically for every strategy
-            limit_val_batches=0,
-            num_sanity_val_steps=0,
-            logger=False,
-            enable_checkpointing=False,
-            default_root_dir=work / name,  # what the model's own callbacks write goes to the temporary work folder
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            callbacks=[recorder],
-        )
-        trainer.fit(model, datamodule=data)
-    except Exception as err:
-        rank = trainer.global_rank if trainer is not None else _rank()
-        reason = {"type": type(err).__name__, "message": str(err), "steps_done": len(recorder.step_ms)}
-        (work / f"{name}.rank{rank}.error.json").write_text(json.dumps(reason))
-        raise
-    trainer.save_checkpoint(work / f"{name}.ckpt")
-    payload = {
-        "step_ms": recorder.step_ms,
-        "losses": recorder.losses,
-        "comm_bytes": recorder.comm_bytes,
-        "pipeline_bytes": recorder.pipeline_bytes,
-        "exposed_ms": recorder.exposed_ms,
-        "bubbles": recorder.bubbles,
-        "peak_mb": _peak_mb(trainer),
-    }
-    (work / f"{name}.rank{trainer.global_rank}.json").write_text(json.dumps(payload))
-
-
-# ---------------------------------------------------------------------------------------------- parent
 
 
 def _steady(values: list[float]) -> list[float]:
@@ -467,6 +257,36 @@ def compare(
         >>> [(r.strategy, r.status) for r in results]  # doctest: +SKIP
         [('single', 'ok'), ('ring_allreduce', 'ok')]
     """
+    device_kind = _check_arguments(devices, timeout, datamodule, train_dataloaders, accelerator, precision)
+    names = check_strategies(default_strategies() if strategies is None else list(strategies), device_kind)
+    data = datamodule if datamodule is not None else train_dataloaders
+    task = make_task(model, data, demo=config, steps=steps, seed=seed, precision=precision, accelerator=device_kind)
+    global_batch, first = _global_batch(task, devices)
+    progress(_headline(len(names), task, devices, device_kind, global_batch))
+    out = Path(out)
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="compare-"))
+    try:
+        task_path = work / "task.pkl"
+        dump_task(task, task_path)
+        extra = list(extra_imports or [])
+        session = Session(task, task_path, devices, work, logs, timeout, extra, progress, progress_every)
+        results = [_announced(name, i, len(names), session) for i, name in enumerate(names, 1)]
+        _evaluate_all(results, task, work, first)
+        _add_throughput(results, global_batch)
+        if keep_checkpoints:
+            _keep_checkpoints(work, out / "checkpoints")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return results
+
+
+def _check_arguments(
+    devices: int, timeout: float, datamodule: Any, train_dataloaders: Any, accelerator: str, precision: str
+) -> str:
+    """The device kind to run on (``"cpu"`` or ``"cuda"``); ``ValueError`` naming the fix for a value that cannot
+    work."""
     if devices < 1:
         raise ValueError(f"devices must be at least 1 (got {devices})")
     if not timeout > 0:
@@ -476,64 +296,54 @@ def compare(
     device_kind = _resolve_accelerator(accelerator, devices)
     if precision == "16-mixed" and device_kind == "cpu":  # Lightning would switch to bf16-mixed with a warning
         raise ValueError("precision 16-mixed (fp16 autocast) needs a GPU; on CPU use bf16-mixed")
-    names = check_strategies(default_strategies() if strategies is None else list(strategies), device_kind)
-    task = make_task(
-        model,
-        datamodule if datamodule is not None else train_dataloaders,
-        demo=config,
-        steps=steps,
-        seed=seed,
-        precision=precision,
-        accelerator=device_kind,
-    )
+    return device_kind
+
+
+def _global_batch(task: Task, devices: int) -> tuple[int | None, Any]:
+    """The samples in one global batch (``None`` where unknown) and the user's first batch (``None`` for the demo);
+    ``ValueError`` unless the batch splits evenly over ``devices``."""
     if task.demo is not None:
-        global_batch: int | None = task.demo.global_batch
         if task.demo.global_batch % devices:
             raise ValueError(
                 f"the global batch ({task.demo.global_batch}) must be a multiple of devices ({devices}): every"
                 " data-parallel replica gets an equal slice"
             )
-        first = None
-    else:
-        try:
-            first = first_global_batch(task, task.build_model())
-        except ValueError:
-            raise
-        except Exception as err:
-            raise ValueError(f"building the model or data failed before any strategy ran: {err!r}") from err
-        global_batch = _batch_size(first) if first is not None else None
-        if global_batch is not None and global_batch % devices:
-            raise ValueError(
-                f"the data's batches hold {global_batch} samples, which does not split evenly over {devices} devices:"
-                f" use a batch size that is a multiple of {devices} (each data-parallel replica trains on a slice)"
-            )
-    progress(
-        f"Comparing {len(names)} strategies on {task.label}, {devices} {'CUDA' if device_kind == 'cuda' else 'CPU'}"
+        return task.demo.global_batch, None
+    try:
+        first = first_global_batch(task, task.build_model())
+    except ValueError:
+        raise
+    except Exception as err:
+        raise ValueError(f"building the model or data failed before any strategy ran: {err!r}") from err
+    global_batch = _batch_size(first) if first is not None else None
+    if global_batch is not None and global_batch % devices:
+        raise ValueError(
+            f"the data's batches hold {global_batch} samples, which does not split evenly over {devices} devices:"
+            f" use a batch size that is a multiple of {devices} (each data-parallel replica trains on a slice)"
+        )
+    return global_batch, first
+
+
+def _headline(count: int, task: Task, devices: int, device_kind: str, global_batch: int | None) -> str:
+    """The progress line that opens a comparison: how many strategies, on what, with how many devices and steps."""
+    return (
+        f"Comparing {count} strategies on {task.label}, {devices} {'CUDA' if device_kind == 'cuda' else 'CPU'}"
         f" devices each, {task.steps} steps" + (f" of {global_batch} samples" if global_batch else "")
     )
-    out = Path(out)
-    logs = out / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="compare-"))
-    try:
-        task_path = work / "task.pkl"
-        dump_task(task, task_path)
-        session = Session(
-            task, task_path, devices, work, logs, timeout, list(extra_imports or []), progress, progress_every
-        )
-        results = [_announced(name, i, len(names), session) for i, name in enumerate(names, 1)]
-        _evaluate_all(results, task, work, first)
-        for result in results:
-            if result.step_ms and global_batch:
-                result.samples_per_second = global_batch / (result.step_ms / 1e3)
-        if keep_checkpoints:
-            kept = out / "checkpoints"
-            kept.mkdir(exist_ok=True)
-            for ckpt in work.glob("*.ckpt"):
-                shutil.move(str(ckpt), kept / ckpt.name)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return results
+
+
+def _add_throughput(results: list[RunResult], global_batch: int | None) -> None:
+    """Fill in each timed row's samples per second, where the global batch's size is known."""
+    for result in results:
+        if result.step_ms and global_batch:
+            result.samples_per_second = global_batch / (result.step_ms / 1e3)
+
+
+def _keep_checkpoints(work: Path, kept: Path) -> None:
+    """Move the runs' final checkpoints out of the work folder (deleted afterwards) into ``kept``."""
+    kept.mkdir(exist_ok=True)
+    for ckpt in work.glob("*.ckpt"):
+        shutil.move(str(ckpt), kept / ckpt.name)
 
 
 def _announced(name: str, i: int, count: int, session: Session) -> RunResult:

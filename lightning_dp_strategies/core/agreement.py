@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import lightning.fabric
@@ -19,9 +19,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_dp_strategies.bucketing import assign_buckets
+from lightning_dp_strategies.core.options import BucketedConfig, ReductionOptions
 from lightning_dp_strategies.reducers import hook_name
 
-__all__ = ["RankMismatchError", "check_ranks_agree", "model_fingerprint"]
+__all__ = ["RankMismatchError", "bucketed_options", "check_ranks_agree", "model_fingerprint"]
 
 
 class RankMismatchError(RuntimeError):
@@ -104,17 +106,30 @@ def check_ranks_agree(fingerprint: Mapping[str, Any], group: dist.ProcessGroup |
     )
 
 
-def base_fingerprint_options(
-    strategy: object, reducer: object, comm_hook: Callable[..., Any] | None, comm_state: object, world_size: int
+def bucketed_options(
+    strategy: object, reduction: ReductionOptions, config: BucketedConfig, module: nn.Module, precision: object
 ) -> dict[str, Any]:
-    """The options every rank of a bucketed strategy, Trainer or Fabric, must agree on besides the model."""
+    """The options every rank of a bucketed strategy, Trainer or Fabric, must agree on besides the model: the
+    strategy, its options, how buckets are reduced, the bucket layout, the precision and the versions.
+
+    Examples:
+        >>> from lightning_dp_strategies.core.options import BucketedConfig, ReductionOptions
+        >>> options = bucketed_options(None, ReductionOptions("native"), BucketedConfig(), nn.Linear(2, 2), "32-true")
+        >>> options["reducer"], options["bucket_layout"], options["bucket_cap_mb"]
+        ('native', [[1, 0]], 25.0)
+    """
+    reducer = reduction.reducer
     kind = reducer if isinstance(reducer, str) or reducer is None else type(reducer)
+    trainable = [p for p in module.parameters() if p.requires_grad]
     return {
         "strategy": type(strategy).__qualname__,
+        **vars(config),
         "reducer": getattr(kind, "__qualname__", kind),
-        "ddp_comm_hook": hook_name(comm_hook),
-        "ddp_comm_state": type(comm_state).__qualname__,
-        "world_size": world_size,
+        "ddp_comm_hook": hook_name(reduction.comm_hook),
+        "ddp_comm_state": type(reduction.ddp_comm_state).__qualname__,
+        "bucket_layout": assign_buckets(trainable, config.bucket_cap_mb, config.first_bucket_cap_mb),
+        "precision": getattr(precision, "precision", type(precision).__name__),
+        "world_size": dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1,
         "torch": torch.__version__,
         "lightning": lightning.fabric.__version__,
     }

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import uuid
 from collections.abc import Callable
 from typing import IO, Any
@@ -157,10 +158,12 @@ def with_atomic_default(checkpoint_io: CheckpointIO | None) -> CheckpointIO:
     """
     if checkpoint_io is None:
         return AtomicCheckpointIO()
-    # the wrapper's setter fills in the base only where none was configured (Lightning's own rule)
-    from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
-
-    if isinstance(checkpoint_io, _WrappingCheckpointIO):
+    # the Trainer's wrapping plugins (AsyncCheckpointIO); an instance exists only once their module is imported, so
+    # looking it up in sys.modules spares the Fabric side an import of lightning.pytorch
+    wrapper_module = sys.modules.get("lightning.pytorch.plugins.io.wrapper")
+    wrapping = getattr(wrapper_module, "_WrappingCheckpointIO", None)
+    if wrapping is not None and isinstance(checkpoint_io, wrapping):
+        # the wrapper's setter fills in the base only where none was configured (Lightning's own rule)
         checkpoint_io.checkpoint_io = AtomicCheckpointIO()
     return checkpoint_io
 

@@ -121,13 +121,7 @@ def parallel_apply(
     # under torch.use_deterministic_algorithms(True) (Trainer(deterministic=True)) they run one after another, in
     # replica order, so every run hands every replica the same random numbers
     one_at_a_time = targets[0].type == "cpu" and torch.are_deterministic_algorithms_enabled()
-    if targets[0].type == "cpu" and len(functions) > 1:
-        _initialise_vector_math()  # before the replicas' threads can race into its lazy set-up
-    # replicas sharing one CPU at once share its intra-op threads (none on CUDA, where each has its own device)
-    cpu_share: int | None = None
-    if targets[0].type == "cpu":
-        cpu_share = torch.get_num_threads() if one_at_a_time else max(1, torch.get_num_threads() // len(targets))
-    context = ThreadContext.capture(intra_op_threads=cpu_share)
+    context = _replica_context(targets, one_at_a_time)
     streams = [torch.cuda.current_stream(d) if d.type == "cuda" else None for d in targets]
     results: list[Any] = [None] * len(functions)
     errors: list[BaseException | None] = [None] * len(functions)
@@ -140,7 +134,31 @@ def parallel_apply(
         except BaseException as err:
             errors[i] = err
 
-    threads = [threading.Thread(target=run, args=(i,), name=f"replica-{i}") for i in range(1, len(functions))]
+    _run_replicas(run, len(functions), one_at_a_time)
+    _raise_first(errors, targets)
+    return results
+
+
+def _replica_context(targets: Sequence[torch.device], one_at_a_time: bool) -> ThreadContext:
+    """The caller's thread context for the replicas' threads, with each CPU replica's share of intra-op threads.
+
+    Replicas sharing one CPU at once share its intra-op threads (none on CUDA, where each has its own device); run one
+    at a time, each gets all of them.
+    """
+    cpu_share: int | None = None
+    if targets[0].type == "cpu":
+        if len(targets) > 1:
+            _initialise_vector_math()  # before the replicas' threads can race into its lazy set-up
+        cpu_share = torch.get_num_threads() if one_at_a_time else max(1, torch.get_num_threads() // len(targets))
+    return ThreadContext.capture(intra_op_threads=cpu_share)
+
+
+def _run_replicas(run: Callable[[int], None], count: int, one_at_a_time: bool) -> None:
+    """``run(i)`` for every replica: 0 in the calling thread, the others in a thread each, at once or in order.
+
+    Every started thread is joined, and the caller's intra-op thread count restored, however the runs end.
+    """
+    threads = [threading.Thread(target=run, args=(i,), name=f"replica-{i}") for i in range(1, count)]
     own_threads = torch.get_num_threads()
     try:
         if one_at_a_time:
@@ -158,9 +176,12 @@ def parallel_apply(
                 thread.join()
         if torch.get_num_threads() != own_threads:
             torch.set_num_threads(own_threads)
+
+
+def _raise_first(errors: Sequence[BaseException | None], targets: Sequence[torch.device]) -> None:
+    """Re-raise the first replica's exception, noting which replica and device raised it."""
     for i, err in enumerate(errors):
         if err is not None:
             if hasattr(err, "add_note"):
-                err.add_note(f"(raised in replica {i} of {len(functions)}, on {targets[i]})")
+                err.add_note(f"(raised in replica {i} of {len(errors)}, on {targets[i]})")
             raise err
-    return results

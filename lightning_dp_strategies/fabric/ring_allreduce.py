@@ -7,7 +7,6 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, ClassVar, Literal
 
-import lightning.fabric
 import torch
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -19,9 +18,9 @@ from lightning.fabric.utilities.types import Optimizable
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_dp_strategies.bucketing import CommStats, GradientBuckets, assign_buckets
+from lightning_dp_strategies.bucketing import CommStats, GradientBuckets
 from lightning_dp_strategies.bucketing.sync import GradientSync
-from lightning_dp_strategies.core.agreement import base_fingerprint_options, check_ranks_agree, model_fingerprint
+from lightning_dp_strategies.core.agreement import bucketed_options, check_ranks_agree, model_fingerprint
 from lightning_dp_strategies.core.checkpoint_io import AtomicCheckpoints
 from lightning_dp_strategies.core.launch import check_interactive_launch
 from lightning_dp_strategies.core.module_state import broadcast_module_buffers, sync_module_states
@@ -174,17 +173,7 @@ class FabricRingAllReduceStrategy(AtomicCheckpoints, NonfiniteStep, DDPStrategy)
 
     def _fingerprint_options(self, module: nn.Module) -> dict[str, Any]:
         """What every rank must agree on besides the model: the options, precision and bucket layout."""
-        cfg = self.config
-        trainable = [p for p in module.parameters() if p.requires_grad]
-        return {
-            **base_fingerprint_options(
-                self, self.reducer, self.reduction.comm_hook, self.ddp_comm_state, self.world_size
-            ),
-            **vars(cfg),
-            "precision": getattr(self.precision, "precision", type(self.precision).__name__),
-            "bucket_layout": assign_buckets(trainable, cfg.bucket_cap_mb, cfg.first_bucket_cap_mb),
-            "fabric": lightning.fabric.__version__,
-        }
+        return {**bucketed_options(self, self.reduction, self.config, module, self.precision), "fabric": True}
 
     def _broadcast_buffers(self, module: nn.Module, args: Any) -> None:
         """Before a training forward (train mode, gradients on, not inside ``no_backward_sync``): rank 0's buffers."""

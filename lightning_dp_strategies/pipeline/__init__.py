@@ -7,6 +7,8 @@ together with the data-parallel gradient buckets.
 - :mod:`.microbatch`: how a batch is cut into equal micro-batches, and the checks before training.
 - :mod:`.schedule`: GPipe, 1F1B, and the interleaved and zero-bubble schedules with several chunks per rank: a pure
   clock-table model of each and the glue to ``torch.distributed.pipelining``.
+- :mod:`.orders`: the schedules by name: the checks, which rank runs which chunk, each rank's order of actions.
+- :mod:`.clock`: the clock-table model of the schedules: one step tick by tick, its bubble and activations held.
 - :mod:`.runner`: one rank's side of a pipeline step, with the measured bubble.
 - :mod:`.memory`: activation memory measured with saved-tensor hooks (any device).
 - :mod:`.clipping`: gradient clipping by the global norm across stages.

@@ -27,6 +27,10 @@ backward into ``I`` and ``W`` and fill the bubble with the ``W`` passes.
 ``Schedule1F1B`` refuses fewer micro-batches than stages. With ``M < S`` 1F1B saves nothing where memory peaks
 (stage 0 holds all ``M`` micro-batches under both), so :func:`make_schedule` then builds ``ScheduleGPipe``
 (:func:`effective_schedule`); the gradients are the same.
+
+The schedules by name (checks, chunk placement, per-rank orders) live in :mod:`.orders`, the clock-table model in
+:mod:`.clock`; every name is importable from here as well. This module keeps the glue to torch: :class:`TimedStage`
+and :func:`make_schedule`.
 """
 
 from __future__ import annotations
@@ -38,9 +42,31 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-from torch.distributed.pipelining import schedules as torch_schedules
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, schedules as torch_schedules
 from torch.distributed.pipelining.schedules import _PipelineSchedule
+
+# the clock-table model and the schedules by name live in their own modules; importable from here as before
+from lightning_dp_strategies.pipeline.clock import (
+    clock_table,
+    gpipe_bubble,
+    schedule_bubble,
+    table_bubble,
+    table_in_flight,
+)
+from lightning_dp_strategies.pipeline.orders import (
+    _TORCH_CLASSES,
+    LOOPED,
+    SCHEDULES,
+    SPLIT_BACKWARD,
+    V_SHAPED,
+    check_schedule,
+    chunk_ranks,
+    default_virtual_stages,
+    effective_schedule,
+    rank_order,
+    schedule_micro_batches,
+    stage_order,
+)
 
 __all__ = [
     "LOOPED",
@@ -62,288 +88,6 @@ __all__ = [
     "table_bubble",
     "table_in_flight",
 ]
-
-LOOPED: tuple[str, ...] = ("interleaved_1f1b", "looped_bfs", "interleaved_zb")
-"""Schedules with ``V >= 2`` chunks per rank, chunk ``c`` on rank ``c % S``."""
-V_SHAPED: tuple[str, ...] = ("zbv",)
-"""Schedules with exactly two chunks per rank, placed in a V: rank ``r`` runs chunks ``r`` and ``2S - 1 - r``."""
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", *LOOPED, *V_SHAPED)
-SPLIT_BACKWARD: tuple[str, ...] = ("interleaved_zb", "zbv")
-"""Schedules that split a backward into input- and weight-gradient passes."""
-
-_TORCH_CLASSES: dict[str, Any] = {
-    "interleaved_1f1b": torch_schedules.ScheduleInterleaved1F1B,
-    "looped_bfs": torch_schedules.ScheduleLoopedBFS,
-    "interleaved_zb": torch_schedules.ScheduleInterleavedZeroBubble,
-    "zbv": torch_schedules.ScheduleZBVZeroBubble,
-}
-_TICKS = {"F": 1, "B": 2, "I": 1, "W": 1}
-
-
-def default_virtual_stages(schedule: str) -> int:
-    """Chunks per rank when ``virtual_stages`` is not given: 1 for GPipe and 1F1B, 2 for the others.
-
-    Examples:
-        >>> default_virtual_stages("1f1b"), default_virtual_stages("interleaved_1f1b")
-        (1, 2)
-    """
-    _check_name(schedule)
-    return 1 if schedule in ("gpipe", "1f1b") else 2
-
-
-def check_schedule(schedule: str, stages: int, micro_batches: int, virtual_stages: int) -> None:
-    """Raise, naming the schedules or values that work, unless ``schedule`` can run this configuration.
-
-    Examples:
-        >>> check_schedule("interleaved_1f1b", 2, 4, 2)
-        >>> check_schedule("1f1b", 2, 4, 2)
-        Traceback (most recent call last):
-        ...
-        ValueError: schedule='1f1b' runs one chunk per rank, but virtual_stages=2: use virtual_stages=1, or a \
-schedule with several chunks per rank: ['interleaved_1f1b', 'looped_bfs', 'interleaved_zb', 'zbv'].
-    """
-    _check_name(schedule)
-    if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
-        raise ValueError(f"`virtual_stages` must be an integer >= 1, got {virtual_stages!r}.")
-    if schedule in ("gpipe", "1f1b") and virtual_stages != 1:
-        raise ValueError(
-            f"schedule={schedule!r} runs one chunk per rank, but virtual_stages={virtual_stages}: use "
-            f"virtual_stages=1, or a schedule with several chunks per rank: {[*LOOPED, *V_SHAPED]}."
-        )
-    if schedule in LOOPED and virtual_stages < 2:
-        raise ValueError(
-            f"schedule={schedule!r} interleaves several chunks per rank, but virtual_stages={virtual_stages}: use "
-            "virtual_stages >= 2, or schedule='1f1b' / 'gpipe' for one chunk per rank."
-        )
-    if schedule in V_SHAPED and virtual_stages != 2:
-        raise ValueError(
-            f"schedule={schedule!r} places exactly two chunks per rank (a V), but virtual_stages={virtual_stages}: "
-            f"use virtual_stages=2, or one of {list(LOOPED)} for {virtual_stages} chunks per rank."
-        )
-    if not schedule_micro_batches(schedule, stages, micro_batches):
-        works = [m for m in range(1, 4 * stages + 1) if schedule_micro_batches(schedule, stages, m)]
-        raise ValueError(
-            f"schedule={schedule!r} runs micro-batches in rounds of pipeline_stages={stages}, and "
-            f"micro_batches={micro_batches} is not a whole number of rounds: use micro_batches in {works} (up to "
-            f"{4 * stages}), or schedule='looped_bfs' / 'zbv', which take any count."
-        )
-
-
-def schedule_micro_batches(schedule: str, stages: int, micro_batches: int) -> bool:
-    """Whether ``schedule`` runs ``micro_batches`` micro-batches on ``stages`` ranks (for a batch cut smaller).
-
-    Examples:
-        >>> [m for m in range(1, 9) if schedule_micro_batches("interleaved_1f1b", 2, m)]
-        [1, 2, 3, 4, 6, 8]
-    """
-    if schedule in ("interleaved_1f1b", "interleaved_zb"):
-        return micro_batches % max(1, micro_batches // stages) == 0
-    return True
-
-
-def chunk_ranks(schedule: str, stages: int, virtual_stages: int) -> list[int]:
-    """The pipeline rank of each chunk of the body (``stages x virtual_stages`` chunks, in body order).
-
-    Examples:
-        >>> chunk_ranks("1f1b", 2, 1), chunk_ranks("interleaved_1f1b", 2, 2), chunk_ranks("zbv", 2, 2)
-        ([0, 1], [0, 1, 0, 1], [0, 1, 1, 0])
-    """
-    count = stages * virtual_stages
-    if schedule in V_SHAPED:
-        return [c if c < stages else count - 1 - c for c in range(count)]
-    return [c % stages for c in range(count)]
-
-
-def effective_schedule(schedule: str, stages: int, micro_batches: int) -> str:
-    """The schedule that runs: ``"1f1b"`` with fewer micro-batches than stages runs as ``"gpipe"``.
-
-    Examples:
-        >>> effective_schedule("1f1b", 2, 1), effective_schedule("1f1b", 2, 4)
-        ('gpipe', '1f1b')
-    """
-    _check_name(schedule)
-    return "gpipe" if schedule == "1f1b" and micro_batches < stages else schedule
-
-
-def gpipe_bubble(stages: int, micro_batches: int) -> float:
-    """The ideal bubble fraction ``(S - 1) / (M + S - 1)`` of a fill-drain pipeline (GPipe and 1F1B).
-
-    Examples:
-        >>> gpipe_bubble(2, 4)
-        0.2
-    """
-    return (stages - 1) / (micro_batches + stages - 1)
-
-
-def schedule_bubble(schedule: str, stages: int, micro_batches: int, virtual_stages: int | None = None) -> float:
-    """The ideal bubble of ``schedule``: the idle fraction of its :func:`clock_table`.
-
-    Examples:
-        >>> schedule_bubble("1f1b", 2, 4), round(schedule_bubble("interleaved_1f1b", 2, 4), 3)
-        (0.2, 0.111)
-    """
-    return table_bubble(clock_table(schedule, stages, micro_batches, virtual_stages))
-
-
-def stage_order(schedule: str, stages: int, micro_batches: int, stage: int) -> list[str]:
-    """The order in which ``stage`` runs its forwards (``"F0"``...) and backwards (``"B0"``...) in one step, for the
-    one-chunk schedules.
-
-    1F1B as in ``torch.distributed.pipelining``: ``S - s`` warm-up forwards, then one backward and one forward
-    alternately, then the remaining backwards.
-
-    Examples:
-        >>> stage_order("1f1b", 2, 4, 0)
-        ['F0', 'F1', 'B0', 'F2', 'B1', 'F3', 'B2', 'B3']
-    """
-    _check_name(schedule)
-    if schedule not in ("gpipe", "1f1b"):
-        raise ValueError(f"stage_order covers 'gpipe' and '1f1b'; use rank_order for {schedule!r}.")
-    forwards = [f"F{m}" for m in range(micro_batches)]
-    backwards = [f"B{m}" for m in range(micro_batches)]
-    if schedule == "gpipe":
-        return forwards + backwards
-    warmup = min(micro_batches, stages - stage)
-    order = forwards[:warmup]
-    f, b = warmup, 0
-    while f < micro_batches:
-        order += [backwards[b], forwards[f]]
-        b, f = b + 1, f + 1
-    return order + backwards[b:]
-
-
-def rank_order(
-    schedule: str, stages: int, micro_batches: int, rank: int, virtual_stages: int | None = None
-) -> list[str]:
-    """The actions ``rank`` runs in one step, in order: :func:`stage_order` for the one-chunk schedules (``"F0"``),
-    the order torch's schedule class generates for the others (``"2F0"``, ``"0I1"``, ``"3W1"``).
-
-    Examples:
-        >>> rank_order("looped_bfs", 2, 2, 0)
-        ['0F0', '0F1', '2F0', '2F1', '2B1', '2B0', '0B1', '0B0']
-    """
-    virtual = default_virtual_stages(schedule) if virtual_stages is None else virtual_stages
-    check_schedule(schedule, stages, micro_batches, virtual)
-    if schedule in ("gpipe", "1f1b"):
-        return stage_order(effective_schedule(schedule, stages, micro_batches), stages, micro_batches, rank)
-    actions: list[str] = []
-    for action in _torch_orders(schedule, stages, micro_batches, virtual)[rank]:
-        if action is None:
-            continue
-        actions.append(str(action))
-    return actions
-
-
-def _torch_orders(schedule: str, stages: int, micro_batches: int, virtual: int) -> dict[int, list[Any]]:
-    """Every rank's compute actions as torch's schedule class generates them (no process group needed)."""
-    cls = _TORCH_CLASSES[schedule]
-    plan = cls.__new__(cls)  # only the order generator runs: it reads these fields
-    plan.pp_group_size, plan._n_microbatches, plan.n_local_stages = stages, micro_batches, virtual
-    plan.number_of_rounds = max(1, micro_batches // stages)
-    plan.microbatches_per_round = micro_batches // plan.number_of_rounds
-    plan.num_stages = plan._num_stages = stages * virtual
-    plan._stages, plan.rank = [None] * virtual, 0
-    orders = {rank: plan._calculate_single_rank_operations(rank) for rank in range(stages)}
-    if schedule == "interleaved_zb":
-        plan.pipeline_order = orders
-        orders = plan._add_bubbles_to_actions(stages * virtual)
-    return orders
-
-
-def _parse(action: str) -> tuple[int | None, str, int]:
-    """``"F3"`` -> ``(None, "F", 3)``; ``"2I3"`` -> ``(2, "I", 3)``."""
-    for position, char in enumerate(action):
-        if char.isalpha():
-            chunk = int(action[:position]) if position else None
-            return chunk, char, int(action[position + 1 :])
-    raise ValueError(action)  # pragma: no cover
-
-
-def clock_table(schedule: str, stages: int, micro_batches: int, virtual_stages: int | None = None) -> list[list[str]]:
-    """Simulate one step: ``table[rank][tick]`` is the action running then, or ``""`` (idle).
-
-    A forward waits for the same micro-batch's forward on the previous chunk, an input-gradient pass (``I``, or a
-    full backward ``B``) for the one on the next chunk (on the last chunk: for its own forward), a ``W`` for its
-    ``I``; each rank runs its :func:`rank_order` in order, ``F``/``I``/``W`` one tick each and ``B`` two.
-
-    Examples:
-        >>> [" ".join(a or ".." for a in row) for row in clock_table("gpipe", 2, 2)]
-        ['F0 F1 .. .. .. B0 B0 B1 B1', '.. F0 F1 B0 B0 B1 B1 .. ..']
-    """
-    virtual = default_virtual_stages(schedule) if virtual_stages is None else virtual_stages
-    orders = [rank_order(schedule, stages, micro_batches, r, virtual) for r in range(stages)]
-    chunks = stages * virtual
-    finish: dict[tuple[int, str, int], int] = {}  # (chunk, kind, micro-batch) -> tick it finished
-    position, busy = [0] * stages, [0] * stages
-    table: list[list[str]] = [[] for _ in range(stages)]
-    running = [""] * stages
-    tick = 0
-    while any(position[r] < len(orders[r]) or busy[r] > tick for r in range(stages)):
-        for r in range(stages):
-            if busy[r] > tick:
-                table[r].append(running[r])
-                continue
-            if position[r] == len(orders[r]):
-                table[r].append("")
-                continue
-            action = orders[r][position[r]]
-            chunk, kind, m = _parse(action)
-            c = r if chunk is None else chunk
-            if kind == "F":
-                deps = [(c - 1, "F", m)] if c > 0 else []
-            elif kind == "W":
-                deps = [(c, "I", m)]
-            else:
-                deps = [(c + 1, "I", m)] if c < chunks - 1 else [(c, "F", m)]
-            if all(finish.get(dep, tick + 1) <= tick for dep in deps):
-                finish[(c, kind, m)] = busy[r] = tick + _TICKS[kind]
-                if kind == "B":
-                    finish[(c, "I", m)] = busy[r]  # a full backward passes the input gradient on when it ends
-                running[r] = action
-                position[r] += 1
-                table[r].append(action)
-            else:
-                table[r].append("")
-        tick += 1
-    return table
-
-
-def table_bubble(table: list[list[str]]) -> float:
-    """Idle ticks over all ticks of a :func:`clock_table`.
-
-    Examples:
-        >>> table_bubble(clock_table("1f1b", 2, 4))
-        0.2
-    """
-    cells = [a for row in table for a in row]
-    return sum(1 for a in cells if not a) / len(cells)
-
-
-def table_in_flight(table: list[list[str]]) -> list[int]:
-    """Per rank, the most micro-batch chunks whose activations are held at once (forward done, the last backward
-    pass, ``B`` or ``W``, not yet).
-
-    Examples:
-        >>> table_in_flight(clock_table("gpipe", 2, 8)), table_in_flight(clock_table("1f1b", 2, 8))
-        ([8, 8], [2, 1])
-    """
-    peaks = []
-    for row in table:
-        held = peak = 0
-        previous = ""
-        for action in row:
-            if action and action != previous:
-                kind = _parse(action)[1]
-                held += 1 if kind == "F" else -1 if kind in "BW" else 0
-                peak = max(peak, held)
-            previous = action
-        peaks.append(peak)
-    return peaks
-
-
-def _check_name(schedule: str) -> None:
-    if schedule not in SCHEDULES:
-        raise ValueError(f"Unknown pipeline `schedule` {schedule!r}: use one of {list(SCHEDULES)}.")
 
 
 class TimedStage(PipelineStage):

@@ -168,6 +168,74 @@ class _Pending:
         self.where, self.numel, self.dtype = where, numel, dtype
 
 
+class _Pickler(pickle.Pickler):
+    """Pickles a checkpoint as ``torch.save`` does, with each stand-in's storage left to be filled in later.
+
+    ``own`` collects the writer's own storages by record key, ``pending`` the record key of each stand-in by its
+    ``(source rank, index)``.
+    """
+
+    def __init__(self, file: IO[bytes], inbox: Inbox) -> None:
+        super().__init__(file, protocol=torch.serialization.DEFAULT_PROTOCOL)
+        self.inbox = inbox
+        self.keys: dict[Any, str] = {}
+        self.own: dict[str, Any] = {}
+        self.pending: dict[tuple[int, int], str] = {}
+
+    def reducer_override(self, value: Any) -> Any:
+        """A stand-in pickles as a tensor rebuilt on a :class:`_Pending` storage; everything else as usual."""
+        if not isinstance(value, Tensor) or not value.is_meta:
+            return NotImplemented
+        where = self.inbox.source(value)
+        if where is None:
+            raise ValueError(
+                f"The checkpoint holds a tensor on the meta device {tuple(value.shape)} that no rank fills in: "
+                "it would be saved without data. Replace it with a real tensor in `on_save_checkpoint`, or drop it."
+            )
+        storage = _Pending(where, value.numel(), value.dtype)
+        return torch._utils._rebuild_tensor_v2, (
+            storage,
+            0,
+            tuple(value.shape),
+            torch.empty(value.shape, device="meta").stride(),
+            False,
+            OrderedDict(),
+        )
+
+    def persistent_id(self, value: Any) -> Any:
+        """The storage record a stand-in's or the writer's own storage points at, as ``torch.save`` names them."""
+        if isinstance(value, _Pending):
+            key = self.keys.setdefault(value.where, str(len(self.keys)))
+            self.pending[value.where] = key
+            return ("storage", _storage_type(value.dtype), key, "cpu", value.numel)
+        if isinstance(value, torch.storage.TypedStorage):
+            storage, storage_type, numel = (
+                value._untyped_storage,
+                getattr(torch, value._pickle_storage_type()),
+                value._size(),
+            )
+        elif torch.is_storage(value):
+            storage, storage_type, numel = (
+                value,
+                torch.serialization.normalize_storage_type(type(value)),
+                value.nbytes(),
+            )
+        else:
+            return None
+        key = self.keys.setdefault(storage._cdata, str(len(self.keys)))
+        self.own[key] = storage
+        return ("storage", storage_type, key, torch.serialization.location_tag(storage), numel)
+
+
+def _write_header(archive: Any, data: bytes) -> None:
+    """The records of a ``torch.save`` zip file before the storages: the pickle and the format's settings."""
+    archive.write_record("data.pkl", data, len(data))
+    archive.write_record(".format_version", "1", len("1"))
+    alignment = str(torch.serialization._get_storage_alignment())
+    archive.write_record(".storage_alignment", alignment, len(alignment))
+    archive.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+
+
 def write_streamed(
     obj: Any, file: IO[bytes], inbox: Inbox, receive: Receive, device: torch.device | str = "cpu"
 ) -> None:
@@ -177,68 +245,17 @@ def write_streamed(
     Raises:
         ValueError: a meta tensor in ``obj`` that is no stand-in of ``inbox`` (it would be saved without data).
     """
-    keys: dict[Any, str] = {}
-    own: dict[str, Any] = {}
-    pending: dict[tuple[int, int], str] = {}
-
-    class Pickler(pickle.Pickler):
-        def reducer_override(self, value: Any) -> Any:
-            if not isinstance(value, Tensor) or not value.is_meta:
-                return NotImplemented
-            where = inbox.source(value)
-            if where is None:
-                raise ValueError(
-                    f"The checkpoint holds a tensor on the meta device {tuple(value.shape)} that no rank fills in: "
-                    "it would be saved without data. Replace it with a real tensor in `on_save_checkpoint`, or drop it."
-                )
-            storage = _Pending(where, value.numel(), value.dtype)
-            return torch._utils._rebuild_tensor_v2, (
-                storage,
-                0,
-                tuple(value.shape),
-                torch.empty(value.shape, device="meta").stride(),
-                False,
-                OrderedDict(),
-            )
-
-        def persistent_id(self, value: Any) -> Any:
-            if isinstance(value, _Pending):
-                key = keys.setdefault(value.where, str(len(keys)))
-                pending[value.where] = key
-                return ("storage", _storage_type(value.dtype), key, "cpu", value.numel)
-            if isinstance(value, torch.storage.TypedStorage):
-                storage, storage_type, numel = (
-                    value._untyped_storage,
-                    getattr(torch, value._pickle_storage_type()),
-                    value._size(),
-                )
-            elif torch.is_storage(value):
-                storage, storage_type, numel = (
-                    value,
-                    torch.serialization.normalize_storage_type(type(value)),
-                    value.nbytes(),
-                )
-            else:
-                return None
-            key = keys.setdefault(storage._cdata, str(len(keys)))
-            own[key] = storage
-            return ("storage", storage_type, key, torch.serialization.location_tag(storage), numel)
-
     buffer = io.BytesIO()
-    Pickler(buffer, protocol=torch.serialization.DEFAULT_PROTOCOL).dump(obj)
+    pickler = _Pickler(buffer, inbox)
+    pickler.dump(obj)
     stream = contextlib.closing(inbox.receive(receive, device))  # closed early, it still receives the rest
     with torch.serialization._open_zipfile_writer(file) as archive, stream as arriving:
-        data = buffer.getvalue()
-        archive.write_record("data.pkl", data, len(data))
-        archive.write_record(".format_version", "1", len("1"))
-        alignment = str(torch.serialization._get_storage_alignment())
-        archive.write_record(".storage_alignment", alignment, len(alignment))
-        archive.write_record("byteorder", sys.byteorder, len(sys.byteorder))
-        for key, storage in own.items():
+        _write_header(archive, buffer.getvalue())
+        for key, storage in pickler.own.items():
             storage = storage.cpu()
             archive.write_record(f"data/{key}", storage, storage.nbytes())
         for src, index, tensor in arriving:
-            record = pending.get((src, index))
+            record = pickler.pending.get((src, index))
             if record is not None:
                 tensor = tensor.cpu()
                 archive.write_record(f"data/{record}", tensor.untyped_storage(), tensor.untyped_storage().nbytes())

@@ -39,12 +39,8 @@ from lightning_dp_strategies.reducers.base import (
     Reducer,
     close_reducer,
     completed,
-    setup_reducer,
-)
-from lightning_dp_strategies.reducers.base import (
     set_event as set_event,
-)
-from lightning_dp_strategies.reducers.base import (
+    setup_reducer,
     views as views,
 )
 from lightning_dp_strategies.reducers.builtin import (

@@ -23,7 +23,6 @@ __all__ = [
     "HybridPipelineStrategy",
     "RingAllReduceStrategy",
     "ScatterGatherStrategy",
-    "register_all",
     "register_trainer_strategies",
     "trainer_strategies",
 ]
@@ -37,24 +36,6 @@ def trainer_strategies() -> list[type[Strategy]]:
         ['HybridPipelineStrategy', 'RingAllReduceStrategy', 'ScatterGatherStrategy']
     """
     return discover(__name__, Strategy)
-
-
-def register_all() -> None:
-    """Register every strategy name of this package with Lightning's registries, the Trainer's ``StrategyRegistry``
-    and Fabric's ``STRATEGY_REGISTRY`` (safe to call twice).
-
-    Examples:
-        >>> register_all()  # importing lightning_dp_strategies with Lightning already did; nothing changes
-        >>> "ring_allreduce" in StrategyRegistry and "dp" in StrategyRegistry
-        True
-        >>> from lightning.fabric.strategies import STRATEGY_REGISTRY
-        >>> "ring_allreduce" in STRATEGY_REGISTRY and "scatter_gather" in STRATEGY_REGISTRY
-        True
-    """
-    from lightning_dp_strategies.fabric import register_fabric_strategies
-
-    register_trainer_strategies()
-    register_fabric_strategies()
 
 
 def register_trainer_strategies() -> None:

@@ -38,9 +38,9 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_dp_strategies.bucketing import CommStats, GradientBuckets, assign_buckets
+from lightning_dp_strategies.bucketing import CommStats, GradientBuckets
 from lightning_dp_strategies.bucketing.sync import GradientSync
-from lightning_dp_strategies.core.agreement import base_fingerprint_options, check_ranks_agree, model_fingerprint
+from lightning_dp_strategies.core.agreement import bucketed_options, check_ranks_agree, model_fingerprint
 from lightning_dp_strategies.core.launch import check_interactive_launch
 from lightning_dp_strategies.core.module_state import sync_module_states
 from lightning_dp_strategies.core.options import (
@@ -229,16 +229,10 @@ class BucketedDataParallel(CheckpointAndResume, NonfiniteCheck, DDPStrategy):
     def _fingerprint_options(self) -> dict[str, Any]:
         """What every rank must agree on besides the model; subclasses add their own options."""
         module = self.lightning_module
-        trainer = module.trainer if module is not None else None
-        reduction = self.reduction
-        trainable = [p for p in module.parameters() if p.requires_grad] if module is not None else []
+        assert module is not None
+        trainer = module.trainer
         return {
-            **base_fingerprint_options(
-                self, reduction.reducer, reduction.comm_hook, reduction.ddp_comm_state, self.world_size
-            ),
-            **vars(self.config),
-            "bucket_layout": assign_buckets(trainable, self.config.bucket_cap_mb, self.config.first_bucket_cap_mb),
-            "precision": getattr(self.precision_plugin, "precision", type(self.precision_plugin).__name__),
+            **bucketed_options(self, self.reduction, self.config, module, self.precision_plugin),
             "accumulate_grad_batches": getattr(trainer, "accumulate_grad_batches", None),
             "gradient_clip_val": getattr(trainer, "gradient_clip_val", None),
         }

@@ -25,6 +25,8 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_dp_strategies
+from lightning_dp_strategies.reducers import NativeReducer, Reducer
+from lightning_dp_strategies.strategies import BucketedDataParallel
 from tests.helpers.distributed import duplex_ranks
 
 NUM_NODES = int(os.environ.get("LDPS_NUM_NODES", "1"))  # > 1 under torchrun --nnodes (TorchElasticEnvironment)
@@ -165,13 +167,26 @@ class Recorder(L.Callback):
         module.records.append({"grad_is_none": {n: p.grad is None for n, p in module.named_parameters()}})
 
 
+class MinimalBucketed(BucketedDataParallel):
+    """The smallest strategy a user can write on the package's base: it only says how a bucket is reduced."""
+
+    def configure_reducer(self) -> Reducer:
+        return NativeReducer()
+
+
+def make_strategy(scenario: Scenario, strategy: str) -> Any:
+    if strategy == "ring_allreduce":
+        return lightning_dp_strategies.RingAllReduceStrategy(**scenario.extra, **comm_hook_options(scenario.hook))
+    if strategy == "minimal":
+        return MinimalBucketed()
+    return strategy
+
+
 def run(name: str, outdir: Path, strategy: str) -> None:
     scenario = SCENARIOS[name]
     model = ParityNet(scenario)
     trainer = L.Trainer(
-        strategy=strategy
-        if strategy != "ring_allreduce"
-        else lightning_dp_strategies.RingAllReduceStrategy(**scenario.extra, **comm_hook_options(scenario.hook)),
+        strategy=make_strategy(scenario, strategy),
         accelerator="cpu",
         devices=scenario.world // NUM_NODES,
         num_nodes=NUM_NODES,

@@ -28,7 +28,7 @@ TOLERANCE = 1e-5
 HOOKS = ["hook_allreduce", "hook_unused", "hook_fp16", "hook_powersgd"]
 # the scenarios of one world size share one launch (each launch costs seconds of imports, a fit does not)
 WORLD_2 = ["sgd", "sgd@ddp", "adam2", "unused", "accumulate", "clip", "manual", "bf16", *HOOKS]
-WORLD_3 = ["sgd3", "adam3"]
+WORLD_3 = ["sgd3", "adam3", "sgd3@minimal"]
 
 
 def launch(names: list[str], out: Path, strategy: str = "ring_allreduce", **env: str) -> None:
@@ -101,6 +101,14 @@ def test_parity_other_world_sizes_and_optimizers(request: pytest.FixtureRequest,
     assert_parity(ranks, name)
     world = SCENARIOS[name].world
     assert all(r["duplex_ranks"] == ([0, 1] if world == 2 else None) for r in ranks)  # a second group at 2 ranks only
+
+
+@NUMERICS
+@pytest.mark.timeout(600)
+def test_a_subclass_that_only_says_its_reducer_trains_at_parity(world3: Path) -> None:
+    """``MinimalBucketed`` defines nothing but ``configure_reducer``: the base agrees the ranks, broadcasts rank 0's
+    weights and attaches the buckets by itself (the same tolerance as the ring: 1e-5)."""
+    assert_parity(results(world3, "sgd3", strategy="minimal"), "sgd3")
 
 
 @NUMERICS

@@ -1,0 +1,120 @@
+"""The worker side of a comparison: one strategy's training, inside the processes launched for it."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+
+from lightning_dp_strategies.compare.catalogue import BASELINE
+from lightning_dp_strategies.compare.task import GlobalBatches, load_task
+
+__all__ = ["run_worker"]
+
+
+class _Recorder(L.Callback):
+    """Records each training step: its time, loss, the strategy's communication and bubble, and (on global rank 0)
+    a progress file the parent reads for its live line."""
+
+    def __init__(self, progress: Path | None = None) -> None:
+        self.progress = progress
+        self.start = 0.0
+        self.step_ms: list[float] = []
+        self.losses: list[float] = []
+        self.comm_bytes: list[float] = []
+        self.pipeline_bytes: list[float] = []
+        self.exposed_ms: list[float] = []
+        self.bubbles: list[float] = []
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        """Start the step's clock."""
+        self.start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, *args: Any) -> None:
+        """Record the step's time, loss, communication and bubble; write the progress file on global rank 0."""
+        self.step_ms.append((time.perf_counter() - self.start) * 1e3)
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if loss is None:
+            loss = trainer.callback_metrics.get("train_loss")
+        self.losses.append(float(loss) if loss is not None else float("nan"))
+        stats = getattr(trainer.strategy, "step_stats", None)
+        if stats is not None:
+            self.comm_bytes.append(float(getattr(stats, "bytes_sent", 0)))
+            self.exposed_ms.append(float(getattr(stats, "exposed_seconds", 0.0)) * 1e3)
+            # hybrid_pipeline: activations and their gradients between stages, both directions, on this rank
+            exchanged = getattr(stats, "pipeline_bytes_sent", 0) + getattr(stats, "pipeline_bytes_received", 0)
+            self.pipeline_bytes.append(float(exchanged))
+        pipeline = getattr(trainer.strategy, "pipeline_stats", None)  # hybrid_pipeline: idle over total, this rank
+        if pipeline is not None and not pipeline.last.warmup:
+            self.bubbles.append(float(pipeline.last.bubble))
+        if self.progress is not None and trainer.is_global_zero:  # read by the parent for its live progress line
+            self.progress.write_text(f"{len(self.step_ms)} {self.losses[-1]}")
+
+
+def _peak_mb(trainer: L.Trainer) -> float:
+    """This process's peak memory: CUDA memory allocated on its devices, else the process's peak resident set."""
+    if trainer.strategy.root_device.type == "cuda":
+        return max(torch.cuda.max_memory_allocated(i) for i in range(torch.cuda.device_count())) / 1e6
+    try:  # Linux: this process image's peak (getrusage's maxrss would include the launching parent's, kept over exec)
+        status = Path("/proc/self/status").read_text()
+        return next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")) * 1024 / 1e6
+    except (OSError, StopIteration):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6
+
+
+def _rank() -> int:
+    """This process's global rank from the launcher's environment (0 when not launched)."""
+    return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
+
+
+def run_worker(name: str, task_path: Path, devices: int, work: Path) -> None:
+    """Train the task with one strategy (inside the launched processes): each rank writes ``{name}.rank{r}.json``, rank
+    0 a checkpoint; a rank that fails writes ``{name}.rank{r}.error.json`` (its one-line reason) and raises."""
+    task = load_task(task_path)
+    if task.accelerator == "cpu":
+        torch.set_num_threads(1)  # one CPU core stands for one device (scatter/gather's replicas are threads)
+    recorder = _Recorder(work / f"{name}.progress")
+    trainer: L.Trainer | None = None
+    try:
+        model = task.build_model()
+        data = None if task.demo is not None else GlobalBatches(task.build_data())
+        trainer = L.Trainer(
+            strategy="auto" if name == BASELINE else name,
+            accelerator=task.accelerator,
+            devices=1 if name == BASELINE else devices,
+            precision=task.precision,  # type: ignore[arg-type]
+            max_steps=task.steps,
+            use_distributed_sampler=False,  # the global batches are cut per replica, identically for every strategy
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+            logger=False,
+            enable_checkpointing=False,
+            default_root_dir=work / name,  # what the model's own callbacks write goes to the temporary work folder
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[recorder],
+        )
+        trainer.fit(model, datamodule=data)
+    except Exception as err:
+        rank = trainer.global_rank if trainer is not None else _rank()
+        reason = {"type": type(err).__name__, "message": str(err), "steps_done": len(recorder.step_ms)}
+        (work / f"{name}.rank{rank}.error.json").write_text(json.dumps(reason))
+        raise
+    trainer.save_checkpoint(work / f"{name}.ckpt")
+    payload = {
+        "step_ms": recorder.step_ms,
+        "losses": recorder.losses,
+        "comm_bytes": recorder.comm_bytes,
+        "pipeline_bytes": recorder.pipeline_bytes,
+        "exposed_ms": recorder.exposed_ms,
+        "bubbles": recorder.bubbles,
+        "peak_mb": _peak_mb(trainer),
+    }
+    (work / f"{name}.rank{trainer.global_rank}.json").write_text(json.dumps(payload))
