@@ -120,7 +120,8 @@ def bucketed_options(
     """
     reducer = reduction.reducer
     kind = reducer if isinstance(reducer, str) or reducer is None else type(reducer)
-    trainable = [p for p in module.parameters() if p.requires_grad]
+    # sizes and dtypes only: a pipeline rank holds the blocks it does not own on the meta device
+    trainable = [torch.empty(p.shape, dtype=p.dtype, device="meta") for p in module.parameters() if p.requires_grad]
     return {
         "strategy": type(strategy).__qualname__,
         **vars(config),

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
@@ -11,7 +12,7 @@ from torch import Tensor, nn
 from lightning_dp_strategies.pipeline import PipelineRunner
 from lightning_dp_strategies.pipeline.activations import Activation, describe, is_activation, signature
 
-__all__ = ["OPT_IN_EXAMPLE", "PipelinedBody", "ReplayBody", "check_opt_in", "split_batch"]
+__all__ = ["OPT_IN_EXAMPLE", "PipelinedBody", "ReplayBody", "body_replaced", "check_opt_in", "split_batch"]
 
 OPT_IN_EXAMPLE = """
     class MyModel(L.LightningModule):
@@ -67,6 +68,28 @@ class PipelinedBody:
             )
         self.check(x)
         return self.runner.share_output(self.runner.forward(x))
+
+
+@contextmanager
+def body_replaced(module: nn.Module, body_name: str, stand_in: object) -> Iterator[None]:
+    """Inside, ``module.<body_name>`` is ``stand_in`` (a :class:`ReplayBody` or :class:`PipelinedBody`).
+
+    An instance attribute shadows the registered submodule for attribute access only: ``parameters()``,
+    ``state_dict()`` and the hooks still see the real (partial) body.
+
+    Examples:
+        >>> module = nn.Module(); module.body = nn.Sequential()
+        >>> with body_replaced(module, "body", "stand-in"):
+        ...     module.body
+        'stand-in'
+        >>> type(module.body).__name__
+        'Sequential'
+    """
+    module.__dict__[body_name] = stand_in
+    try:
+        yield
+    finally:
+        module.__dict__.pop(body_name, None)
 
 
 def check_opt_in(module: pl.LightningModule) -> str:

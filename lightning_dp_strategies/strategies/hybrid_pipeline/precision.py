@@ -6,8 +6,13 @@ from collections.abc import Callable
 
 from lightning.pytorch.plugins.precision import Precision
 from torch.optim import Optimizer
+from typing_extensions import override
 
-__all__ = ["global_norm_view"]
+from lightning_dp_strategies.pipeline import clip_grad_norm_across
+from lightning_dp_strategies.pipeline.layout import Layout
+from lightning_dp_strategies.strategies.bucketed import BucketedDataParallel
+
+__all__ = ["GlobalNormClipping", "global_norm_view"]
 
 ClipByNorm = Callable[[Optimizer, float], None]
 
@@ -34,3 +39,32 @@ def global_norm_view(plugin: Precision, clip_grad_by_norm: ClipByNorm) -> Precis
     view: Precision = object.__new__(view_type)
     view.__dict__ = plugin.__dict__  # shared: the view reads and writes the plugin's own state
     return view
+
+
+class GlobalNormClipping(BucketedDataParallel):
+    """The precision plugin of :class:`HybridPipelineStrategy` (mixed in ahead of its base): from setup to teardown
+    (while ``_precision_view`` is set) a view of Lightning's plugin that clips by the norm over every stage."""
+
+    layout: Layout | None
+    _precision_view: Precision | None
+
+    def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
+        """Lightning's clip-by-norm (``gradient_clip_val``) with the norm over every stage of the pipeline."""
+        assert self.layout is not None
+        params = list(super().precision_plugin.main_params(optimizer))
+        clip_grad_norm_across(params, clip_val, group=self.layout.pipeline_group, device=self.root_device)
+
+    @property
+    @override
+    def precision_plugin(self) -> Precision:
+        """Lightning's precision plugin; from setup to teardown a view of it that clips by the norm over every stage.
+
+        The view (:func:`global_norm_view`) shares the plugin's state and class; the plugin itself is not changed.
+        """
+        view = self.__dict__.get("_precision_view")
+        return view if view is not None else super().precision_plugin
+
+    @precision_plugin.setter
+    def precision_plugin(self, precision_plugin: Precision | None) -> None:
+        self._precision_view = None
+        BucketedDataParallel.precision_plugin.fset(self, precision_plugin)  # type: ignore[attr-defined]

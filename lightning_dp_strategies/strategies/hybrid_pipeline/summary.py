@@ -16,14 +16,15 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelSummary as ModelSummaryCallback
-from lightning.pytorch.utilities.model_summary import ModelSummary
+from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.model_summary import ModelSummary, summarize
 from lightning.pytorch.utilities.model_summary.model_summary import NOT_APPLICABLE, get_human_readable_count
 from torch.func import functional_call
 from typing_extensions import override
 
 from lightning_dp_strategies.pipeline.layout import Layout
 
-__all__ = ["PER_DEVICE", "PipelineSummary", "ranges", "restore_summaries", "summarize_with"]
+__all__ = ["PER_DEVICE", "PipelineSummary", "ranges", "restore_summaries", "stage_summary", "summarize_with"]
 
 PER_DEVICE = "Params per Device"
 """The column of the parameters this rank's stage owns; ``RichModelSummary`` shows a column of this name."""
@@ -161,3 +162,34 @@ def restore_summaries(callbacks: Sequence[ModelSummaryCallback]) -> None:
     """Undo :func:`summarize_with`: the callbacks build Lightning's own summary again."""
     for callback in callbacks:
         vars(callback).pop("_summary", None)
+
+
+def stage_summary(
+    callback: ModelSummaryCallback,
+    trainer: pl.Trainer,
+    module: pl.LightningModule,
+    layout: Layout | None,
+    device: torch.device,
+) -> ModelSummary:
+    """The summary a ``ModelSummary`` callback prints at the start of ``fit`` under the pipeline strategy.
+
+    A :class:`PipelineSummary` (the whole model's counts, this stage's share), headed on rank 0 by a line on its
+    stage; Lightning's own summary outside a run.
+
+    Args:
+        callback: the ``ModelSummary`` / ``RichModelSummary`` callback (its ``max_depth`` is used).
+        trainer: the Trainer.
+        module: the LightningModule.
+        layout: this rank's layout (``None`` outside a run).
+        device: this rank's device.
+
+    Returns:
+        The summary the callback prints.
+    """
+    depth = getattr(callback, "_max_depth", 1)
+    if layout is None:  # pragma: no cover - the callback runs between setup and teardown
+        return summarize(module, max_depth=depth)
+    summary = PipelineSummary(module, layout, device, max_depth=depth)
+    if trainer.is_global_zero and depth:
+        rank_zero_info(summary.stage_line)
+    return summary

@@ -1,0 +1,278 @@
+"""The whole-model checkpoint of a pipelined run: each stage's tensors streamed to rank 0 as it writes the file.
+
+Lightning saves in three calls: the model's ``state_dict``, each optimizer's state, then ``save_checkpoint``. A save
+is one :class:`PipelineSave` from :meth:`StreamedCheckpointer.begin` (at the model's ``state_dict``) to
+:meth:`StreamedCheckpointer.finish` (at ``save_checkpoint``)::
+
+    begin ──▶ model_state ──▶ optimizer_state (each) ──▶ finish: stages > 0 send, rank 0 writes as tensors arrive
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+import fsspec
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.utilities.optimizer import _optimizer_to_device
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_dp_strategies.core.checkpoint_io import AtomicCheckpointIO, atomic_write
+from lightning_dp_strategies.pipeline.checkpoint import (
+    load_stage_optimizer_state,
+    load_stage_state,
+    whole_model_state,
+    whole_optimizer_state,
+)
+from lightning_dp_strategies.pipeline.layout import Layout
+from lightning_dp_strategies.pipeline.materialize import has_meta
+from lightning_dp_strategies.pipeline.streamed import Inbox, Outbox, write_streamed
+from lightning_dp_strategies.strategies.bucketed import BucketedDataParallel
+from lightning_dp_strategies.strategies.hybrid_pipeline.collectives import point_to_point_device
+from lightning_dp_strategies.strategies.hybrid_pipeline.config import HybridPipelineConfig
+from lightning_dp_strategies.strategies.hybrid_pipeline.placement import StagePlacement
+
+__all__ = ["PipelineSave", "StreamedCheckpointer", "StreamedCheckpoints"]
+
+
+@dataclass
+class PipelineSave:
+    """One checkpoint being saved: what this stage sends (``outbox``) and, on rank 0, what it waits for (``inbox``)."""
+
+    outbox: Outbox = field(default_factory=Outbox)
+    inbox: Inbox = field(default_factory=Inbox)
+
+
+AtomicWrite = Callable[[Any, Callable[[IO[bytes]], None]], None]
+"""``write(path, fill)``: ``fill`` writes the file's bytes; the file appears at ``path`` only once complete."""
+
+
+def _receive(src: int, buffer: Tensor) -> None:
+    """Fill ``buffer`` with the next tensor rank ``src`` sends."""
+    dist.recv(buffer, src=src)
+
+
+class StreamedCheckpointer:
+    """Saves and loads the whole model while each rank holds only its stage.
+
+    Examples:
+        >>> checkpointer = StreamedCheckpointer()
+        >>> save = checkpointer.begin()
+        >>> checkpointer.current is save, len(save.inbox)
+        (True, 0)
+    """
+
+    def __init__(self) -> None:
+        self.current = PipelineSave()
+        """The save in progress (a fresh one between saves): what ``optimizer_state`` describes into."""
+
+    # ------------------------------------------------------------------ save
+    def begin(self) -> PipelineSave:
+        """Start a checkpoint: whatever an unfinished save described is dropped.
+
+        Returns:
+            The new save in progress.
+        """
+        self.current = PipelineSave()
+        return self.current
+
+    def model_state(
+        self, module: nn.Module, layout: Layout | None, whole_on_rank_zero: bool, during_run: bool, rank_zero: bool
+    ) -> dict[str, Any]:
+        """Begin a save and give the whole model's ``state_dict`` on rank 0, this stage's part elsewhere.
+
+        Args:
+            module: the LightningModule.
+            layout: the layout the stages' tensors follow, ``None`` when one rank holds everything.
+            whole_on_rank_zero: rank 0 held the whole model at setup (and got it back after ``fit``).
+            during_run: a run of the strategy is under way (between setup and teardown).
+            rank_zero: this is global rank 0.
+
+        Returns:
+            The ``state_dict``; on rank 0 the other stages' tensors are stand-ins that :meth:`finish` fills in.
+        """
+        save = self.begin()
+        if layout is None or (not during_run and whole_on_rank_zero):
+            # every rank raises alike: after an eager fit only ranks other than 0 hold meta blocks, and that is fine
+            if has_meta(module) and (rank_zero or not whole_on_rank_zero):
+                raise RuntimeError(
+                    f"{type(module).__name__} has blocks on the meta device on rank 0 and no run of this strategy "
+                    "holds the others, so there is no whole model to save. Save during or after `fit` with this "
+                    "strategy, or load the trained state first."
+                )
+            return module.state_dict()
+        return whole_model_state(module, layout, save.outbox, save.inbox)
+
+    def optimizer_state(self, optimizer: Optimizer, module: nn.Module | None, layout: Layout | None) -> dict[str, Any]:
+        """The whole model's optimizer state on rank 0 (stand-ins as in :meth:`model_state`), into the current save.
+
+        Args:
+            optimizer: a stage's optimizer (Lightning's wrapper or the optimizer itself).
+            module: the LightningModule.
+            layout: as in :meth:`model_state`.
+
+        Returns:
+            The optimizer's ``state_dict``, numbered as a single-device optimizer over the whole module.
+        """
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        if layout is None or module is None:
+            return optimizer.state_dict()
+        save = self.current
+        whole = whole_optimizer_state(optimizer, module, layout, save.outbox, save.inbox)
+        return optimizer.state_dict() if whole is None else whole
+
+    def finish(
+        self,
+        checkpoint: dict[str, Any],
+        target: tuple[Any, Any | None],
+        rank_zero: bool,
+        device: torch.device,
+        io: tuple[CheckpointIO, Callable[[], None]],
+        write: AtomicWrite = atomic_write,
+    ) -> None:
+        """End the save in progress: the other stages send their tensors while rank 0 writes the file.
+
+        With the default ``AtomicCheckpointIO`` and a local path the file is streamed (no rank holds more than its
+        own stage and one tensor in flight); any other ``checkpoint_io`` receives the whole checkpoint first. A
+        save with nothing to receive on rank 0 is written as the strategy writes any checkpoint.
+
+        Args:
+            checkpoint: the checkpoint Lightning dumped, with stand-ins.
+            target: the file path and storage options.
+            rank_zero: this is global rank 0, the writer.
+            device: where point-to-point tensors travel.
+            io: the strategy's ``checkpoint_io``, and how it saves a checkpoint with nothing to receive.
+            write: ``write(path, fill)``: opens the file atomically for ``fill`` (the streamed write).
+        """
+        save, self.current = self.current, PipelineSave()
+        if not rank_zero:
+            save.outbox.send(lambda tensor: dist.send(tensor.to(device), dst=0))
+            return
+        checkpoint_io, save_plain = io
+        if not len(save.inbox):
+            save_plain()
+            return
+        filepath, storage_options = target
+        try:
+            streams = type(checkpoint_io) is AtomicCheckpointIO and storage_options is None
+            if streams and fsspec.utils.get_protocol(str(filepath)) == "file":
+                write(filepath, lambda file: write_streamed(checkpoint, file, save.inbox, _receive, device))
+            else:
+                checkpoint_io.save_checkpoint(save.inbox.fill(checkpoint, _receive, device), filepath, storage_options)
+        finally:
+            save.inbox.drain(_receive, device)  # after a failure: no sender is left waiting
+
+    # ------------------------------------------------------------------ load
+    @staticmethod
+    def load_model_state(
+        module: nn.Module, layout: Layout | None, state_dict: Mapping[str, Any], strict: bool = True
+    ) -> None:
+        """Load a whole-model ``state_dict`` (from any strategy or a single device); each stage takes its part.
+
+        Args:
+            module: the LightningModule.
+            layout: this run's layout (``None``: the module loads it whole).
+            state_dict: the whole model's state.
+            strict: as in ``nn.Module.load_state_dict``.
+        """
+        if layout is None:
+            module.load_state_dict(state_dict, strict=strict)
+            return
+        load_stage_state(module, layout, state_dict, strict)
+
+    @staticmethod
+    def load_optimizer_states(
+        optimizers: Sequence[Optimizer],
+        states: Sequence[Mapping[str, Any]],
+        module: nn.Module,
+        layout: Layout,
+        device: torch.device,
+    ) -> None:
+        """Each stage's optimizers take their part of whole-model optimizer states, moved to ``device``.
+
+        Args:
+            optimizers: this stage's optimizers.
+            states: the whole model's optimizer states, in the same order.
+            module: the LightningModule.
+            layout: this run's layout.
+            device: this rank's device.
+        """
+        for optimizer, full in zip(optimizers, states, strict=False):
+            load_stage_optimizer_state(optimizer, module, layout, full)
+            _optimizer_to_device(optimizer, device)
+
+
+class StreamedCheckpoints(BucketedDataParallel):
+    """Lightning's checkpoint hooks of :class:`HybridPipelineStrategy` (mixed in ahead of its base), over its
+    :class:`StreamedCheckpointer`: the model's ``state_dict`` begins a save, ``save_checkpoint`` finishes it (with
+    :meth:`_finish_save`)."""
+
+    config: HybridPipelineConfig
+    layout: Layout | None
+    placement: StagePlacement
+    checkpointer: StreamedCheckpointer
+    _optimizers_layout: Layout | None
+
+    def _saving_layout(self) -> Layout | None:
+        """The layout the stages' tensors follow: this run's, or after ``fit`` the last fit's (each rank still holds
+        its stage's blocks and optimizer state); ``None`` when one rank holds everything."""
+        layout = self.layout or (self._optimizers_layout if dist.is_initialized() else None)
+        return None if layout is None or self.config.pipeline_stages == 1 else layout
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The whole model's ``state_dict`` on rank 0, this stage's part elsewhere; begins a checkpoint's save.
+
+        During a run (and after ``fit`` for a module built on the meta device) the other stages' tensors are meta
+        stand-ins on rank 0, filled in by :meth:`save_checkpoint` as the file is written; after ``fit`` rank 0 holds
+        an eagerly built module whole and returns its own ``state_dict``. A collective: every rank calls it, as
+        Lightning's ``trainer.save_checkpoint`` does."""
+        module = self.lightning_module
+        assert module is not None
+        whole, during_run = self.placement.whole_on_rank_zero, self.layout is not None
+        return self.checkpointer.model_state(module, self._saving_layout(), whole, during_run, self.is_global_zero)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The whole model's optimizer state on rank 0, numbered as a single-device optimizer over the module (the
+        other stages' tensors as stand-ins). Also after ``fit``; a collective, like the model's ``state_dict``."""
+        return self.checkpointer.optimizer_state(optimizer, self.lightning_module, self._saving_layout())
+
+    def _finish_save(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None, write: AtomicWrite
+    ) -> None:
+        """Rank 0 writes the checkpoint while the other stages of replica 0 send their tensors one at a time.
+
+        With the default ``AtomicCheckpointIO`` and a local path the file is streamed (no rank holds more than its
+        own stage and one tensor in flight, ``write`` opening the file); any other ``checkpoint_io`` receives the
+        whole checkpoint on rank 0 first.
+        """
+        device = point_to_point_device(self.root_device)
+
+        def save_plain() -> None:
+            super(StreamedCheckpoints, self).save_checkpoint(checkpoint, filepath, storage_options)
+
+        target, io = (filepath, storage_options), (self.checkpoint_io, save_plain)
+        self.checkpointer.finish(checkpoint, target, self.is_global_zero, device, io, write)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Load a whole-model ``state_dict`` (from any strategy or a single device); each stage takes its part."""
+        module = self.lightning_module
+        assert module is not None
+        self.checkpointer.load_model_state(module, self.layout, checkpoint["state_dict"], strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Load whole-model optimizer states; each stage's optimizers take their part."""
+        module, layout = self.lightning_module, self.layout
+        if layout is None or module is None or self.config.pipeline_stages == 1:
+            super().load_optimizer_state_dict(checkpoint)
+            return
+        states: Sequence[Mapping[str, Any]] = checkpoint["optimizer_states"]
+        self.checkpointer.load_optimizer_states(self.optimizers, states, module, layout, self.root_device)

@@ -1,0 +1,136 @@
+"""Lightning's collectives under the pipeline mesh: values over the data-parallel group, votes over every rank.
+
+The stages of one replica hold the same logged values and metrics (every stage receives the last stage's output), so
+the ``D`` replicas are the data-parallel ranks of a one-process-per-replica run: values reduce and gather over them
+(:func:`data_group_or`, torchmetrics through :class:`MetricGroups`), decisions go over every rank (:func:`vote`).
+See docs/strategies/hybrid_pipeline.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from typing_extensions import override
+
+from lightning_dp_strategies.pipeline.layout import Layout
+from lightning_dp_strategies.strategies.bucketed import BucketedDataParallel
+
+__all__ = ["DataGroupCollectives", "MetricGroups", "data_group_or", "point_to_point_device", "vote"]
+
+
+def data_group_or(group: Any | None, layout: Layout | None) -> Any | None:
+    """The group a value collective runs over: ``group`` if given, else this stage's data-parallel group.
+
+    Args:
+        group: the group the caller named, or ``None``.
+        layout: this rank's place in the mesh (``None`` outside a run: the default group is used).
+
+    Returns:
+        ``group``, or the layout's data-parallel group when ``group`` is ``None`` and a layout is set.
+
+    Examples:
+        >>> data_group_or("mine", None), data_group_or(None, None)
+        ('mine', None)
+    """
+    if group is None and layout is not None:
+        return layout.data_group
+    return group
+
+
+def vote(decision: bool, require_all: bool, world_size: int, device: torch.device) -> bool:
+    """A decision voted over every rank (every stage of every replica).
+
+    Args:
+        decision: this rank's decision.
+        require_all: ``True``: holds when every rank decides ``True``; ``False``: when any rank does.
+        world_size: the number of ranks.
+        device: where the vote's tensor lives (the backend's device).
+
+    Returns:
+        The outcome of the vote, the same on every rank; ``decision`` itself outside a multi-process run.
+
+    Examples:
+        >>> vote(True, require_all=True, world_size=1, device=torch.device("cpu"))
+        True
+    """
+    if not dist.is_initialized() or world_size == 1:
+        return decision
+    votes = torch.tensor(int(decision), device=device)
+    dist.all_reduce(votes, op=dist.ReduceOp.SUM)
+    return bool(votes == world_size) if require_all else bool(votes)
+
+
+def point_to_point_device(root_device: torch.device) -> torch.device:
+    """Where point-to-point tensors travel: the CPU on gloo, this rank's device otherwise.
+
+    Args:
+        root_device: this rank's device.
+
+    Returns:
+        The device a tensor is sent from and received on.
+    """
+    if dist.is_initialized() and dist.get_backend() == "gloo":
+        return torch.device("cpu")
+    return root_device
+
+
+class MetricGroups:
+    """The torchmetrics of the module synchronise over the data-parallel group from setup to teardown.
+
+    The stages of a replica hold equal metric states, so a metric counts each replica once.
+
+    Examples:
+        >>> groups = MetricGroups()
+        >>> groups.bind(nn.Linear(1, 1), group=None)  # no metric inside: nothing to bind
+        >>> groups.restore()
+    """
+
+    def __init__(self) -> None:
+        self._saved: list[tuple[Any, Any]] = []
+
+    def bind(self, module: nn.Module, group: Any) -> None:
+        """Make every torchmetrics ``Metric`` inside ``module`` sync over ``group``; their own groups are kept.
+
+        Args:
+            module: the LightningModule.
+            group: the data-parallel group of this rank's stage.
+        """
+        try:
+            from torchmetrics import Metric
+        except ImportError:  # pragma: no cover - torchmetrics comes with Lightning
+            return
+        for sub in module.modules():
+            if isinstance(sub, Metric):
+                self._saved.append((sub, sub.process_group))
+                sub.process_group = group
+
+    def restore(self) -> None:
+        """Give every metric :meth:`bind` changed its own group back."""
+        for metric, group in self._saved:
+            metric.process_group = group
+        self._saved = []
+
+
+class DataGroupCollectives(BucketedDataParallel):
+    """Lightning's collectives of :class:`HybridPipelineStrategy` (mixed in ahead of its base): values over this
+    stage's data-parallel group, decisions over every rank."""
+
+    layout: Layout | None
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
+        """Reduce over the data-parallel group (``self.log(..., sync_dist=True)``): each replica's value counts once."""
+        return super().reduce(tensor, group=data_group_or(group, self.layout), reduce_op=reduce_op)
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        """Gather over the data-parallel group: a leading dimension of ``data_parallel`` replicas, each once."""
+        return super().all_gather(tensor, group=data_group_or(group, self.layout), sync_grads=sync_grads)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Vote over every rank: ``all=True`` holds when every rank decides ``True``, ``all=False`` when any does."""
+        return vote(decision, all, self.world_size, self.root_device)

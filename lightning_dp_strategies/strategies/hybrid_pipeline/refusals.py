@@ -1,0 +1,61 @@
+"""What the pipeline strategy refuses to run, each refusal with the fix in its message."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+
+__all__ = ["check_automatic_optimization", "check_no_sync_batchnorm", "check_precision"]
+
+
+def check_no_sync_batchnorm(layer_sync: object, strategy: str) -> None:
+    """Refuse ``sync_batchnorm=True``: a stage's BatchNorm runs micro-batch by micro-batch, unsynchronised.
+
+    Args:
+        layer_sync: the strategy's layer sync plugin (``None`` without ``sync_batchnorm``).
+        strategy: the strategy's class name.
+
+    Examples:
+        >>> check_no_sync_batchnorm(None, "HybridPipelineStrategy")
+    """
+    if layer_sync is not None:
+        raise ValueError(
+            f"`sync_batchnorm=True` is not supported by {strategy}: a stage's BatchNorm layers run "
+            "micro-batch by micro-batch inside the pipeline schedule, with no synchronisation across replicas. "
+            "Drop `sync_batchnorm=True` (each micro-batch then uses its own statistics), or use "
+            "strategy='ring_allreduce'."
+        )
+
+
+def check_automatic_optimization(module: pl.LightningModule, fitting: bool, strategy: str) -> None:
+    """Refuse manual optimization when fitting: the schedule runs backward itself.
+
+    Args:
+        module: the LightningModule.
+        fitting: the Trainer is fitting.
+        strategy: the strategy's class name.
+    """
+    if fitting and not module.automatic_optimization:
+        raise ValueError(
+            f"{strategy} supports automatic optimization only: the pipeline schedule runs backward "
+            "itself, micro-batch by micro-batch, so `manual_backward` has nothing to do. Remove "
+            "`self.automatic_optimization = False` (Lightning then clips and steps), or use "
+            "strategy='ring_allreduce'."
+        )
+
+
+def check_precision(plugin: Precision, strategy: str) -> None:
+    """Refuse ``precision='16-mixed'``: its loss scaling would have to run inside the schedule.
+
+    Args:
+        plugin: the strategy's precision plugin.
+        strategy: the strategy's class name.
+
+    Examples:
+        >>> check_precision(Precision(), "HybridPipelineStrategy")
+    """
+    if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
+        raise ValueError(
+            f"{strategy} does not support precision='16-mixed': its loss scaling would have to run "
+            "inside the pipeline schedule. Use precision='bf16-mixed' or '32-true'."
+        )
