@@ -13,6 +13,7 @@ Two processes form a 2-stage pipeline (plain ``torch.distributed`` on gloo, one 
 Usage::
 
     python benchmarks/bench_hybrid_pipeline.py [--steps 12] [--width 1024]
+    python benchmarks/bench_hybrid_pipeline.py --json benchmarks/results/hybrid_pipeline.json  # also store the tables
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ def _worker(rank: int, world: int, port: int, steps: int, width: int, depth: int
 
 
 def main() -> None:
+    from benchmarks._results import Report
     from lightning_dp_strategies.pipeline import clock_table, gpipe_bubble, table_in_flight
     from tests.helpers.distributed import free_port
 
@@ -97,7 +99,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12, help="measured steps per configuration")
     parser.add_argument("--width", type=int, default=1024, help="hidden width of the MLP")
     parser.add_argument("--depth", type=int, default=8, help="Linear+Tanh layers per stage")
+    parser.add_argument("--json", type=Path, help="also write the results here (see benchmarks/render_docs.py)")
     args = parser.parse_args()
+    report = Report("hybrid_pipeline", vars(args))
+    rows_a: list[list[str]] = []
+    rows_b: list[list[str]] = []
     with tempfile.TemporaryDirectory() as out:
         mp.start_processes(
             _worker,
@@ -114,6 +120,10 @@ def main() -> None:
         mean = sum(measured) / len(measured)
         ideal = gpipe_bubble(STAGES, micro)
         print(f"{micro:>3} {measured[0]:>9.3f} {measured[1]:>9.3f} {mean:>9.3f} {ideal:>14.3f} {mean / ideal:>13.2f}")
+        cells = [f"{measured[0]:.3f}", f"{measured[1]:.3f}", f"{mean:.3f}", f"{ideal:.3f}", f"{mean / ideal:.2f}"]
+        rows_a.append([str(micro), *cells])
+    title = f"(a) Bubble, S={STAGES}, batch {BATCH}, width {args.width}, {args.depth} layers/stage, gpipe, CPU/gloo"
+    report.table(title, ["M", "stage 0", "stage 1", "mean", "(S-1)/(M+S-1)", "mean/formula"], rows_a)
 
     print(f"\n(b) peak activation memory at M=8 (bytes saved for backward), S={STAGES}")
     held = {s: table_in_flight(clock_table(s, STAGES, 8)) for s in ("gpipe", "1f1b")}
@@ -123,6 +133,10 @@ def main() -> None:
         ratio = o / g if g else float("nan")
         model = f"{held['gpipe'][s]} vs {held['1f1b'][s]} = {held['1f1b'][s] / held['gpipe'][s]:.3f}"
         print(f"{s:>5} {g / 2**20:>10.2f} {o / 2**20:>10.2f} {ratio:>11.3f} {model:>29}")
+        rows_b.append([str(s), f"{g / 2**20:.2f}", f"{o / 2**20:.2f}", f"{ratio:.3f}", model])
+    columns = ["stage", "gpipe MiB", "1f1b MiB", "1f1b/gpipe", "model: held (gpipe vs 1f1b)"]
+    report.table(f"(b) Peak activation memory at M=8 (bytes saved for backward), S={STAGES}", columns, rows_b)
+    report.save(args.json)
 
 
 if __name__ == "__main__":

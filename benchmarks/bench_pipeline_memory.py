@@ -228,10 +228,12 @@ def main() -> None:
         f"target = 1/S + {share:.4f} + 0.10"
     )
     print(f"{'S':>2} {'per rank MB (rank 0, 1, ...)':<36} {'max MB':>8} {'ratio':>7} {'target':>7} {'<= target':>9}")
+    rows: list[list[str]] = []
     for run in runs:
         s = run["stages"]
         if run["failure"]:
             print(f"{s:>2} failed: {run['failure']}")
+            rows.append([str(s), f"failed: {run['failure']}", "", "", "", ""])
             continue
         deltas = [r["delta_mb"] for r in sorted(run["ranks"], key=lambda r: r["rank"])]
         most = max(deltas)
@@ -241,14 +243,25 @@ def main() -> None:
         per_rank = ", ".join(f"{d:.0f}" for d in deltas)
         verdict = "yes" if ratio <= target else "no"
         print(f"{s:>2} {per_rank:<36} {most:>8.0f} {ratio:>7.3f} {target:>7.3f} {verdict:>9}")
+        rows.append([str(s), per_rank, f"{most:.0f}", f"{ratio:.3f}", f"{target:.3f}", verdict])
     baselines = {run["stages"]: [round(r["baseline_mb"]) for r in run["ranks"]] for run in runs}
     print(f"baselines MB (per S, per rank): {baselines}; wall seconds per S: ", end="")
     print(", ".join(f"S={run['stages']} {run['seconds']:.0f}" for run in runs))
 
     if args.json:
+        from benchmarks._results import Report
+
         config = {"blocks": args.blocks, "width": args.width, "steps": args.steps, "batch": BATCH}
-        payload = {"config": config, "parameter_mb": sum(sizes) * 4 / MB, "largest_block_share": share, "runs": runs}
-        args.json.write_text(json.dumps(payload, indent=2))
+        report = Report("pipeline_memory", {k: v for k, v in vars(args).items() if k != "worker"})
+        report.note(
+            f"{args.blocks} blocks x {sizes[0] * 4 / MB:.1f} MB = {sum(sizes) * 4 / MB:.0f} MB of fp32 parameters "
+            f"(largest block {share:.4f} of them); Adam, batch {BATCH}, M={MICRO_BATCHES}, {args.steps} steps, one "
+            f"checkpoint saved during fit"
+        )
+        columns = ["S", "per rank MB (rank 0, 1, ...)", "max MB", "ratio to S=1", "target", "<= target"]
+        report.table("Peak memory per rank above its baseline (VmHWM after fit - VmRSS before fit)", columns, rows)
+        report.data.update(config=config, parameter_mb=sum(sizes) * 4 / MB, largest_block_share=share, runs=runs)
+        report.save(args.json)
 
 
 if __name__ == "__main__":

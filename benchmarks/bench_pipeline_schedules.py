@@ -30,6 +30,7 @@ Usage::
 
     python benchmarks/bench_pipeline_schedules.py [--steps 30] [--schedules 1f1b,gpipe] [--micro 1,2,4,8]
     python benchmarks/bench_pipeline_schedules.py --data-parallel 2 [--schedules 1f1b,zbv] [--micro 4]
+    ... --json benchmarks/results/pipeline_schedules.json   # also store the tables (benchmarks/render_docs.py)
 """
 
 from __future__ import annotations
@@ -281,6 +282,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=768, help="width of each Linear block")
     parser.add_argument("--blocks", type=int, default=8, help="Linear+Tanh blocks in the body")
     parser.add_argument("--data-parallel", type=int, default=1, help="replicas D (2: the reduction's overlap)")
+    parser.add_argument("--json", type=Path, help="also write the results here (see benchmarks/render_docs.py)")
     parser.add_argument("--config", help=argparse.SUPPRESS)  # one configuration, in a child process
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -288,7 +290,11 @@ def main() -> None:
         _run(json.loads(args.config), args.out)
         return
 
+    from benchmarks._results import Report
     from lightning_dp_strategies.pipeline import clock_table, schedule_bubble, schedule_micro_batches, table_in_flight
+
+    settings = {k: v for k, v in vars(args).items() if k not in ("config", "out")}
+    report = Report("pipeline_schedules_dp" if args.data_parallel > 1 else "pipeline_schedules", settings)
 
     def measure(config: dict[str, Any]) -> list[dict[str, Any]]:
         config.update(width=args.width, blocks=args.blocks)
@@ -301,7 +307,10 @@ def main() -> None:
     if args.data_parallel > 1:
         replicas = args.data_parallel
         model = f"{args.blocks} blocks of Linear({args.width}) + Tanh"
-        print(f"S={STAGES}, D={replicas}, {model}, batch {BATCH} per replica, CPU/gloo, one thread per rank")
+        setting = f"S={STAGES}, D={replicas}, {model}, batch {BATCH} per replica, CPU/gloo, one thread per rank"
+        print(setting)
+        report.note(setting)
+        dp_rows: list[list[str]] = []
         columns = f"{'reduction':>18} {'step ms':>8} {'exposed ms':>11} {'launched in schedule':>21}"
         print(f"{'schedule':>16} {'M':>3} {columns}")
         for schedule in args.schedules.split(","):
@@ -318,7 +327,14 @@ def main() -> None:
                         f"{schedule:>16} {micro:>3} {where:>18} {steps[overlap] * 1e3:>8.1f} {exposed * 1e3:>11.2f} "
                         f"{launched:>21}"
                     )
+                    dp_rows.append(
+                        [schedule, str(micro), where, f"{steps[overlap] * 1e3:.1f}", f"{exposed * 1e3:.2f}", launched]
+                    )
                 print(f"{'':>16} {'':>3} {'after / inside':>18} {steps[False] / steps[True]:>8.2f}")
+                dp_rows.append([schedule, str(micro), "after / inside", f"{steps[False] / steps[True]:.2f}", "", ""])
+        columns = ["schedule", "M", "reduction", "step ms", "exposed ms", "launched in schedule"]
+        report.table("The data-parallel reduction: after the schedule or inside it", columns, dp_rows)
+        report.save(args.json)
         return
 
     one = measure({"schedule": "one device", "steps": args.steps})[0]["step"]
@@ -326,6 +342,11 @@ def main() -> None:
     model = f"{args.blocks} blocks of Linear({args.width}) + Tanh"
     print(f"S={STAGES}, D=1, {model}, batch {BATCH}, CPU/gloo, one thread per rank")
     print(f"one device: {one * 1e3:.1f} ms/step; T1/S = {half * 1e3:.1f} ms\n")
+    report.note(f"S={STAGES}, D=1, {model}, batch {BATCH}, CPU/gloo, one thread per rank")
+    report.note(f"one device (T1): {one * 1e3:.1f} ms/step; T1/S = {half * 1e3:.1f} ms")
+    rows_a: list[list[str]] = []
+    rows_b: list[list[str]] = []
+    rows_c: list[list[str]] = []
     print("(a) step time and bubble (rank means; compute/(T1/S): a rank's compute over its share of T1)")
     header = f"{'schedule':>16} {'M':>3} {'step ms':>8} {'ideal ms':>9} {'ideal/meas':>11} {'compute ms':>11} "
     print(header + f"{'compute/(T1/S)':>15} {'bubble':>7} {'formula':>8} {'diff':>7} {'p2p MB/step':>12}")
@@ -348,12 +369,33 @@ def main() -> None:
                 f"{compute * 1e3:>11.1f} {compute / half:>15.2f} {bubble:>7.3f} {formula:>8.3f} "
                 f"{bubble - formula:>+7.3f} {p2p:>12.3f}"
             )
+            rows_a.append(
+                [
+                    schedule,
+                    str(micro),
+                    f"{step * 1e3:.1f}",
+                    f"{ideal * 1e3:.1f}",
+                    f"{ideal / step:.2f}",
+                    f"{compute * 1e3:.1f}",
+                    f"{compute / half:.2f}",
+                    f"{bubble:.3f}",
+                    f"{formula:.3f}",
+                    f"{bubble - formula:+.3f}",
+                    f"{p2p:.3f}",
+                ]
+            )
+    columns = ["schedule", "M", "step ms", "ideal ms", "ideal/measured", "compute ms", "compute/(T1/S)", "bubble"]
+    columns += ["formula", "diff", "p2p MB/step"]
+    report.table("(a) Step time and bubble (means over the ranks)", columns, rows_a)
     print("\n(b) peak activation memory at each schedule's largest M (bytes saved for backward, busiest rank)")
     print(f"{'schedule':>16} {'M':>3} {'MiB':>8} {'/ 1f1b':>7} {'model: chunks held (per rank)':>31}")
     for schedule, (micro, peak) in peaks.items():
         held = table_in_flight(clock_table(schedule, STAGES, micro))
         ratio = peak / peaks["1f1b"][1] if "1f1b" in peaks and peaks["1f1b"][0] == micro else float("nan")
         print(f"{schedule:>16} {micro:>3} {peak / 2**20:>8.2f} {ratio:>7.2f} {held!s:>31}")
+        rows_b.append([schedule, str(micro), f"{peak / 2**20:.2f}", f"{ratio:.2f}", str(held)])
+    columns = ["schedule", "M", "MiB", "/ 1f1b", "model: chunks held (per rank)"]
+    report.table("(b) Peak activation memory at each schedule's largest M (busiest rank)", columns, rows_b)
 
     micros = sorted({1, *(int(m) for m in args.micro.split(","))})
     compute = measure({"schedule": "stage compute", "micro": micros, "steps": args.steps})[0]
@@ -370,11 +412,30 @@ def main() -> None:
         ratio = stage[micro] / stage[1]
         cells = f"{ratio:>6.2f} {1 / ratio:>8.2f} {order[micro]:>11.2f} {one_w_pass[micro]:>11.2f}"
         print(f"{micro:>3} {stage[micro] * 1e3:>7.1f} {cells}")
+        rows_c.append(
+            [
+                str(micro),
+                f"{stage[micro] * 1e3:.1f}",
+                f"{ratio:.2f}",
+                f"{1 / ratio:.2f}",
+                f"{order[micro]:.2f}",
+                f"{one_w_pass[micro]:.2f}",
+            ]
+        )
+    gemm_notes: list[str] = []
     rows, weight_mb = compute["rows"], compute["weight_mb"]
     shape = f"({rows} x {args.width}) @ ({args.width} x {args.width})"
     print(f"one GEMM {shape}: its time per row over the time per row of {BATCH} rows")
     for count, ratio in compute["gemm"].items():
         print(f"  weights cycled through: {int(count):>2} ({int(count) * weight_mb:5.1f} MB): {ratio:.2f}")
+        gemm_notes.append(
+            f"one GEMM {shape}, time per row over that of {BATCH} rows, {int(count)} weights "
+            f"({int(count) * weight_mb:.1f} MB) cycled through: {ratio:.2f}"
+        )
+    columns = ["M", "ms", "/ M=1", "ceiling", "1f1b order / GPipe's", "one W pass / GPipe's"]
+    title = f"(c) One process, no pipeline: a stage ({blocks} blocks) forward and backward, {BATCH} rows in M pieces"
+    report.table(title, columns, rows_c, gemm_notes)
+    report.save(args.json)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ Usage::
 
     python benchmarks/bench_plan.py               # about a minute
     python benchmarks/bench_plan.py --repeats 15  # steadier
+    python benchmarks/bench_plan.py --json benchmarks/results/plan.json  # also store it (benchmarks/render_docs.py)
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks._results import Report  # noqa: E402
 from lightning_dp_strategies.comm import CommCounter, ring_all_reduce  # noqa: E402
 from lightning_dp_strategies.plan import Link, Workload, predict  # noqa: E402
 from tests.helpers.distributed import run_distributed  # noqa: E402
@@ -79,7 +81,10 @@ def _size(nbytes: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=9, help="timed calls per size and world size")
+    parser.add_argument("--json", type=Path, help="also write the results here (see benchmarks/render_docs.py)")
     args = parser.parse_args()
+    report = Report("plan", vars(args))
+    table: list[list[str]] = []
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     print(f"torch {torch.__version__}, {cores} CPU cores, load average {os.getloadavg()[0]:.1f}, gloo on loopback")
     with tempfile.TemporaryDirectory() as tmp:
@@ -89,10 +94,12 @@ def main() -> None:
 
     fit_rows = [r for r in rows if r["world"] == 2 and r["bytes"] in CALIBRATION]
     link = Link.fit([(2, r["sent"], r["best"]) for r in fit_rows])
-    print(
+    fitted_link = (
         f"Link fitted on world 2 at {', '.join(_size(b) for b in CALIBRATION)}: "
-        f"latency {link.latency_s * 1e6:.0f} us/step, bandwidth {link.bandwidth_bytes_per_s / 1e9:.2f} GB/s\n"
+        f"latency {link.latency_s * 1e6:.0f} us/step, bandwidth {link.bandwidth_bytes_per_s / 1e9:.2f} GB/s"
     )
+    print(fitted_link + "\n")
+    report.note(fitted_link)
     print(f"{'world':>5} {'size':>7} {'predicted ms':>12} {'measured ms':>11} {'(median)':>9} {'error':>6}  sent/model")
     errors: dict[int, list[tuple[int, float]]] = {2: [], 3: []}
     for r in rows:
@@ -106,17 +113,37 @@ def main() -> None:
             f"{r['world']:>5} {_size(r['bytes']):>7} {predicted * 1e3:12.3f} {r['best'] * 1e3:11.3f}"
             f" {r['median'] * 1e3:9.3f} {error:+6.0%}  {r['sent'] / p.bytes_per_rank:.4f}{'  (fit)' if fitted else ''}"
         )
+        table.append(
+            [
+                str(r["world"]),
+                _size(r["bytes"]),
+                f"{predicted * 1e3:.3f}",
+                f"{r['best'] * 1e3:.3f}",
+                f"{r['median'] * 1e3:.3f}",
+                f"{error:+.0%}",
+                f"{r['sent'] / p.bytes_per_rank:.4f}",
+                "fit" if fitted else "predicted",
+            ]
+        )
+    summary: list[str] = []
     print()
     for world, pairs in errors.items():
         everything = [abs(e) for _, e in pairs]
         large = [abs(e) for b, e in pairs if b >= MiB]
-        print(
+        line = (
             f"world {world}, predicted rows: median |error| {statistics.median(everything):.0%}, "
             f"max {max(everything):.0%} (>= 1 MiB: median {statistics.median(large):.0%}, max {max(large):.0%})"
         )
+        print(line)
+        summary.append(line)
     if cores < 3:
         share = min(1.0, cores / 3)
-        print(f"world 3 predictions include the core-sharing factor 1/{share:.2f} (without it: {share:.2f}x these)")
+        line = f"world 3 predictions include the core-sharing factor 1/{share:.2f} (without it: {share:.2f}x these)"
+        print(line)
+        summary.append(line)
+    columns = ["world", "size", "predicted ms", "measured ms (best)", "median ms", "error", "sent / model", "row"]
+    report.table("ring_all_reduce: predicted against measured", columns, table, summary)
+    report.save(args.json)
 
 
 if __name__ == "__main__":

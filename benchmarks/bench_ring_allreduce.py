@@ -14,7 +14,7 @@
     hooks on the same buckets (``allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook``, ``powerSGD_hook``
     at rank 4) and with Lightning's ``"ddp"``, all in one launch: bytes sent per step and step time, relative to
     plain ``ring`` and to ``ddp``. Then the cost model's prediction of when compression pays
-    (:mod:`lightning_dp_strategies.plan_compression`): the loopback link fitted on a few ring all-reduces, the
+    (:mod:`lightning_dp_strategies.plan.compression`): the loopback link fitted on a few ring all-reduces, the
     compression's compute per step measured at world 1 on the same buckets, the predicted against the measured
     ratios at 2 ranks, and predictions at 8 ranks for 1, 10 and 100 Gbit/s.
 
@@ -23,6 +23,7 @@ Usage::
     python benchmarks/bench_ring_allreduce.py            # both parts
     python benchmarks/bench_ring_allreduce.py --part a   # collectives only
     python benchmarks/bench_ring_allreduce.py --part c   # reducers and compression
+    python benchmarks/bench_ring_allreduce.py --part a --json benchmarks/results/ring_allreduce_a.json  # also store it
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from benchmarks._results import Report  # noqa: E402
 
 SIZES = [64 * 1024 * 4**k for k in range(6)]  # 64 KiB, 256 KiB, 1 MiB, 4 MiB, 16 MiB, 64 MiB
 
@@ -143,6 +146,7 @@ def part_a(world: int, repeats: int, launches: int, sizes: list[int]) -> list[di
     )
     factor = 2 * (world - 1) / world
     summary = []
+    table: list[list[str]] = []
     for i, nbytes in enumerate(sizes):
         rows = [run[i] for run in runs]
         ms = {k: statistics.median(r[f"{k}_s"] for r in rows) * 1e3 for k in ("ring", "torch", "p2p")}
@@ -155,6 +159,24 @@ def part_a(world: int, repeats: int, launches: int, sizes: list[int]) -> list[di
             f" {min(ratios):5.2f}-{max(ratios):<5.2f} {one:10.2f} {p2p:10.2f} {bus[0]:6.2f} GB/s {bus[1]:7.2f} GB/s"
         )
         summary.append({"bytes": nbytes, "ratio": ratio, "one_ratio": one, "p2p_ratio": p2p, **ms})
+        table.append(
+            [
+                _size(nbytes),
+                f"{ms['ring']:.3f}",
+                f"{ms['torch']:.3f}",
+                f"{ms['p2p']:.3f}",
+                f"{ratio:.2f}",
+                f"{min(ratios):.2f}-{max(ratios):.2f}",
+                f"{one:.2f}",
+                f"{p2p:.2f}",
+                f"{bus[0]:.2f} GB/s",
+                f"{bus[1]:.2f} GB/s",
+            ]
+        )
+    columns = ["size", "ring ms", "torch ms", "p2p ms", "ring/torch", "range", "one/torch", "p2p/torch"]
+    columns += ["ring busbw", "torch busbw"]
+    title = f"(a) ring_all_reduce against torch.distributed.all_reduce (gloo, fp32, average), {world} processes"
+    _record(title, columns, table, [f"{launches} launches; ratio = median over launches of ring / torch"])
     return summary
 
 
@@ -264,16 +286,27 @@ def part_b(steps: int, width: int, depth: int, rounds: int) -> float:
     print(f"  ring_allreduce  {ring * 1e3:8.1f} ms/step (median over fits of the median of {steady} steady steps)")
     print(f"  ddp             {ddp * 1e3:8.1f} ms/step")
     print("  per-round ratios " + " ".join(f"{r:.2f}" for r in ratios))
+    notes = ["per-round ratios " + " ".join(f"{r:.2f}" for r in ratios)]
     stats = result["stats"]["ring_allreduce"]
     if stats:
-        print(
-            f"  ring_allreduce per step: {stats['bytes_sent'] / 1e6:.1f} MB sent, {stats['ring_operations']:.0f} "
+        line = (
+            f"ring_allreduce per step: {stats['bytes_sent'] / 1e6:.1f} MB sent, {stats['ring_operations']:.0f} "
             f"buckets ({stats['overlapped_buckets']:.0f} started during backward), "
             f"{stats['exposed_seconds'] * 1e3:.1f} ms exposed"
         )
-    print(
-        f"  ratio ring_allreduce / ddp = {ratio:.3f} (median of the per-round ratios, IQR {spread:.3f}; target <= 1.05)"
+        print("  " + line)
+        notes.append(line)
+    line = (
+        f"ratio ring_allreduce / ddp = {ratio:.3f} (median of the per-round ratios, IQR {spread:.3f}; target <= 1.05)"
     )
+    print("  " + line)
+    notes.append(line)
+    title = (
+        f"(b) Trainer step time, 2 processes on CPU/gloo, MLP with {result['params'] / 1e6:.1f} M parameters, "
+        f"batch 32/rank, {rounds} alternating rounds"
+    )
+    rows = [["ring_allreduce", f"{ring * 1e3:.1f}"], ["ddp", f"{ddp * 1e3:.1f}"]]
+    _record(title, ["strategy", f"ms/step (median of {steady} steady steps)"], rows, notes)
     return ratio
 
 
@@ -290,7 +323,7 @@ PART_C = {  # row key in the launch -> (label, bytes: "counted" by the strategy 
     "hook:powersgd": ("hook powerSGD_hook r=4", "payload"),
     "ddp": ('Lightning "ddp"', "payload"),
 }
-# row -> (compression method for plan_compression, dependent reductions per bucket, baseline row of the same transport)
+# row -> (compression method for plan.compression, dependent reductions per bucket, baseline row of the same transport)
 COMPRESSED = {
     "ring_allreduce+bf16": ("bf16", 1, "ring_allreduce+ring"),
     "ring_allreduce+fp16": ("fp16", 1, "ring_allreduce+ring"),
@@ -429,6 +462,7 @@ def part_c(steps: int, width: int, depth: int, rounds: int, link_sizes: list[int
     header = f"  {'reducer':<28} {'MB/step':>8} {'bytes':>8} {'bytes/ring':>10} {'ms/step':>8}"
     print(header + f" {'time/ring':>9} {'IQR':>6} {'time/ddp':>8} {'IQR':>6}")
     measured: dict[str, float] = {}
+    rows: list[list[str]] = []
     for key in keys:
         sent = _row_bytes(result, key, world)
         ms, _, ratio, spread = _paired(result, key, base)
@@ -439,28 +473,54 @@ def part_c(steps: int, width: int, depth: int, rounds: int, link_sizes: list[int
             f"  {label:<28} {sent / 1e6:8.2f} {source:>8} {sent / base_bytes:10.3f} {ms * 1e3:8.1f}"
             f" {ratio:9.3f} {spread:6.3f} {to_ddp:8.3f} {ddp_spread:6.3f}"
         )
+        rows.append(
+            [
+                label,
+                f"{sent / 1e6:.2f}",
+                source,
+                f"{sent / base_bytes:.3f}",
+                f"{ms * 1e3:.1f}",
+                f"{ratio:.3f}",
+                f"{spread:.3f}",
+                f"{to_ddp:.3f}",
+                f"{ddp_spread:.3f}",
+            ]
+        )
+    notes = []
     for name, baseline in (("hook:powersgd", "ring_allreduce+powersgd_native"), ("hook:fp16", "ring_allreduce+fp16")):
         _, ratios, ratio, spread = _paired(result, baseline, name)
-        print(
-            f"  {PART_C[baseline][0]} / {PART_C[name][0]} = {ratio:.3f} (IQR {spread:.3f}; per round "
+        line = (
+            f"{PART_C[baseline][0]} / {PART_C[name][0]} = {ratio:.3f} (IQR {spread:.3f}; per round "
             + " ".join(f"{r:.2f}" for r in ratios)
             + ")"
         )
+        print("  " + line)
+        notes.append(line)
+    columns = ["reducer", "MB/step", "bytes", "bytes/ring", "ms/step", "time/ring", "IQR", "time/ddp", "IQR"]
+    title = (
+        f"(c) Reducers, compression and torch's DDP communication hooks in ring_allreduce, 2 processes, "
+        f"{result['params'] / 1e6:.1f} M parameters, {rounds} alternating rounds"
+    )
+    _record(title, columns, rows, notes)
 
     links = _fit_loopback(link_sizes, repeats=10)
     compute = _compression_compute(width, depth, steps=8)
     print(
-        "\n  cost model (lightning_dp_strategies.plan_compression): plain t0 = B 2(N-1) alpha + 2(N-1)/N G / beta;\n"
+        "\n  cost model (lightning_dp_strategies.plan.compression): plain t0 = B 2(N-1) alpha + 2(N-1)/N G / beta;\n"
         "  compressed t1 = k B 2(N-1) alpha + 2(N-1)/N P / beta + c (c: extra compute, measured at world 1 on the\n"
         "  same buckets, one thread); pays when beta < beta* = 2(N-1)/N (G - P) / (c + (k-1) B 2(N-1) alpha)"
     )
+    link_notes = []
     for name, link in links.items():
-        print(
-            f"  loopback link fitted on {name} all-reduces of "
+        line = (
+            f"loopback link fitted on {name} all-reduces of "
             + ", ".join(_size(n) for n in link_sizes)
             + f" at 2 ranks: latency {link.latency_s * 1e6:.0f} us/step, bandwidth"
             f" {link.bandwidth_bytes_per_s / 1e9:.2f} GB/s ({link.bandwidth_bytes_per_s * 8 / 1e9:.1f} Gbit/s)"
         )
+        print("  " + line)
+        link_notes.append(line)
+    verdicts: list[list[str]] = []
     print(
         f"  {'compression':<28} {'k':>2} {'c ms':>6} {'beta* Gbit/s':>12} {'t0 ms':>7} {'t1 ms':>7} {'verdict':>8}"
         f" {'pred ratio':>10} {'measured':>8}"
@@ -478,6 +538,27 @@ def part_c(steps: int, width: int, depth: int, rounds: int, link_sizes: list[int
             f" {verdict.compressed_seconds * 1e3:7.1f} {'pays' if verdict.pays else 'costs':>8}"
             f" {predicted:10.3f} {observed:8.3f}"
         )
+        verdicts.append(
+            [
+                PART_C[key][0],
+                str(rounds_per_bucket),
+                f"{extra * 1e3:.1f}",
+                f"{verdict.break_even_bytes_per_s * 8 / 1e9:.2f}",
+                f"{verdict.plain_seconds * 1e3:.1f}",
+                f"{verdict.compressed_seconds * 1e3:.1f}",
+                "pays" if verdict.pays else "costs",
+                f"{predicted:.3f}",
+                f"{observed:.3f}",
+            ]
+        )
+    columns = ["compression", "k", "c ms", "beta* Gbit/s", "t0 ms", "t1 ms", "verdict", "predicted ratio", "measured"]
+    _record(
+        "(c) When compression pays on this loopback link: the cost model against measurement",
+        columns,
+        verdicts,
+        link_notes,
+    )
+    at_scale: list[list[str]] = []
     print(
         "  (pred ratio: the measured baseline step (ring, native or allreduce_hook) minus the predicted saving, over\n"
         "  that step; measured: the median per-round ratio to the same baseline. No overlap is modelled.)"
@@ -496,9 +577,24 @@ def part_c(steps: int, width: int, depth: int, rounds: int, link_sizes: list[int
             cells.append(f"{verdict.saved_seconds * 1e3:+10.1f}")
             beta = verdict.break_even_bytes_per_s
         print(f"  {PART_C[key][0]:<28} " + " ".join(cells) + f" {beta * 8 / 1e9:12.2f}")
+        at_scale.append([PART_C[key][0], *(c.strip() for c in cells), f"{beta * 8 / 1e9:.2f}"])
+    columns = ["compression", *(f"saved ms at {g} Gbit/s" for g in speeds), "beta* Gbit/s"]
+    _record(
+        "(c) Predicted at 8 ranks, latency 10 us/step, with the compute measured here (one CPU core)", columns, at_scale
+    )
+
+
+REPORT: Report | None = None
+"""Where the parts record their tables when ``--json`` is given."""
+
+
+def _record(title: str, columns: list[str], rows: list[list[str]], notes: list[str] | None = None) -> None:
+    if REPORT is not None:
+        REPORT.table(title, columns, rows, notes)
 
 
 def main() -> None:
+    global REPORT
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--part", choices=["a", "b", "c", "both", "all"], default="both", help="both: a and b")
     parser.add_argument("--world", type=int, default=2)
@@ -512,7 +608,9 @@ def main() -> None:
     parser.add_argument(
         "--link-sizes-kib", type=int, nargs="+", default=[256, 4096, 32768], help="(c): sizes the link is fitted on"
     )
+    parser.add_argument("--json", type=Path, help="also write the results here (see benchmarks/render_docs.py)")
     args = parser.parse_args()
+    REPORT = Report(f"ring_allreduce_{args.part}", vars(args))
     print(f"torch {torch.__version__}, {os.cpu_count()} CPU cores")
     if args.part in ("a", "both"):
         part_a(args.world, args.repeats, args.launches, [kib * 1024 for kib in args.sizes_kib])
@@ -520,6 +618,7 @@ def main() -> None:
         part_b(args.steps, args.width, args.depth, args.rounds)
     if args.part in ("c", "all"):
         part_c(args.steps, args.width, args.depth, args.rounds, [kib * 1024 for kib in args.link_sizes_kib])
+    REPORT.save(args.json)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Step time of ``strategy="dp"`` against single-device training on the same batch, measured side by side.
 
-Run: ``python benchmarks/bench_scatter_gather.py [--batch 1024] [--steps 20] [--rounds 3]``
+Run: ``python benchmarks/bench_scatter_gather.py [--batch 1024] [--steps 20] [--rounds 3] [--json PATH]`` (``--json``
+also stores the tables for ``benchmarks/render_docs.py``, e.g. ``benchmarks/results/scatter_gather.json``)
 
 Two measurements of the same MLP (about 12.6 M parameters by default) on the same fixed batch, ratio ``dp / single``
 (target: <= 1.15 on 2 CPU replicas):
@@ -20,7 +21,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -28,6 +31,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._results import Report
 from lightning_dp_strategies import ScatterGatherStrategy
 
 
@@ -148,7 +154,7 @@ def time_paired(args: argparse.Namespace, devices: list[str], batch: int) -> tup
     return statistics.median(single), statistics.median(dp)
 
 
-def compare(label: str, runs: dict[str, Any], rounds: int) -> dict[str, float]:
+def compare(label: str, runs: dict[str, Any], rounds: int, report: Report | None = None) -> dict[str, float]:
     """Median over rounds of each run's steady-state step time; the runs alternate inside every round."""
     samples: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(rounds):
@@ -160,6 +166,12 @@ def compare(label: str, runs: dict[str, Any], rounds: int) -> dict[str, float]:
         print(
             f"  {name:<34} {value * 1e3:9.2f} ms/step   (rounds: {', '.join(f'{v * 1e3:.1f}' for v in samples[name])})"
         )
+    if report is not None:
+        rows = [
+            [name, f"{value * 1e3:.2f}", ", ".join(f"{v * 1e3:.1f}" for v in samples[name])]
+            for name, value in medians.items()
+        ]
+        report.table(label, ["run", "ms/step (median)", "rounds"], rows)
     return medians
 
 
@@ -175,7 +187,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", type=Path, help="also write the results here (see benchmarks/render_docs.py)")
     args = parser.parse_args()
+    report = Report("scatter_gather", vars(args))
 
     params = sum(p.numel() for p in make_mlp(args.width, args.depth, args.features).parameters())
     print(
@@ -189,9 +203,12 @@ def main() -> None:
             "dp, devices=2 (CPU replicas)": lambda: time_lightning(args, "dp", "cpu", 2),
         },
         args.rounds,
+        report,
     )
     ratio = cpu["dp, devices=2 (CPU replicas)"] / cpu["single device (strategy='auto')"]
     print(f"  ratio dp / single = {ratio:.3f}  (target <= 1.15)")
+    report.data["tables"][-1]["notes"].append(f"ratio dp / single = {ratio:.3f} (target <= 1.15)")
+    paired: list[list[str]] = []
     print("\nCPU, paired steps in one process: plain forward vs ScatterGatherStrategy.parallel_forward on 2 replicas")
     for batch in args.paired_batches:
         single, dp = time_paired(args, ["cpu", "cpu"], batch)
@@ -199,6 +216,9 @@ def main() -> None:
             f"  batch {batch:5d}: single {single * 1e3:8.2f} ms/step, dp {dp * 1e3:8.2f} ms/step, "
             f"ratio dp / single = {dp / single:.3f}"
         )
+        paired.append([str(batch), f"{single * 1e3:.2f}", f"{dp * 1e3:.2f}", f"{dp / single:.3f}"])
+    title = "CPU, paired steps in one process: plain forward vs ScatterGatherStrategy.parallel_forward on 2 replicas"
+    report.table(title, ["batch", "single ms/step", "dp ms/step", "dp / single"], paired)
 
     gpus = torch.cuda.device_count()
     if gpus >= 2:
@@ -211,11 +231,15 @@ def main() -> None:
                 f"torch.nn.DataParallel({ids})": lambda: time_torch_data_parallel(args, ids),
             },
             args.rounds,
+            report,
         )
         dp, tdp = cuda[f"dp, devices={ids}"], cuda[f"torch.nn.DataParallel({ids})"]
         print(f"  ratio dp / torch.nn.DataParallel = {dp / tdp:.3f}")
+        report.data["tables"][-1]["notes"].append(f"ratio dp / torch.nn.DataParallel = {dp / tdp:.3f}")
     else:
         print(f"\nCUDA comparison with torch.nn.DataParallel skipped: {gpus} GPU(s) here, it needs 2 or more.")
+        report.note(f"CUDA comparison with torch.nn.DataParallel skipped: {gpus} GPU(s) here, it needs 2 or more.")
+    report.save(args.json)
 
 
 if __name__ == "__main__":

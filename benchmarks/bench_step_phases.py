@@ -16,14 +16,17 @@ The no-op contenders isolate the cost of the bucketing itself, which is how the 
 
     python benchmarks/bench_step_phases.py
     python benchmarks/bench_step_phases.py --contenders buckets+noop,ddp+noop+view --steps 60
+    python benchmarks/bench_step_phases.py --json benchmarks/results/step_phases.json   # also store the table
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -94,7 +97,7 @@ def _contender(name: str, width: int, depth: int) -> Callable[[torch.Tensor, tor
     return bucket_step
 
 
-def _worker(rank: int, port: int, names: list[str], steps: int, width: int, depth: int) -> None:
+def _worker(rank: int, port: int, names: list[str], steps: int, width: int, depth: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(minutes=2))
     torch.set_num_threads(1)  # one core per process, as Lightning sets it for CPU ranks here
@@ -114,11 +117,16 @@ def _worker(rank: int, port: int, names: list[str], steps: int, width: int, dept
     if rank == 0:
         med = {n: {p: statistics.median(t) * 1e3 for p, t in phases.items()} for n, phases in times.items()}
         base = med["ddp"]["total"] if "ddp" in med else None
-        print(f"median ms per phase, 2 processes on CPU/gloo, {steps - 3} steps each, interleaved")
+        title = f"median ms per phase, 2 processes on CPU/gloo, {steps - 3} steps each, interleaved"
+        print(title)
         print(f"  {'contender':<22}" + "".join(f"{p:>10}" for p in PHASES) + ("  total/ddp" if base else ""))
+        rows = []
         for name, m in med.items():
             ratio = f"  {m['total'] / base:9.3f}" if base else ""
             print(f"  {name:<22}" + "".join(f"{m[p]:10.1f}" for p in PHASES) + ratio)
+            rows.append([name, *(f"{m[p]:.1f}" for p in PHASES), *([f"{m['total'] / base:.3f}"] if base else [])])
+        columns = ["contender", *PHASES, *(["total/ddp"] if base else [])]
+        Path(out).write_text(json.dumps({"title": title, "columns": columns, "rows": rows}))
     dist.destroy_process_group()
 
 
@@ -130,12 +138,21 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--width", type=int, default=1536)
     parser.add_argument("--depth", type=int, default=9)
+    parser.add_argument("--json", type=Path, help="also write the results here (see benchmarks/render_docs.py)")
     args = parser.parse_args()
+    from benchmarks._results import Report
     from tests.helpers.distributed import free_port
 
+    report = Report("step_phases", vars(args))
     port = free_port()
     names = args.contenders.split(",")
-    mp.start_processes(_worker, args=(port, names, args.steps, args.width, args.depth), nprocs=2, start_method="spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "table.json")
+        worker_args = (port, names, args.steps, args.width, args.depth, out)
+        mp.start_processes(_worker, args=worker_args, nprocs=2, start_method="spawn")
+        table = json.loads(Path(out).read_text())
+    report.table(table["title"], table["columns"], table["rows"])
+    report.save(args.json)
 
 
 if __name__ == "__main__":

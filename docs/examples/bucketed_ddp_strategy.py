@@ -4,7 +4,6 @@ Run it: ``python docs/examples/bucketed_ddp_strategy.py`` trains the built-in de
 strategy and checks that it matches single-device training as closely as ``ring_allreduce`` does (1e-5).
 """
 
-from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.strategies import StrategyRegistry
 from typing_extensions import override
 
@@ -12,23 +11,19 @@ from lightning_dp_strategies import BucketedDataParallel, NativeReducer, Reducer
 
 
 class BucketedDDPStrategy(BucketedDataParallel):
-    """Every rank averages with every other (the base's default groups); the backend's all-reduce sums each bucket."""
+    """Every rank averages with every other (the base's default groups); the backend's all-reduce sums each bucket.
 
-    @override
-    def configure_ddp(self) -> None:  # Lightning calls it once the module is on its device, when fitting
-        self._require_trainable("train with `strategy='auto'`")
-        self._check_ranks_agree()
-        _sync_module_states(self.lightning_module)  # every rank starts from rank 0's weights
-        self._build_buckets()
+    The base does the rest: rank agreement, rank 0's weights on every rank, the buckets, overlap with backward."""
+
+    registered_name = "bucketed_ddp"  # plus "bucketed_ddp_spawn" and "bucketed_ddp_notebook" (Jupyter)
+    registered_description = "DDP on the package's buckets"
 
     @override
     def configure_reducer(self) -> Reducer:
         return NativeReducer()
 
 
-StrategyRegistry.register(
-    "bucketed_ddp", BucketedDDPStrategy, description="DDP on the package's buckets", override=True
-)
+BucketedDDPStrategy.register_strategies(StrategyRegistry)  # Trainer(strategy="bucketed_ddp")
 
 
 if __name__ == "__main__":

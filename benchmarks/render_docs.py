@@ -1,0 +1,141 @@
+"""Regenerate the result tables of ``docs/benchmarks.md`` from the stored runs in ``benchmarks/results/*.json``.
+
+Each table sits between markers named after its result file::
+
+    <!-- results:plan -->
+    ... generated from benchmarks/results/plan.json: the machine, the command, the tables ...
+    <!-- /results:plan -->
+
+Everything between the markers is replaced; the rest of the page is left alone. A marker whose file is missing gets
+the command that produces it instead of a table. Usage::
+
+    python benchmarks/render_docs.py            # rewrite docs/benchmarks.md
+    python benchmarks/render_docs.py --check    # exit 1 if the page is not what the stored results give
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGE = ROOT / "docs" / "benchmarks.md"
+RESULTS = ROOT / "benchmarks" / "results"
+
+COMMANDS = {
+    "plan": "python benchmarks/bench_plan.py --repeats 15",
+    "pipeline_schedules": "python benchmarks/bench_pipeline_schedules.py --micro 2,4 --steps 8",
+    "pipeline_schedules_dp": (
+        "python benchmarks/bench_pipeline_schedules.py --data-parallel 2 --schedules 1f1b,zbv --micro 4"
+    ),
+    "pipeline_memory": "python benchmarks/bench_pipeline_memory.py --stages 1 2 4",
+    "hybrid_pipeline": "python benchmarks/bench_hybrid_pipeline.py --steps 12",
+    "ring_allreduce_a": "python benchmarks/bench_ring_allreduce.py --part a",
+    "ring_allreduce_b": "python benchmarks/bench_ring_allreduce.py --part b",
+    "ring_allreduce_c": "python benchmarks/bench_ring_allreduce.py --part c",
+    "step_phases": "python benchmarks/bench_step_phases.py",
+    "scatter_gather": "python benchmarks/bench_scatter_gather.py",
+}
+"""The command that produces each result file (without ``--json``), shown where the file is missing."""
+
+MARKER = re.compile(r"(<!-- results:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /results:(?P=name) -->)", re.S)
+
+
+def _cell(value: Any) -> str:
+    return str(value).replace("|", "\\|").replace("*", "\\*")
+
+
+def _table(columns: list[str], rows: list[list[Any]]) -> list[str]:
+    lines = ["| " + " | ".join(_cell(c) for c in columns) + " |", "| " + " | ".join("---" for _ in columns) + " |"]
+    for row in rows:
+        cells = [*row, *[""] * (len(columns) - len(row))]
+        lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    return lines
+
+
+def _machine(data: dict[str, Any]) -> str:
+    m = data.get("machine", {})
+    cores = m.get("cpu_count")
+    usable = m.get("cores_usable")
+    parts = [
+        f"{m.get('platform', '?')}",
+        f"{cores} CPU cores" + (f" ({usable} usable)" if usable not in (None, cores) else ""),
+    ]
+    if m.get("cuda"):
+        parts.append(m["cuda"])
+    else:
+        parts.append("no GPU")
+    parts.append(f"Python {m.get('python', '?')}, torch {m.get('torch', '?')}")
+    if m.get("load_average_at_start") is not None:
+        parts.append(f"load average {m['load_average_at_start']} at the start")
+    return "; ".join(parts)
+
+
+def render(name: str) -> str:
+    """The Markdown that goes between the markers of ``name``."""
+    path = RESULTS / f"{name}.json"
+    command = COMMANDS.get(name, f"python benchmarks/bench_{name}.py")
+    if not path.exists():
+        return (
+            "No stored result: this table is produced on your machine by\n\n"
+            f"```bash\n{command} --json benchmarks/results/{name}.json\npython benchmarks/render_docs.py\n```\n"
+        )
+    data = json.loads(path.read_text())
+    ran = re.sub(r" --json \S+", "", data["command"])  # where the file went is said below
+    lines = [
+        f"*Machine:* {_machine(data)}.  ",
+        f"*Command:* `{ran} --json benchmarks/results/{name}.json`.",
+        "",
+    ]
+    m = data.get("machine", {})
+    load, cores = m.get("load_average_at_start"), m.get("cpu_count")
+    if load is not None and cores and load >= cores:
+        lines += [
+            f"*Caveat:* the machine was busy with other jobs when this ran (load average {load} on {cores} cores), "
+            "so the timed contenders competed with them for the cores and their times spread widely (byte and "
+            "memory counts are unaffected); rerun on an idle machine, with the script's defaults, for steadier "
+            "ratios.",
+            "",
+        ]
+    for note in data.get("notes", []):
+        lines.append(f"- {note}")
+    if data.get("notes"):
+        lines.append("")
+    for table in data.get("tables", []):
+        lines += [f"**{table['title']}**", ""]
+        lines += _table(table["columns"], table["rows"])
+        lines.append("")
+        for note in table.get("notes", []):
+            lines.append(f"- {note}")
+        if table.get("notes"):
+            lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="only check that the page is up to date")
+    parser.add_argument("--page", type=Path, default=PAGE)
+    args = parser.parse_args()
+    text = args.page.read_text()
+    names = [m.group("name") for m in MARKER.finditer(text)]
+    new = MARKER.sub(lambda m: m.group(1) + render(m.group("name")) + m.group(4), text)
+    if args.check:
+        if new != text:
+            print(f"{args.page} is out of date: run python benchmarks/render_docs.py", file=sys.stderr)
+            sys.exit(1)
+        print(f"{args.page} is up to date ({len(names)} result blocks)")
+        return
+    args.page.write_text(new)
+    stored = [n for n in names if (RESULTS / f"{n}.json").exists()]
+    print(
+        f"rendered {len(names)} result blocks into {args.page} ({len(stored)} from stored results: {', '.join(stored)})"
+    )
+
+
+if __name__ == "__main__":
+    main()
