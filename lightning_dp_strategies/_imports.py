@@ -106,6 +106,9 @@ class _Tracked(importlib.abc.Loader):
     def __init__(self, loader: importlib.abc.Loader, finder: _Finder) -> None:
         self.loader, self.finder = loader, finder
 
+    def __getattr__(self, name: str) -> Any:  # get_code, get_source, get_resource_reader, ... (runpy, importlib)
+        return getattr(self.loader, name)
+
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
         return self.loader.create_module(spec)
 

@@ -17,8 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as default
-from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as default, powerSGD_hook as powersgd
 from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState
 from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel

@@ -17,8 +17,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dp_strategies import cli as lightning_dp_strategies_cli
-from lightning_dp_strategies.compare import compare
-from lightning_dp_strategies.compare import runner as runner_module
+from lightning_dp_strategies.compare import compare, runner as runner_module
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "docs" / "examples"
 

@@ -348,6 +348,7 @@ class GradientBuckets:
                     # refills the bucket, exactly when a new gradient replaces it anyway
                     param.grad = bucket.grad_view(slot)
             self.totals.bytes_sent += bucket.counter.bytes_sent
+            self.totals.inter_node_bytes_sent += bucket.counter.inter_node_bytes
             self.totals.messages += bucket.counter.messages
             self.totals.ring_operations += bucket.counter.operations
             self.totals.comm_seconds += bucket.counter.seconds

@@ -22,6 +22,9 @@ class CommStats:
 
     bytes_sent: int = 0
     """Bytes this rank sent for gradient reduction."""
+    inter_node_bytes_sent: int = 0
+    """Of ``bytes_sent``, the bytes sent to ranks on other nodes (counted by the two-level reduction only; the rest
+    stayed inside the node)."""
     messages: int = 0
     """Point-to-point messages this rank sent."""
     ring_operations: int = 0

@@ -30,10 +30,12 @@ class CommCounter:
     messages: int = 0
     operations: int = 0
     seconds: float = 0.0
+    inter_node_bytes: int = 0
+    """Of ``bytes_sent``, the bytes sent to another node (counted by the two-level all-reduce)."""
 
     def reset(self) -> None:
         """Zero every field."""
-        self.bytes_sent = self.messages = self.operations = 0
+        self.bytes_sent = self.messages = self.operations = self.inter_node_bytes = 0
         self.seconds = 0.0
 
     def add(self, other: CommCounter) -> None:
@@ -42,6 +44,7 @@ class CommCounter:
         self.messages += other.messages
         self.operations += other.operations
         self.seconds += other.seconds
+        self.inter_node_bytes += other.inter_node_bytes
 
 
 def is_average(op: ReduceOpLike) -> bool:

@@ -174,11 +174,18 @@ class RingAllReduceConfig(BucketedConfig):
 
     broadcast_buffers: bool = True
     log_comm_stats: bool = False
+    two_level: bool | None = None
+    """Reduce inside each node, then across nodes (``None``: when there are several nodes of several processes)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_flag("broadcast_buffers", self.broadcast_buffers)
         check_flag("log_comm_stats", self.log_comm_stats)
+        if self.two_level is not None and not isinstance(self.two_level, bool):
+            raise TypeError(
+                "`two_level` must be None (two levels when the job spans several nodes of several processes), True or "
+                f"False, got {self.two_level!r}."
+            )
 
 
 @dataclass(frozen=True)

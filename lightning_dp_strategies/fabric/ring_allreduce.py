@@ -34,6 +34,7 @@ from lightning_dp_strategies.core.options import (
     default_timeout,
 )
 from lightning_dp_strategies.core.registry import register_with_launchers
+from lightning_dp_strategies.core.topology import check_two_level, layout_reducer
 from lightning_dp_strategies.fabric._step import NonfiniteStep
 from lightning_dp_strategies.reducers import CommHook, Reducer
 
@@ -68,6 +69,9 @@ class FabricRingAllReduceStrategy(AtomicCheckpoints, NonfiniteStep, DDPStrategy)
             instead of ``reducer``, on any device and backend (see :mod:`lightning_dp_strategies.comm_hooks`).
         ddp_comm_state: the hook's ``state``; ``None`` gives it the strategy's gradient group.
         ddp_comm_wrapper: applied once as ``ddp_comm_wrapper(ddp_comm_hook)`` (e.g. ``fp16_compress_wrapper``).
+        two_level: reduce inside each node, then across nodes, then inside the node again; ``None`` (default): when
+            the job spans several nodes of several processes each (as
+            :class:`~lightning_dp_strategies.RingAllReduceStrategy`).
 
     Examples:
         >>> import lightning as L
@@ -100,11 +104,13 @@ class FabricRingAllReduceStrategy(AtomicCheckpoints, NonfiniteStep, DDPStrategy)
         ddp_comm_state: object = None,
         ddp_comm_hook: CommHook | None = None,
         ddp_comm_wrapper: Callable[[CommHook], CommHook] | None = None,
+        two_level: bool | None = None,
     ) -> None:
         check_start_method(start_method)
         # configuration (validated before Fabric does anything)
         self.reduction = ReductionOptions(reducer, ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper)
-        self.config = RingAllReduceConfig(bucket_cap_mb, first_bucket_cap_mb, broadcast_buffers)
+        self.config = RingAllReduceConfig(bucket_cap_mb, first_bucket_cap_mb, broadcast_buffers, two_level=two_level)
+        check_two_level(two_level, self.reduction)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -144,8 +150,9 @@ class FabricRingAllReduceStrategy(AtomicCheckpoints, NonfiniteStep, DDPStrategy)
 
     def configure_reducer(self) -> Reducer:
         """The reducer of the gradient buckets, called once at setup: override it to reduce another way (default:
-        the communication hook's when ``ddp_comm_hook`` was given, else the ``reducer=`` option's)."""
-        return self.reduction.make_reducer()
+        the communication hook's when ``ddp_comm_hook`` was given, else the ``reducer=`` option's, wrapped in the
+        two-level reducer where the layout calls for it)."""
+        return layout_reducer(self.config.two_level, self.num_nodes, self.num_processes, self.reduction)
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:  # type: ignore[override]  # not wrapped
@@ -173,7 +180,8 @@ class FabricRingAllReduceStrategy(AtomicCheckpoints, NonfiniteStep, DDPStrategy)
 
     def _fingerprint_options(self, module: nn.Module) -> dict[str, Any]:
         """What every rank must agree on besides the model: the options, precision and bucket layout."""
-        return {**bucketed_options(self, self.reduction, self.config, module, self.precision), "fabric": True}
+        options = bucketed_options(self, self.reduction, self.config, module, self.precision)
+        return {**options, "fabric": True, "nodes": self.num_nodes, "per_node": self.num_processes}
 
     def _broadcast_buffers(self, module: nn.Module, args: Any) -> None:
         """Before a training forward (train mode, gradients on, not inside ``no_backward_sync``): rank 0's buffers."""
@@ -240,6 +248,7 @@ class FabricRingAllReduceStrategy(AtomicCheckpoints, NonfiniteStep, DDPStrategy)
     bucket_cap_mb = ConfigOption[float]()
     first_bucket_cap_mb = ConfigOption[float]()
     broadcast_buffers = ConfigOption[bool]()
+    two_level = ConfigOption[bool | None]()
     reducer = ConfigOption[str | Reducer | None]("reduction")
     ddp_comm_hook = ConfigOption[CommHook | None]("reduction")
     ddp_comm_state = ConfigOption[object]("reduction")

@@ -62,6 +62,7 @@ from lightning_dp_strategies.reducers.comm_hooks import (
 )
 from lightning_dp_strategies.reducers.powersgd import PowerSGD
 from lightning_dp_strategies.reducers.thread import CommThread as CommThread
+from lightning_dp_strategies.reducers.two_level import TwoLevelReducer
 
 __all__ = [
     "REDUCERS",
@@ -76,6 +77,7 @@ __all__ = [
     "ReduceKind",
     "Reducer",
     "RingReducer",
+    "TwoLevelReducer",
     "bf16_compress",
     "check_comm_hook",
     "check_reducer",

@@ -13,6 +13,7 @@ from typing_extensions import override
 
 from lightning_dp_strategies.core.module_state import broadcast_module_buffers
 from lightning_dp_strategies.core.options import ConfigOption, RingAllReduceConfig
+from lightning_dp_strategies.core.topology import check_two_level, layout_reducer
 from lightning_dp_strategies.reducers import CommHook, Reducer
 from lightning_dp_strategies.strategies.bucketed import BucketedDataParallel
 
@@ -48,6 +49,11 @@ class RingAllReduceStrategy(BucketedDataParallel):
             device and backend, CPU/gloo included (see :mod:`lightning_dp_strategies.comm_hooks`).
         ddp_comm_state: the hook's ``state`` (e.g. ``PowerSGDState``); ``None`` gives it the gradient group.
         ddp_comm_wrapper: applied once as ``ddp_comm_wrapper(ddp_comm_hook)`` (e.g. ``fp16_compress_wrapper``).
+        two_level: reduce each bucket inside the node, then across nodes between the ranks that hold the same
+            shard, then inside the node again (:class:`~lightning_dp_strategies.reducers.two_level.TwoLevelReducer`):
+            a node sends ``2(n-1)/n`` of the gradient over its link instead of almost twice that. ``None`` (default):
+            on when the job spans several nodes of several processes each; ``reducer`` then reduces the hop across
+            nodes, so a compression wrapper compresses what crosses the slow link.
 
     Examples:
         >>> import lightning as L
@@ -80,9 +86,12 @@ class RingAllReduceStrategy(BucketedDataParallel):
         ddp_comm_state: object = None,
         ddp_comm_hook: CommHook | None = None,
         ddp_comm_wrapper: Callable[[CommHook], CommHook] | None = None,
+        two_level: bool | None = None,
     ) -> None:
         super().__init__(
-            config=RingAllReduceConfig(bucket_cap_mb, first_bucket_cap_mb, broadcast_buffers, log_comm_stats),
+            config=RingAllReduceConfig(
+                bucket_cap_mb, first_bucket_cap_mb, broadcast_buffers, log_comm_stats, two_level
+            ),
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
@@ -97,6 +106,18 @@ class RingAllReduceStrategy(BucketedDataParallel):
             ddp_comm_hook=ddp_comm_hook,
             ddp_comm_wrapper=ddp_comm_wrapper,
         )
+        check_two_level(two_level, self.reduction)
+
+    # ------------------------------------------------------------------ setup
+    @override
+    def configure_reducer(self) -> Reducer:
+        """The ``reducer=`` option's reducer (or the hook's), wrapped in the two-level reducer where the layout calls
+        for it (see ``two_level``); override it to reduce another way."""
+        return layout_reducer(self.config.two_level, self.num_nodes, self.num_processes, self.reduction)
+
+    @override
+    def _fingerprint_options(self) -> dict[str, Any]:
+        return {**super()._fingerprint_options(), "nodes": self.num_nodes, "per_node": self.num_processes}
 
     # ------------------------------------------------------------------ one step
     @override
@@ -116,3 +137,4 @@ class RingAllReduceStrategy(BucketedDataParallel):
     first_bucket_cap_mb = ConfigOption[float]()
     broadcast_buffers = ConfigOption[bool]()
     log_comm_stats = ConfigOption[bool]()
+    two_level = ConfigOption[bool | None]()

@@ -30,7 +30,15 @@ def free_port() -> int:
 
 # Modules the fork server imports once; every rank forked from it starts with them loaded (importing torch and
 # Lightning costs seconds per process, which used to dominate the multi-process tests).
-_PRELOAD = ["torch", "torch.distributed", "lightning_dp_strategies", "tests.helpers.distributed"]
+# the package root is lazy: name Lightning and the strategy packages, so forked ranks skip their imports
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "lightning",
+    "lightning_dp_strategies.strategies",
+    "lightning_dp_strategies.fabric",
+    "tests.helpers.distributed",
+]
 
 
 def _worker(
@@ -209,8 +217,12 @@ def run_ranks(
     timeout: float = 240.0,
     env: dict[str, str] | None = None,
     grace: float = 30.0,
+    per_node: int | None = None,
 ) -> str:
     """Run ``python -m module argv...`` as ``world_size`` ranks started the way ``torchrun`` starts them.
+
+    ``per_node`` numbers the ranks as on several nodes of that many processes (``NODE_RANK``, ``LOCAL_RANK`` and
+    ``LOCAL_WORLD_SIZE`` as torchrun sets them on each node); all of them still run on this machine, over loopback.
 
     Each rank gets ``LOCAL_RANK``, ``RANK``, ``WORLD_SIZE`` and the main address, so Lightning's launcher starts no
     processes of its own (``creates_processes_externally``). The ranks are forked from the fork server of
@@ -225,14 +237,15 @@ def run_ranks(
     base["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), base.get("PYTHONPATH", "")]))
     if world_size > 1:
         base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world_size), NODE_RANK="0")
-        base["LOCAL_WORLD_SIZE"] = str(world_size)
+        base["LOCAL_WORLD_SIZE"] = str(per_node or world_size)
     logs = []
     procs = []
     with tempfile.TemporaryDirectory(prefix="ranks-") as folder:
         for rank in range(world_size):
             rank_env = dict(base)
             if world_size > 1:
-                rank_env.update(LOCAL_RANK=str(rank), RANK=str(rank))
+                local, node = (rank % per_node, rank // per_node) if per_node else (rank, 0)
+                rank_env.update(LOCAL_RANK=str(local), RANK=str(rank), NODE_RANK=str(node))
             logs.append(os.path.join(folder, f"rank{rank}.log"))
             # not daemonic, as under torchrun: a rank may start processes of its own (DataLoader workers)
             procs.append(ctx.Process(target=_external_rank, args=(module, list(argv), rank_env, logs[-1])))

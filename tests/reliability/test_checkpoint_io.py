@@ -186,15 +186,6 @@ def test_with_atomic_default_keeps_a_configured_wrapper_base() -> None:
     assert with_atomic_default(wrapper) is wrapper and wrapper.checkpoint_io is base
 
 
-def test_the_old_module_path_still_resolves_with_a_deprecation_warning() -> None:
-    from lightning_dp_strategies import checkpoint_io as old
-
-    with pytest.warns(DeprecationWarning, match=r"moved to `lightning_dp_strategies\.strategies\.checkpoint_io`"):
-        assert old.AtomicCheckpointIO is AtomicCheckpointIO
-    with pytest.raises(AttributeError):
-        old.NotAName  # noqa: B018
-
-
 def test_a_local_checkpoint_is_memory_mapped_and_a_legacy_one_still_loads(tmp_path: Path, mocker: Any) -> None:
     """A zip-format file is loaded with ``mmap=True`` (a tensor's bytes are read from the file when used); the legacy
     format, which cannot be mapped, loads as before."""

@@ -52,6 +52,8 @@ SCENARIOS = {
     "sgd": Scenario(extra={"log_comm_stats": True}),
     "adam3": Scenario(world=3, optimizer="adam", epochs=3, samples=45),  # 15 per rank: 4,4,4,3
     "sgd3": Scenario(world=3, epochs=3, samples=45),
+    # 2 nodes x 2 processes (LDPS_NUM_NODES=2): the buckets reduced in two levels by default, or flat
+    "nodes2x2": Scenario(world=4, samples=44),
     "adam2": Scenario(optimizer="adam"),
     "unused": Scenario(unused=True),
     "accumulate": Scenario(accumulate=2),
@@ -179,6 +181,8 @@ def make_strategy(scenario: Scenario, strategy: str) -> Any:
         return lightning_dp_strategies.RingAllReduceStrategy(**scenario.extra, **comm_hook_options(scenario.hook))
     if strategy == "minimal":
         return MinimalBucketed()
+    if strategy == "flat":
+        return lightning_dp_strategies.RingAllReduceStrategy(two_level=False)
     return strategy
 
 

@@ -292,6 +292,41 @@ def test_two_nodes_through_torchrun_keep_parity(tmp_path: Path) -> None:
     assert_parity(results(out, "sgd"), "sgd")
 
 
+@NUMERICS
+@pytest.mark.timeout(300)
+def test_two_nodes_of_two_processes_reduce_in_two_levels_at_parity(tmp_path: Path) -> None:
+    """2 nodes x 2 processes on loopback (the ranks numbered as torchrun numbers them on two nodes): the default
+    reduces inside each node, then across nodes, at the flat ring's tolerance (1e-5); `two_level=False` stays flat.
+    Per rank both send 2(N-1)/N = 1.5x the buffer, but the two-level one sends only a third of it (half a buffer)
+    across nodes, so a node sends 1x the buffer over its link instead of 1.5x."""
+    from tests.helpers.distributed import run_ranks
+
+    argv = ["nodes2x2,nodes2x2@flat", str(tmp_path)]
+    run_ranks("tests.strategies.ring_scenarios", argv, 4, timeout=280, env={"LDPS_NUM_NODES": "2"}, per_node=2)
+    two_level, flat = results(tmp_path, "nodes2x2"), results(tmp_path, "nodes2x2", strategy="flat")
+    assert_parity(two_level, "nodes2x2")
+    assert_parity(flat, "nodes2x2")
+    for rank in range(4):
+        totals, flat_totals = two_level[rank]["totals"], flat[rank]["totals"]
+        assert flat_totals["inter_node_bytes_sent"] == 0
+        assert totals["bytes_sent"] == pytest.approx(flat_totals["bytes_sent"], rel=0.01)
+        assert totals["inter_node_bytes_sent"] == pytest.approx(totals["bytes_sent"] / 3, rel=0.01)
+
+
+@pytest.mark.parametrize("fabric", [False, True])
+def test_bad_two_level_options_fail_when_the_strategy_is_made(fabric: bool) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    from lightning_dp_strategies import FabricRingAllReduceStrategy, RingAllReduceStrategy
+
+    strategy = FabricRingAllReduceStrategy if fabric else RingAllReduceStrategy
+    with pytest.raises(TypeError, match="`two_level` must be None"):
+        strategy(two_level="yes")
+    with pytest.raises(ValueError, match="Pass `two_level=False`, or a reducer instead of the hook"):
+        strategy(two_level=True, ddp_comm_hook=allreduce_hook)
+    assert strategy(ddp_comm_hook=allreduce_hook).two_level is None  # the default picks flat with a hook
+
+
 def test_options_read_from_the_config_and_stay_read_only() -> None:
     """The option attributes from before ``config`` existed read it, and cannot drift from it by assignment."""
     from lightning_dp_strategies import RingAllReduceStrategy

@@ -1,0 +1,150 @@
+"""Two-level all-reduce for ranks on several nodes: inside each node, then across nodes between equal shards.
+
+With ``n`` nodes of ``L`` processes each, a flat ring over all ``n L`` ranks sends ``2(nL-1)/(nL)`` of the tensor over
+every link of the ring, and ``n`` of those links cross between nodes: each node sends almost twice the tensor over its
+slow link. The two-level reduction sends only shards over it::
+
+    1. reduce-scatter inside the node      each local rank l holds shard l of its node's sum     (fast link)
+    2. all-reduce shard l across nodes     between the ranks with the same local rank l          (slow link)
+    3. all-gather inside the node          every rank holds the whole reduced tensor             (fast link)
+
+    2 nodes x 2 processes, tensor = shards a b:
+
+    node 0: rank 0 [a0 b0]  rank 1 [a1 b1]       node 1: rank 2 [a2 b2]  rank 3 [a3 b3]
+    1.      rank 0 b0+b1    rank 1 a0+a1                 rank 2 b2+b3    rank 3 a2+a3
+    2.      rank 0 <-> rank 2: b*                        rank 1 <-> rank 3: a*
+    3.      every rank a* b*
+
+A rank sends ``2(L-1)/L`` of the tensor inside its node and ``2(n-1)/n`` of one shard (``1/L`` of the tensor) across
+nodes, so a node sends ``2(n-1)/n`` of the tensor over its slow link in all: at 2 nodes x 2 processes, 1x the tensor
+instead of the flat ring's 1.5x. Ranks are numbered node by node, as torchrun and Lightning number them
+(``rank = node * L + local_rank``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_dp_strategies.comm.ops import CommCounter, ReduceOpLike, divide_, is_average
+from lightning_dp_strategies.comm.ring import ring_all_gather, ring_all_reduce, ring_reduce_scatter
+
+__all__ = ["AcrossNodes", "NodeLayout", "TwoLevelGroups", "new_two_level_groups", "ring_across", "two_level_all_reduce"]
+
+
+@dataclass(frozen=True)
+class NodeLayout:
+    """Ranks ``ranks`` (global, ascending) on ``nodes`` nodes of ``per_node`` consecutive ranks each.
+
+    Examples:
+        >>> layout = NodeLayout(nodes=2, per_node=2)
+        >>> layout.node_groups(), layout.shard_groups()
+        ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
+        >>> NodeLayout(nodes=2, per_node=2, ranks=(4, 5, 6, 7)).shard_groups()
+        [[4, 6], [5, 7]]
+        >>> NodeLayout(nodes=2, per_node=3, ranks=(0, 1, 2, 3))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: A layout of 2 nodes x 3 processes needs 6 ranks, got 4: ...
+    """
+
+    nodes: int
+    per_node: int
+    ranks: tuple[int, ...] = ()
+    """The global ranks in order (default: ``0 .. nodes * per_node - 1``)."""
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.per_node < 1:
+            raise ValueError(f"A node layout needs nodes >= 1 and per_node >= 1, got {self.nodes} x {self.per_node}.")
+        if not self.ranks:
+            object.__setattr__(self, "ranks", tuple(range(self.nodes * self.per_node)))
+        if len(self.ranks) != self.nodes * self.per_node:
+            raise ValueError(
+                f"A layout of {self.nodes} nodes x {self.per_node} processes needs {self.nodes * self.per_node} ranks, "
+                f"got {len(self.ranks)}: every node must run the same number of processes."
+            )
+
+    def node_groups(self) -> list[list[int]]:
+        """The ranks of each node, node by node."""
+        return [list(self.ranks[n * self.per_node : (n + 1) * self.per_node]) for n in range(self.nodes)]
+
+    def shard_groups(self) -> list[list[int]]:
+        """For each local rank, the ranks that hold that shard on every node."""
+        return [list(self.ranks[local :: self.per_node]) for local in range(self.per_node)]
+
+
+@dataclass(frozen=True)
+class TwoLevelGroups:
+    """The groups of a layout: every node's and every shard's (torch's placeholder where this rank is not a
+    member), and this rank's two among them, its node's (``intra``) and its shard's across nodes (``inter``)."""
+
+    layout: NodeLayout
+    nodes: list[dist.ProcessGroup]
+    shards: list[dist.ProcessGroup]
+    intra: dist.ProcessGroup | None
+    inter: dist.ProcessGroup | None
+
+    def all(self) -> list[dist.ProcessGroup]:
+        """Every group made, to destroy at the end."""
+        return [*self.nodes, *self.shards]
+
+
+def new_two_level_groups(layout: NodeLayout, backend: str | None = None) -> TwoLevelGroups:
+    """Make every node's group and every shard's group. Collective over the world: call it on every rank (also ranks
+    outside ``layout.ranks``), in the same order, as for any ``dist.new_group``."""
+    rank = dist.get_rank()
+    nodes = [dist.new_group(ranks, backend=backend) for ranks in layout.node_groups()]
+    shards = [dist.new_group(ranks, backend=backend) for ranks in layout.shard_groups()]
+    intra = next((g for g, r in zip(nodes, layout.node_groups(), strict=True) if rank in r), None)
+    inter = next((g for g, r in zip(shards, layout.shard_groups(), strict=True) if rank in r), None)
+    return TwoLevelGroups(layout, nodes, shards, intra, inter)
+
+
+AcrossNodes = Callable[[Tensor, "dist.ProcessGroup | None", CommCounter], None]
+"""``across(shard, inter_group, counter)``: sum ``shard`` in place over the ranks of ``inter_group``."""
+
+
+def ring_across(shard: Tensor, group: dist.ProcessGroup | None, counter: CommCounter) -> None:
+    """The default hop across nodes: a ring all-reduce (sum) of the shard."""
+    ring_all_reduce(shard, "sum", group, counter)
+
+
+def two_level_all_reduce(
+    tensor: Tensor,
+    op: ReduceOpLike,
+    groups: TwoLevelGroups,
+    counter: CommCounter | None = None,
+    across: AcrossNodes = ring_across,
+) -> Tensor:
+    """Reduce ``tensor`` in place over ``groups.layout``'s ranks: a ring reduce-scatter inside the node, this rank's
+    shard summed across nodes (``across``: a ring all-reduce, or a compressing reducer), a ring all-gather inside
+    the node.
+
+    Args:
+        tensor: a contiguous tensor of the same shape and dtype on every rank.
+        op: ``"sum"`` or ``"avg"`` (the average divides once, at the end).
+        groups: from :func:`new_two_level_groups`.
+        counter: receives everything this rank sent, what it sent across nodes also in ``inter_node_bytes``.
+        across: sums a shard over the ranks that hold it on every node.
+
+    Returns:
+        ``tensor``, now holding the reduction.
+    """
+    layout = groups.layout
+    chunks = list(tensor.view(-1).tensor_split(layout.per_node))
+    owned = ring_reduce_scatter(chunks, groups.intra, counter) if layout.per_node > 1 else 0
+    if layout.nodes > 1:
+        sent = CommCounter()
+        across(chunks[owned], groups.inter, sent)
+        if counter is not None:
+            counter.add(CommCounter(sent.bytes_sent, sent.messages, 0, sent.seconds, inter_node_bytes=sent.bytes_sent))
+    if layout.per_node > 1:
+        ring_all_gather(chunks, groups.intra, counter)
+    if counter is not None:
+        counter.operations += 1
+    if is_average(op):
+        divide_(tensor, layout.nodes * layout.per_node)
+    return tensor

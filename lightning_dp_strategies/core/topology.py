@@ -1,0 +1,63 @@
+"""Where the ranks are: how many nodes and processes a node, and the reducer that layout calls for."""
+
+from __future__ import annotations
+
+from lightning_dp_strategies.core.options import ReductionOptions, RingAllReduceConfig
+from lightning_dp_strategies.reducers import Reducer
+from lightning_dp_strategies.reducers.two_level import TwoLevelReducer
+
+__all__ = ["check_two_level", "layout_reducer", "uses_two_level"]
+
+
+def check_two_level(two_level: object, reduction: ReductionOptions) -> bool | None:
+    """``two_level`` itself when it is ``None``, ``True`` or ``False``; a clear error otherwise, or when it is forced
+    on with a torch DDP communication hook (a hook reduces whole buckets).
+
+    Examples:
+        >>> check_two_level(None, ReductionOptions()) is None
+        True
+        >>> check_two_level("yes", ReductionOptions())  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        TypeError: `two_level` must be None (two levels when the job spans several nodes of several processes), ...
+    """
+    if two_level is not None and not isinstance(two_level, bool):
+        RingAllReduceConfig(two_level=two_level)  # type: ignore[arg-type]  # raises the option's own error
+    assert two_level is None or isinstance(two_level, bool)
+    if two_level and reduction.ddp_comm_hook is not None:
+        raise ValueError(
+            "`two_level=True` cannot be combined with `ddp_comm_hook`: a torch communication hook reduces whole "
+            "buckets. Pass `two_level=False`, or a reducer instead of the hook (e.g. `reducer=bf16_compress('ring')`)."
+        )
+    return two_level
+
+
+def uses_two_level(two_level: bool | None, nodes: int, per_node: int, reduction: ReductionOptions) -> bool:
+    """Whether the buckets are reduced in two levels: as asked, else when there are several nodes of several
+    processes and no communication hook (as NCCL picks a hierarchical algorithm for that topology).
+
+    Examples:
+        >>> uses_two_level(None, 2, 2, ReductionOptions()), uses_two_level(None, 2, 1, ReductionOptions())
+        (True, False)
+        >>> uses_two_level(False, 4, 8, ReductionOptions()), uses_two_level(True, 1, 2, ReductionOptions())
+        (False, True)
+    """
+    if two_level is not None:
+        return two_level
+    return nodes > 1 and per_node > 1 and reduction.ddp_comm_hook is None
+
+
+def layout_reducer(two_level: bool | None, nodes: int, per_node: int, reduction: ReductionOptions) -> Reducer:
+    """The reducer of the buckets for this layout: the ``reducer=`` option (or hook) as it is, or that reducer as the
+    hop across nodes of a :class:`~lightning_dp_strategies.reducers.two_level.TwoLevelReducer`.
+
+    Examples:
+        >>> type(layout_reducer(None, 2, 2, ReductionOptions("native"))).__name__
+        'TwoLevelReducer'
+        >>> type(layout_reducer(None, 1, 2, ReductionOptions("native"))).__name__
+        'NativeReducer'
+    """
+    reducer = reduction.make_reducer()
+    if uses_two_level(two_level, nodes, per_node, reduction):
+        return TwoLevelReducer(per_node, inter_node=reducer)
+    return reducer
