@@ -14,7 +14,7 @@ LONGEST_FIRST = (
     "tests/reliability/test_determinism.py",
     "tests/test_notebooks.py",
     "tests/strategies/test_ring_allreduce.py",
-    "tests/test_compare_user_model.py",
+    "tests/compare/test_user_model.py",
     "tests/reliability/test_rank_agreement.py",
     "tests/reliability/test_dead_rank.py",
 )

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_dp_strategies import cli as lightning_dp_strategies_cli
 from lightning_dp_strategies.compare import compare, runner as runner_module
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "docs" / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
 
 
 def _never_starts_a_process(monkeypatch: pytest.MonkeyPatch) -> None:
