@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from lightning_dp_strategies.core.options import ReductionOptions, RingAllReduceConfig
-from lightning_dp_strategies.reducers import Reducer
+from lightning_dp_strategies.reducers import PowerSGD, Reducer
 from lightning_dp_strategies.reducers.two_level import TwoLevelReducer
 
 __all__ = ["check_two_level", "layout_reducer", "uses_two_level"]
@@ -29,22 +29,33 @@ def check_two_level(two_level: object, reduction: ReductionOptions) -> bool | No
             "`two_level=True` cannot be combined with `ddp_comm_hook`: a torch communication hook reduces whole "
             "buckets. Pass `two_level=False`, or a reducer instead of the hook (e.g. `reducer=bf16_compress('ring')`)."
         )
+    if two_level and isinstance(reduction.reducer, PowerSGD):
+        raise ValueError(
+            "`two_level=True` cannot be combined with `reducer=PowerSGD(...)`: PowerSGD compresses the bucket's "
+            "matrices, and the hop across nodes carries a flat shard of it. Pass `two_level=False` for PowerSGD, or "
+            "`reducer=bf16_compress('ring')` to compress the hop across nodes."
+        )
     return two_level
 
 
 def uses_two_level(two_level: bool | None, nodes: int, per_node: int, reduction: ReductionOptions) -> bool:
     """Whether the buckets are reduced in two levels: as asked, else when there are several nodes of several
-    processes and no communication hook (as NCCL picks a hierarchical algorithm for that topology).
+    processes, no communication hook and no PowerSGD, which need whole buckets (as NCCL picks a hierarchical
+    algorithm for that topology).
 
     Examples:
         >>> uses_two_level(None, 2, 2, ReductionOptions()), uses_two_level(None, 2, 1, ReductionOptions())
         (True, False)
         >>> uses_two_level(False, 4, 8, ReductionOptions()), uses_two_level(True, 1, 2, ReductionOptions())
         (False, True)
+        >>> from lightning_dp_strategies.reducers import PowerSGD
+        >>> uses_two_level(None, 2, 2, ReductionOptions(PowerSGD("ring", rank=2)))  # PowerSGD needs whole buckets
+        False
     """
     if two_level is not None:
         return two_level
-    return nodes > 1 and per_node > 1 and reduction.ddp_comm_hook is None
+    whole_buckets = reduction.ddp_comm_hook is not None or isinstance(reduction.reducer, PowerSGD)
+    return nodes > 1 and per_node > 1 and not whole_buckets
 
 
 def layout_reducer(two_level: bool | None, nodes: int, per_node: int, reduction: ReductionOptions) -> Reducer:

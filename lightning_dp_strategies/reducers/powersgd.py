@@ -34,7 +34,9 @@ class PowerSGD:
     For each gradient reshaped to an ``n x m`` matrix ``M`` (first dimension by the rest) where ``r (n + m) < n m``:
     ``M += error``; ``P = M Q`` averaged over ranks; orthonormalise ``P``; ``Q = M^T P`` averaged; the gradient becomes
     ``P Q^T`` and ``error = M - P Q^T`` (kept on this rank, added next step, so nothing is lost for good; only the
-    timing of its arrival changes). ``Q`` starts from the same seed on every rank and is reused (warm start). Vectors,
+    timing of its arrival changes). For a ``"sum"`` bucket, whose inputs were divided by the world size ``N`` on the
+    way in (as the strategies send them), this rank's share of the result is ``P Q^T / N``, and the error is taken
+    against that. ``Q`` starts from the same seed on every rank and is reused (warm start). Vectors,
     small matrices and the presence flags are averaged uncompressed. Each of the three reductions goes through
     ``inner``, so compressions stack (``PowerSGD(bf16_compress("ring"))``).
 
@@ -130,12 +132,15 @@ class PowerSGD:
         second = torch.cat([q.reshape(-1) for q in qs])
         self._inner(bucket, second)
         offset = 0
+        # this rank's share of the result: the result itself for "avg"; for "sum" (inputs divided by the world
+        # size on the way in, as the strategies send them) 1/N of it, in the scale of this rank's M
+        share = 1.0 / bucket.world_size if bucket.op == "sum" else 1.0
         for slot, matrix, p, q in zip(slots, matrices, ps, qs, strict=True):
             q.copy_(second[offset : offset + q.numel()].view_as(q))
             offset += q.numel()
             key = (bucket.index, slot)
             approx = p @ q.T
-            self.error[key] = matrix - approx  # what this rank's M lost to the approximation
+            self.error[key] = matrix - share * approx  # what this rank's M lost to the approximation
             self.q[key] = q
             matrix.copy_(approx)
         return bucket.buffer

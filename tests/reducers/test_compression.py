@@ -121,6 +121,37 @@ def test_powersgd_error_feedback_loses_nothing_over_time() -> None:
     reducer.close()
 
 
+def _check_error_feedback_across_ranks(rank: int, world_size: int, op: str) -> None:
+    """sum_t averaged_t = sum_t mean(grad_t) - (error_T summed over ranks, scaled as the inputs are)."""
+    import torch.distributed as dist
+
+    reducer = PowerSGD("ring", rank=1)
+    generator = torch.Generator().manual_seed(11 + rank)
+    true_sum, sent_sum = torch.zeros(32, 20), torch.zeros(32, 20)
+    for _ in range(8):
+        grad = torch.randn(32, 20, generator=generator)
+        true_sum += reference_all_reduce(grad.clone(), "avg")
+        # the strategies divide every gradient by the world size on its way into the bucket and ask for the sum
+        given = grad / world_size if op == "sum" else grad
+        bucket = GradBucket(given.flatten().clone(), shapes=[grad.shape], op=op)  # type: ignore[arg-type]
+        reducer(bucket).wait()
+        sent_sum += bucket.buffer.view(32, 20)
+    error = reducer.error[(0, 0)].clone()
+    dist.all_reduce(error)  # every rank's error, in the scale of its inputs
+    carried = error if op == "sum" else error / world_size
+    torch.testing.assert_close(sent_sum + carried, true_sum, atol=1e-4, rtol=1e-5)
+    assert carried.norm() > 1e-2, "rank 1 of random 32x20 matrices is lossy: the check has something to carry"
+    reducer.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("op", ["sum", "avg"])
+def test_powersgd_error_feedback_loses_nothing_across_four_ranks(op: str) -> None:
+    """With the strategies' pre-divided "sum" buckets too: the error a rank keeps is its share of what the average
+    lost, so the averaged gradients delivered plus the carried errors add up to the true averages (1e-4)."""
+    run_distributed(_check_error_feedback_across_ranks, 4, op)
+
+
 def test_powersgd_leaves_vectors_and_small_matrices_uncompressed() -> None:
     reducer = PowerSGD(rank=4)
     assert not reducer.compresses(torch.Size([100]))

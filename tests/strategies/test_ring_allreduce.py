@@ -317,13 +317,15 @@ def test_two_nodes_of_two_processes_reduce_in_two_levels_at_parity(tmp_path: Pat
 def test_bad_two_level_options_fail_when_the_strategy_is_made(fabric: bool) -> None:
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-    from lightning_dp_strategies import FabricRingAllReduceStrategy, RingAllReduceStrategy
+    from lightning_dp_strategies import FabricRingAllReduceStrategy, PowerSGD, RingAllReduceStrategy
 
     strategy = FabricRingAllReduceStrategy if fabric else RingAllReduceStrategy
     with pytest.raises(TypeError, match="`two_level` must be None"):
         strategy(two_level="yes")
     with pytest.raises(ValueError, match="Pass `two_level=False`, or a reducer instead of the hook"):
         strategy(two_level=True, ddp_comm_hook=allreduce_hook)
+    with pytest.raises(ValueError, match="Pass `two_level=False` for PowerSGD"):
+        strategy(two_level=True, reducer=PowerSGD("ring", rank=2))
     assert strategy(ddp_comm_hook=allreduce_hook).two_level is None  # the default picks flat with a hook
 
 
