@@ -32,7 +32,17 @@ from torch import Tensor
 from lightning_dp_strategies.comm.ops import CommCounter, ReduceOpLike, divide_, is_average
 from lightning_dp_strategies.comm.ring import ring_all_gather, ring_all_reduce, ring_reduce_scatter
 
-__all__ = ["AcrossNodes", "NodeLayout", "TwoLevelGroups", "new_two_level_groups", "ring_across", "two_level_all_reduce"]
+__all__ = [
+    "AcrossNodes",
+    "NodeLayout",
+    "TwoLevelGroups",
+    "gather_in_node",
+    "new_two_level_groups",
+    "reduce_across_nodes",
+    "reduce_in_node",
+    "ring_across",
+    "two_level_all_reduce",
+]
 
 
 @dataclass(frozen=True)
@@ -78,29 +88,39 @@ class NodeLayout:
 
 @dataclass(frozen=True)
 class TwoLevelGroups:
-    """The groups of a layout: every node's and every shard's (torch's placeholder where this rank is not a
-    member), and this rank's two among them, its node's (``intra``) and its shard's across nodes (``inter``)."""
+    """The groups of a layout, every node's and every shard's (torch's placeholder where this rank is not a member),
+    and this rank's among them: its node's (``intra``), a second one over the same ranks for the all-gather
+    (``gather``, so that a bucket's all-gather and the next bucket's reduce-scatter may run at the same time without
+    mixing their messages), and its shard's across nodes (``inter``)."""
 
     layout: NodeLayout
-    nodes: list[dist.ProcessGroup]
-    shards: list[dist.ProcessGroup]
+    made: list[dist.ProcessGroup]
     intra: dist.ProcessGroup | None
+    gather: dist.ProcessGroup | None
     inter: dist.ProcessGroup | None
-
-    def all(self) -> list[dist.ProcessGroup]:
-        """Every group made, to destroy at the end."""
-        return [*self.nodes, *self.shards]
+    inters: list[dist.ProcessGroup]
+    """Every shard's group, in ``layout.shard_groups()`` order (a reducer across nodes sets itself up on each)."""
 
 
 def new_two_level_groups(layout: NodeLayout, backend: str | None = None) -> TwoLevelGroups:
-    """Make every node's group and every shard's group. Collective over the world: call it on every rank (also ranks
-    outside ``layout.ranks``), in the same order, as for any ``dist.new_group``."""
+    """Make every node's two groups and every shard's group. Collective over the world: call it on every rank (also
+    ranks outside ``layout.ranks``), in the same order, as for any ``dist.new_group``."""
     rank = dist.get_rank()
+
+    def mine(groups: list[dist.ProcessGroup], members: list[list[int]]) -> dist.ProcessGroup | None:
+        return next((g for g, r in zip(groups, members, strict=True) if rank in r), None)
+
     nodes = [dist.new_group(ranks, backend=backend) for ranks in layout.node_groups()]
+    gathers = [dist.new_group(ranks, backend=backend) for ranks in layout.node_groups()]
     shards = [dist.new_group(ranks, backend=backend) for ranks in layout.shard_groups()]
-    intra = next((g for g, r in zip(nodes, layout.node_groups(), strict=True) if rank in r), None)
-    inter = next((g for g, r in zip(shards, layout.shard_groups(), strict=True) if rank in r), None)
-    return TwoLevelGroups(layout, nodes, shards, intra, inter)
+    return TwoLevelGroups(
+        layout,
+        [*nodes, *gathers, *shards],
+        mine(nodes, layout.node_groups()),
+        mine(gathers, layout.node_groups()),
+        mine(shards, layout.shard_groups()),
+        shards,
+    )
 
 
 AcrossNodes = Callable[[Tensor, "dist.ProcessGroup | None", CommCounter], None]
@@ -110,6 +130,26 @@ AcrossNodes = Callable[[Tensor, "dist.ProcessGroup | None", CommCounter], None]
 def ring_across(shard: Tensor, group: dist.ProcessGroup | None, counter: CommCounter) -> None:
     """The default hop across nodes: a ring all-reduce (sum) of the shard."""
     ring_all_reduce(shard, "sum", group, counter)
+
+
+def reduce_in_node(chunks: list[Tensor], groups: TwoLevelGroups, counter: CommCounter) -> int:
+    """Phase 1: a ring reduce-scatter of ``chunks`` (one per process of the node) inside the node; returns the index
+    of the chunk this rank now holds summed over its node."""
+    return ring_reduce_scatter(chunks, groups.intra, counter) if groups.layout.per_node > 1 else 0
+
+
+def reduce_across_nodes(shard: Tensor, groups: TwoLevelGroups, counter: CommCounter, across: AcrossNodes) -> None:
+    """Phase 2: ``shard`` summed over the ranks that hold it on every node; counted as sent across nodes."""
+    if groups.layout.nodes > 1:
+        sent = CommCounter()
+        across(shard, groups.inter, sent)
+        counter.add(CommCounter(sent.bytes_sent, sent.messages, 0, sent.seconds, inter_node_bytes=sent.bytes_sent))
+
+
+def gather_in_node(chunks: list[Tensor], groups: TwoLevelGroups, counter: CommCounter) -> None:
+    """Phase 3: a ring all-gather of the node's summed chunks, over the node's second group."""
+    if groups.layout.per_node > 1:
+        ring_all_gather(chunks, groups.gather, counter)
 
 
 def two_level_all_reduce(
@@ -133,18 +173,12 @@ def two_level_all_reduce(
     Returns:
         ``tensor``, now holding the reduction.
     """
-    layout = groups.layout
-    chunks = list(tensor.view(-1).tensor_split(layout.per_node))
-    owned = ring_reduce_scatter(chunks, groups.intra, counter) if layout.per_node > 1 else 0
-    if layout.nodes > 1:
-        sent = CommCounter()
-        across(chunks[owned], groups.inter, sent)
-        if counter is not None:
-            counter.add(CommCounter(sent.bytes_sent, sent.messages, 0, sent.seconds, inter_node_bytes=sent.bytes_sent))
-    if layout.per_node > 1:
-        ring_all_gather(chunks, groups.intra, counter)
-    if counter is not None:
-        counter.operations += 1
+    counter = counter if counter is not None else CommCounter()
+    chunks = list(tensor.view(-1).tensor_split(groups.layout.per_node))
+    owned = reduce_in_node(chunks, groups, counter)
+    reduce_across_nodes(chunks[owned], groups, counter, across)
+    gather_in_node(chunks, groups, counter)
+    counter.operations += 1
     if is_average(op):
-        divide_(tensor, layout.nodes * layout.per_node)
+        divide_(tensor, groups.layout.nodes * groups.layout.per_node)
     return tensor

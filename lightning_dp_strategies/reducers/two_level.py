@@ -14,14 +14,16 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
-from lightning_dp_strategies.comm import CommCounter
+from lightning_dp_strategies.comm import CommCounter, divide_
 from lightning_dp_strategies.comm.two_level import (
     NodeLayout,
     TwoLevelGroups,
+    gather_in_node,
     new_two_level_groups,
-    two_level_all_reduce,
+    reduce_across_nodes,
+    reduce_in_node,
 )
-from lightning_dp_strategies.reducers.base import GradBucket, Reducer, close_reducer, setup_reducer
+from lightning_dp_strategies.reducers.base import GradBucket, Reducer, close_reducer, completed, setup_reducer
 from lightning_dp_strategies.reducers.builtin import resolve_reducer
 from lightning_dp_strategies.reducers.thread import CommThread
 
@@ -31,14 +33,20 @@ __all__ = ["TwoLevelReducer"]
 class TwoLevelReducer:
     """Reduce each bucket over ``per_node`` consecutive ranks a node, then across nodes, then inside the node.
 
+    The three phases run on three threads, one phase each, buckets in launch order on every thread: while bucket
+    ``k`` crosses the link between nodes, bucket ``k+1`` is reduced inside the node and bucket ``k-1`` gathered, so
+    the slow link and the fast one are busy at the same time. Each phase has its own process group (the node's
+    all-gather a second group over the node), so the order of messages on every group is the launch order on every
+    rank, whatever the timing.
+
     Args:
         per_node: processes on every node (ranks are numbered node by node, as torchrun numbers them).
         inter_node: the reducer of the hop across nodes: a name (``"ring"``, the default, or ``"native"``) or a
             reducer such as ``bf16_compress("ring")``. It sums one shard (``1/per_node`` of the bucket) over the ranks
             that hold it, one per node.
 
-    Its :meth:`setup` makes every node's group and every shard's group (collective over the world, as every
-    reducer's setup). What a bucket sent across nodes is counted in its counter's ``inter_node_bytes``.
+    Its :meth:`setup` makes the groups (collective over the world, as every reducer's setup). What a bucket sent
+    across nodes is counted in its counter's ``inter_node_bytes``.
 
     Examples:
         >>> import torch
@@ -55,7 +63,7 @@ class TwoLevelReducer:
         self.inter_node = resolve_reducer(inter_node)
         self._groups: dict[object, TwoLevelGroups] = {}  # the group a bucket names -> its two levels
         self._made: list[dist.ProcessGroup] = []
-        self._thread = CommThread("ldps-two-level")
+        self._phases = [CommThread(f"ldps-two-level-{phase}") for phase in ("in", "across", "gather")]
 
     def setup(self, group: dist.ProcessGroup | None, ranks: Sequence[int], backend: str | None = None) -> None:
         """Make the node and shard groups over ``ranks``, and the inter-node reducer's own groups, on every rank."""
@@ -66,29 +74,53 @@ class TwoLevelReducer:
             )
         layout = NodeLayout(len(ranks) // self.per_node, self.per_node, tuple(ranks))
         groups = new_two_level_groups(layout, backend)
-        self._made += groups.all()
-        for shard_group, shard_ranks in zip(groups.shards, layout.shard_groups(), strict=True):
+        self._made += groups.made
+        for shard_group, shard_ranks in zip(groups.inters, layout.shard_groups(), strict=True):
             setup_reducer(self.inter_node, shard_group, shard_ranks, backend)
         if dist.get_rank() in ranks:
             self._groups[group] = groups
 
     def __call__(self, bucket: GradBucket) -> Future[Tensor]:
-        return self._thread.submit(functools.partial(self.reduce, bucket), bucket.buffer.device)
-
-    def reduce(self, bucket: GradBucket) -> Tensor:
-        """Reduce ``bucket`` now, in the calling thread; returns its buffer."""
         groups = self._groups.get(bucket.group)
+        buffer = bucket.buffer
         if groups is None or bucket.world_size == 1:
-            return bucket.buffer
-        across = functools.partial(self._across, bucket.index)
-        return two_level_all_reduce(bucket.buffer, bucket.op, groups, bucket.counter, across)
+            return completed(buffer)
+        chunks = list(buffer.view(-1).tensor_split(groups.layout.per_node))
+        counters = [CommCounter() for _ in self._phases]  # one per thread, added up by the last phase
+        owned: list[int] = []
+        device = buffer.device
+
+        def reduce_in() -> Tensor:
+            owned.append(reduce_in_node(chunks, groups, counters[0]))
+            return buffer
+
+        def across() -> Tensor:
+            reduced.wait()
+            hop = functools.partial(self._across, bucket.index)
+            reduce_across_nodes(chunks[owned[0]], groups, counters[1], hop)
+            return buffer
+
+        def gather() -> Tensor:
+            crossed.wait()
+            gather_in_node(chunks, groups, counters[2])
+            for counter in counters:
+                bucket.counter.add(counter)
+            bucket.counter.operations += 1
+            if bucket.op == "avg":
+                divide_(buffer, groups.layout.nodes * groups.layout.per_node)
+            return buffer
+
+        reduced = self._phases[0].submit(reduce_in, device)
+        crossed = self._phases[1].submit(across, device)
+        return self._phases[2].submit(gather, device)
 
     def _across(self, index: int, shard: Tensor, group: dist.ProcessGroup | None, counter: CommCounter) -> None:
         self.inter_node(GradBucket(shard, group=group, counter=counter, index=index, op="sum")).wait()
 
     def close(self) -> None:
-        """Stop the thread, close the inter-node reducer and destroy the groups :meth:`setup` made."""
-        self._thread.close()
+        """Stop the threads, close the inter-node reducer and destroy the groups :meth:`setup` made."""
+        for thread in self._phases:
+            thread.close()
         close_reducer(self.inter_node)
         if dist.is_available() and dist.is_initialized():
             for group in self._made:

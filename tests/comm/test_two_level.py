@@ -76,6 +76,28 @@ def test_the_reducer_compresses_only_the_hop_across_nodes(compress: bool) -> Non
     run_distributed(_check_reducer, 4, compress)
 
 
+def _check_buckets_in_flight(rank: int, world_size: int) -> None:
+    reducer = TwoLevelReducer(per_node=2)
+    setup_reducer(reducer, None, list(range(world_size)))
+    for _ in range(3):  # each bucket's phases overlap the next one's: all launched before any is waited for
+        data = [torch.randn(n, generator=torch.Generator().manual_seed(10 * rank + n)) for n in (1001, 7, 4096, 64)]
+        expected = [reference_all_reduce(d.clone().double(), "avg") for d in data]
+        buckets = [GradBucket(d, op="avg", index=i) for i, d in enumerate(data)]
+        futures = [reducer(b) for b in buckets]
+        for future, bucket, want in zip(futures, buckets, expected, strict=True):
+            assert future.wait() is bucket.buffer
+            torch.testing.assert_close(bucket.buffer.double(), want, rtol=1e-6, atol=1e-6)
+            assert bucket.counter.operations == 1 and bucket.counter.inter_node_bytes > 0
+    reducer.close()
+    dist.barrier()
+
+
+@pytest.mark.timeout(120)
+def test_buckets_in_flight_at_once_each_reduce_to_the_average() -> None:
+    """The phases of consecutive buckets run at the same time on their own threads and groups."""
+    run_distributed(_check_buckets_in_flight, 4)
+
+
 def test_a_layout_that_does_not_cover_the_ranks_is_refused() -> None:
     with pytest.raises(ValueError, match="every node must run the same number of processes"):
         NodeLayout(nodes=2, per_node=2, ranks=(0, 1, 2))

@@ -1,0 +1,231 @@
+"""Benchmark the strategies on a simulated cluster: nodes joined by a 1 or 10 GbE-shaped link (``../shared/netsim``).
+
+For each link and layout (nodes x processes a node), every variant trains the same 13 M-parameter MLP (52 MB of fp32
+gradients, SGD, batch 32 per rank) with Lightning's Trainer; the variants take turns launch by launch (the order
+flipped every launch), and each figure is the median over launches of the median steady-state step. Variants:
+
+    ddp             Lightning's own DDP (torch's reducer, gloo's all-reduce)
+    ring            RingAllReduceStrategy(two_level=False): one flat ring over every rank
+    two_level       RingAllReduceStrategy(two_level=True): inside each node, across nodes by shard, inside again
+    ring_bf16       the flat ring with bf16_compress("ring")
+    two_level_bf16  the two-level reduction with bf16 on the hop across nodes
+    powersgd        the flat ring with PowerSGD("ring", rank=4)
+
+Each launch also saves rank 0's final parameters, and the table gives every variant's largest difference from
+``ddp``'s (the same seed, data and steps). Needs root (network namespaces): without it the script says so and exits
+with status 0. Always leaves the simulated cluster down.
+
+Usage::
+
+    python benchmarks/bench_cluster.py --links 1gbit --layouts 2x2 --json benchmarks/results/cluster.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+NETSIM = ROOT.parent / "shared" / "netsim" / "netsim"
+VARIANTS = ("ddp", "ring", "two_level", "ring_bf16", "two_level_bf16", "powersgd")
+
+
+def make_strategy(variant: str) -> Any:
+    """The Trainer's ``strategy=`` for ``variant``."""
+    from lightning_dp_strategies import PowerSGD, RingAllReduceStrategy, bf16_compress
+
+    options: dict[str, dict[str, Any]] = {
+        "ring": {"two_level": False},
+        "two_level": {"two_level": True},
+        "ring_bf16": {"two_level": False, "reducer": bf16_compress("ring")},
+        "two_level_bf16": {"two_level": True, "reducer": bf16_compress("ring")},
+        "powersgd": {"two_level": False, "reducer": PowerSGD("ring", rank=4)},
+    }
+    return "ddp" if variant == "ddp" else RingAllReduceStrategy(**options[variant])
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One rank of one launch (started by torchrun on every simulated node)."""
+    import lightning as L
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.set_num_threads(1)  # the simulated nodes share the machine's cores
+
+    class Timer(L.Callback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def on_train_batch_end(self, *_: Any) -> None:
+            self.times.append(time.perf_counter())
+
+    class MLP(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            layers: list[nn.Module] = [nn.Linear(args.width, args.width) for _ in range(args.depth)]
+            self.net = nn.Sequential(*[m for layer in layers for m in (layer, nn.Tanh())], nn.Linear(args.width, 10))
+
+        def training_step(self, batch: Any, _: int) -> torch.Tensor:
+            x, y = batch
+            return nn.functional.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    L.seed_everything(0)
+    model = MLP()
+    world = int(os.environ["WORLD_SIZE"])
+    samples = args.steps * args.batch * world
+    gen = torch.Generator().manual_seed(1)
+    data = TensorDataset(
+        torch.randn(samples, args.width, generator=gen), torch.randint(0, 10, (samples,), generator=gen)
+    )
+    timer = Timer()
+    trainer = L.Trainer(
+        strategy=make_strategy(args.worker),
+        accelerator="cpu",
+        devices=int(os.environ["LOCAL_WORLD_SIZE"]),
+        num_nodes=int(os.environ["NNODES"]),
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[timer],
+    )
+    trainer.fit(model, DataLoader(data, batch_size=args.batch))
+    steps = [b - a for a, b in zip(timer.times, timer.times[1:], strict=False)][args.warmup :]
+    if trainer.global_rank == 0:
+        out = Path(args.out)
+        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out.with_suffix(".pt"))
+        out.write_text(json.dumps({"variant": args.worker, "step_ms": 1e3 * statistics.median(steps)}))
+
+
+def netsim(*argv: str, env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(NETSIM), *argv], capture_output=True, text=True, env=env, check=check)
+
+
+def launch(variant: str, per_node: int, args: argparse.Namespace, folder: Path, name: str) -> dict[str, Any]:
+    """One launch of ``variant`` on the cluster that is up; its rank 0's result."""
+    out = folder / f"{name}.json"
+    env = {**os.environ, "PYTHON": sys.executable, "NETSIM_LOGS": str(folder), "PYTHONPATH": str(ROOT)}
+    script = [str(Path(__file__).resolve()), "--worker", variant, "--out", str(out)]
+    script += ["--width", str(args.width), "--depth", str(args.depth), "--steps", str(args.steps)]
+    script += ["--batch", str(args.batch), "--warmup", str(args.warmup)]
+    done = netsim("torchrun", str(per_node), *script, env=env, check=False)
+    if done.returncode != 0:
+        logs = "\n".join(p.read_text()[-3000:] for p in sorted(folder.glob("netsim-node*.log")))
+        raise RuntimeError(f"{variant} failed on the simulated cluster:\n{logs}")
+    return json.loads(out.read_text())
+
+
+def measure_cell(link: str, nodes: int, per_node: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Every variant on ``nodes`` x ``per_node`` over ``link``, launches interleaved."""
+    import torch
+
+    netsim("up", str(nodes), link)
+    try:
+        bandwidth = netsim("bandwidth", check=False).stdout.strip()
+        times: dict[str, list[float]] = {v: [] for v in args.variants}
+        with tempfile.TemporaryDirectory(prefix="cluster-") as tmp:
+            folder = Path(tmp)
+            for index in range(args.launches):
+                order = args.variants if index % 2 == 0 else list(reversed(args.variants))
+                for variant in order:
+                    result = launch(variant, per_node, args, folder, f"{variant}-{index}")
+                    times[variant].append(result["step_ms"])
+                    print(f"  {link} {nodes}x{per_node} {variant:15s} launch {index}: {result['step_ms']:.0f} ms")
+            reference = torch.load(folder / "ddp-0.pt") if "ddp" in times else None
+            diffs = {}
+            for variant in args.variants:
+                if reference is not None:
+                    params = torch.load(folder / f"{variant}-0.pt")
+                    diffs[variant] = max((params[k] - reference[k]).abs().max().item() for k in reference)
+    finally:
+        netsim("down", check=False)
+    step = {v: statistics.median(t) for v, t in times.items()}
+    return {
+        "link": link,
+        "nodes": nodes,
+        "per_node": per_node,
+        "bandwidth": bandwidth,
+        "step_ms": step,
+        "launches_ms": times,
+        "max_param_diff_vs_ddp": diffs,
+    }
+
+
+def table(cells: list[dict[str, Any]], variants: list[str]) -> dict[str, Any]:
+    rows = []
+    for cell in cells:
+        ddp = cell["step_ms"].get("ddp")
+        for v in variants:
+            ms = cell["step_ms"][v]
+            rows.append(
+                [
+                    cell["link"],
+                    f"{cell['nodes']} x {cell['per_node']}",
+                    v,
+                    round(ms),
+                    f"{ms / ddp:.2f}" if ddp else "-",
+                    f"{cell['max_param_diff_vs_ddp'].get(v, float('nan')):.1e}",
+                ]
+            )
+    return {
+        "title": "Median step time on the simulated cluster",
+        "rows": rows,
+        "columns": ["link", "nodes x procs", "variant", "step ms", "/ ddp", "max |dθ| vs ddp"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--links", nargs="+", default=["1gbit", "10gbit"], help="tc rates of the links")
+    parser.add_argument("--layouts", nargs="+", default=["2x1", "2x2", "4x1"], help="NODESxPROCESSES a node")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--launches", type=int, default=2, help="launches of every variant, interleaved")
+    parser.add_argument("--steps", type=int, default=16, help="optimizer steps per launch")
+    parser.add_argument("--warmup", type=int, default=5, help="steps left out of the median")
+    parser.add_argument("--width", type=int, default=1024, help="MLP width (default: 13.1 M parameters at depth 12)")
+    parser.add_argument("--depth", type=int, default=12)
+    parser.add_argument("--batch", type=int, default=32, help="samples per rank and step")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+    if os.geteuid() != 0:
+        print("bench_cluster.py needs root for the simulated cluster (network namespaces and tc); nothing measured.")
+        return None
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from _results import Report
+
+    settings = {k: getattr(args, k) for k in ("links", "layouts", "variants", "launches", "steps", "warmup")}
+    report = Report("cluster", {**settings, "width": args.width, "depth": args.depth, "batch": args.batch})
+    cells = []
+    for link in args.links:
+        for layout in args.layouts:
+            nodes, per_node = (int(n) for n in layout.split("x"))
+            cells.append(measure_cell(link, nodes, per_node, args))
+    result = table(cells, args.variants)
+    for row in result["rows"]:
+        print("  ".join(str(c) for c in row))
+    notes = [f"{c['link']} {c['nodes']}x{c['per_node']}: measured {c['bandwidth']}" for c in cells]
+    report.table(result["title"], result["columns"], result["rows"], notes)
+    report.data["cells"] = cells
+    report.save(args.json)
+    return None
+
+
+if __name__ == "__main__":
+    main()
