@@ -80,3 +80,18 @@ def test_schedule_benchmark_prints_step_bubble_and_activations_per_schedule() ->
     assert re.search(r"^\s+1\s+\d+\.\d\s+1\.00\s+1\.00\s+\d\.\d\d\s+\d\.\d\d$", out, re.M), out
     assert re.search(r"^\s+2\s+\d+\.\d\s+\d+\.\d\d\s+\d+\.\d\d\s+\d\.\d\d\s+\d\.\d\d$", out, re.M), out
     assert len(re.findall(r"^  weights cycled through:\s+(1|4|8) \(.*\): \d+\.\d\d$", out, re.M)) == 3, out
+
+
+def test_cluster_benchmark_builds_every_variant_without_a_cluster() -> None:
+    """The simulated cluster needs root and is never started here: only the script's variants are checked, each a
+    strategy the Trainer takes (a typo in one would fail after minutes of netsim set-up)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import bench_cluster
+
+    from lightning_dp_strategies import RingAllReduceStrategy
+
+    strategies = {v: bench_cluster.make_strategy(v) for v in bench_cluster.VARIANTS}
+    assert strategies.pop("ddp") == "ddp"
+    assert all(isinstance(s, RingAllReduceStrategy) for s in strategies.values())
+    assert strategies["two_level"].two_level and strategies["ring"].two_level is False
+    assert "--links" in _run("bench_cluster.py", "--help")
