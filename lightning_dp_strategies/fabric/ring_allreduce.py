@@ -18,8 +18,7 @@ from lightning.fabric.utilities.types import Optimizable
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_dp_strategies.bucketing import CommStats, GradientBuckets
-from lightning_dp_strategies.bucketing.sync import GradientSync
+from lightning_dp_strategies.bucketing.sync import GradientSync, HoldsGradientSync
 from lightning_dp_strategies.core.agreement import bucketed_options, check_ranks_agree, model_fingerprint
 from lightning_dp_strategies.core.checkpoint_io import AtomicCheckpoints
 from lightning_dp_strategies.core.launch import check_interactive_launch
@@ -41,7 +40,7 @@ from lightning_dp_strategies.reducers import CommHook, Reducer
 __all__ = ["FabricRingAllReduceStrategy"]
 
 
-class FabricRingAllReduceStrategy(AtomicCheckpoints, NonfiniteStep, DDPStrategy):
+class FabricRingAllReduceStrategy(AtomicCheckpoints, HoldsGradientSync, NonfiniteStep, DDPStrategy):
     """One process per device under Lightning Fabric; gradients averaged by the bucketed ring all-reduce.
 
     The Fabric counterpart of :class:`~lightning_dp_strategies.RingAllReduceStrategy`, on the same machinery
@@ -227,22 +226,6 @@ class FabricRingAllReduceStrategy(AtomicCheckpoints, NonfiniteStep, DDPStrategy)
         self._trained = None
         super().teardown()
         self.grad_sync.destroy_groups()
-
-    # ------------------------------------------------------------------ what it holds
-    @property
-    def buckets(self) -> GradientBuckets | None:
-        """This rank's gradient buckets (``None`` before setup and after teardown)."""
-        return self.grad_sync.buckets
-
-    @property
-    def step_stats(self) -> CommStats:
-        """Gradient communication of the last optimizer step."""
-        return self.grad_sync.step_stats
-
-    @property
-    def comm_stats(self) -> CommStats:
-        """Running totals of gradient communication on this rank since setup (kept after teardown)."""
-        return self.grad_sync.totals
 
     # ------------------------------------------------------------------ options (read-only; see `config`)
     bucket_cap_mb = ConfigOption[float]()

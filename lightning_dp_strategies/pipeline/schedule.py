@@ -1,36 +1,13 @@
-"""The pipeline schedules: a pure clock-table model of each, and the glue to ``torch.distributed.pipelining``.
+"""The pipeline schedules' glue to ``torch.distributed.pipelining``: a stage that times itself, and the schedule.
 
-The engine is ``torch.distributed.pipelining``; this module adds the naming, the checks, a stage that measures its
-own compute time and traffic (for the bubble and the statistics), and :func:`clock_table`, a tiny pure model of
-every schedule: each forward (``F``), input-gradient pass (``I``) or weight-gradient pass (``W``) of a micro-batch
-takes one tick, a full backward (``B`` = ``I`` then ``W``) two. The model is the documentation and the test oracle:
-it gives the ideal bubble and the activations each rank holds at most. Two stages, four micro-batches (``Fm``/``Bm``:
-forward/backward of micro-batch m, ``..``: idle)::
-
-    gpipe
-    rank 0  F0 F1 F2 F3 .. .. .. B0 B0 B1 B1 B2 B2 B3 B3
-    rank 1  .. F0 F1 F2 F3 B0 B0 B1 B1 B2 B2 B3 B3 .. ..
-    1f1b
-    rank 0  F0 F1 .. .. B0 B0 F2 B1 B1 F3 B2 B2 .. B3 B3
-    rank 1  .. F0 B0 B0 F1 B1 B1 F2 B2 B2 F3 B3 B3 .. ..
-
-Both idle ``(S-1)/(M+S-1)`` of the time (the *bubble*), but GPipe holds the activations of all ``M`` micro-batches
-before its first backward while 1F1B holds at most ``S - s`` on stage ``s``.
-
-The other schedules give each rank ``V`` *virtual stages* (chunks of the body): ``"interleaved_1f1b"``,
-``"looped_bfs"`` and ``"interleaved_zb"`` place chunk ``c`` on rank ``c % S`` (rank 0 runs chunks 0 and S, ...);
-``"zbv"`` places two chunks per rank in a V (rank 0 runs the first and the last chunk). Their
-actions name the chunk first, as torch does (``2F0``: chunk 2's forward of micro-batch 0); their per-rank orders are
-the ones torch's schedule classes generate, and the clock table places them in ticks. The zero-bubble schedules split
-backward into ``I`` and ``W`` and fill the bubble with the ``W`` passes.
+The engine is ``torch.distributed.pipelining``; this module adds :class:`TimedStage` (a stage that measures its own
+compute time and traffic, for the bubble and the statistics) and :func:`make_schedule`. The schedules by name
+(checks, chunk placement, per-rank orders) live in :mod:`.orders`, the clock-table model with its diagrams in
+:mod:`.clock`; every name is importable from here as well.
 
 ``Schedule1F1B`` refuses fewer micro-batches than stages. With ``M < S`` 1F1B saves nothing where memory peaks
 (stage 0 holds all ``M`` micro-batches under both), so :func:`make_schedule` then builds ``ScheduleGPipe``
 (:func:`effective_schedule`); the gradients are the same.
-
-The schedules by name (checks, chunk placement, per-rank orders) live in :mod:`.orders`, the clock-table model in
-:mod:`.clock`; every name is importable from here as well. This module keeps the glue to torch: :class:`TimedStage`
-and :func:`make_schedule`.
 """
 
 from __future__ import annotations

@@ -38,8 +38,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_dp_strategies.bucketing import CommStats, GradientBuckets
-from lightning_dp_strategies.bucketing.sync import GradientSync
+from lightning_dp_strategies.bucketing.sync import GradientSync, HoldsGradientSync
 from lightning_dp_strategies.core.agreement import bucketed_options, check_ranks_agree, model_fingerprint
 from lightning_dp_strategies.core.launch import check_interactive_launch
 from lightning_dp_strategies.core.module_state import sync_module_states
@@ -61,7 +60,7 @@ from lightning_dp_strategies.strategies._resume import CheckpointAndResume
 __all__ = ["BucketedConfig", "BucketedDataParallel"]
 
 
-class BucketedDataParallel(CheckpointAndResume, NonfiniteCheck, DDPStrategy):
+class BucketedDataParallel(CheckpointAndResume, HoldsGradientSync, NonfiniteCheck, DDPStrategy):
     """Base of the strategies whose gradients ``GradientBuckets`` average over groups of ranks (see the module doc).
 
     Lightning's launchers, cluster environments and process-group setup come from
@@ -291,22 +290,6 @@ class BucketedDataParallel(CheckpointAndResume, NonfiniteCheck, DDPStrategy):
             return False
         every = int(getattr(module.trainer, "log_every_n_steps", 1))
         return every > 0 and module.trainer.global_step % every == 0
-
-    # ------------------------------------------------------------------ what it holds
-    @property
-    def buckets(self) -> GradientBuckets | None:
-        """This rank's gradient buckets (``None`` before setup and after teardown)."""
-        return self.grad_sync.buckets
-
-    @property
-    def step_stats(self) -> CommStats:
-        """Gradient communication of the last optimizer step."""
-        return self.grad_sync.step_stats
-
-    @property
-    def comm_stats(self) -> CommStats:
-        """Running totals of gradient communication on this rank since setup (kept after teardown)."""
-        return self.grad_sync.totals
 
     # ------------------------------------------------------------------ teardown
     @override
