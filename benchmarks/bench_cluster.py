@@ -38,8 +38,8 @@ NETSIM = ROOT.parent / "shared" / "netsim" / "netsim"
 VARIANTS = ("ddp", "ring", "two_level", "ring_bf16", "two_level_bf16", "powersgd")
 
 
-def make_strategy(variant: str) -> Any:
-    """The Trainer's ``strategy=`` for ``variant``."""
+def make_strategy(variant: str, bucket_cap_mb: float = 25.0) -> Any:
+    """The Trainer's ``strategy=`` for ``variant``, the package's with buckets of ``bucket_cap_mb``."""
     from lightning_dp_strategies import PowerSGD, RingAllReduceStrategy, bf16_compress
 
     options: dict[str, dict[str, Any]] = {
@@ -49,7 +49,7 @@ def make_strategy(variant: str) -> Any:
         "two_level_bf16": {"two_level": True, "reducer": bf16_compress("ring")},
         "powersgd": {"two_level": False, "reducer": PowerSGD("ring", rank=4)},
     }
-    return "ddp" if variant == "ddp" else RingAllReduceStrategy(**options[variant])
+    return "ddp" if variant == "ddp" else RingAllReduceStrategy(bucket_cap_mb=bucket_cap_mb, **options[variant])
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -91,7 +91,7 @@ def worker(args: argparse.Namespace) -> None:
     )
     timer = Timer()
     trainer = L.Trainer(
-        strategy=make_strategy(args.worker),
+        strategy=make_strategy(args.worker, args.bucket_cap_mb),
         accelerator="cpu",
         devices=int(os.environ["LOCAL_WORLD_SIZE"]),
         num_nodes=int(os.environ["NNODES"]),
@@ -120,7 +120,7 @@ def launch(variant: str, per_node: int, args: argparse.Namespace, folder: Path, 
     env = {**os.environ, "PYTHON": sys.executable, "NETSIM_LOGS": str(folder), "PYTHONPATH": str(ROOT)}
     script = [str(Path(__file__).resolve()), "--worker", variant, "--out", str(out)]
     script += ["--width", str(args.width), "--depth", str(args.depth), "--steps", str(args.steps)]
-    script += ["--batch", str(args.batch), "--warmup", str(args.warmup)]
+    script += ["--batch", str(args.batch), "--warmup", str(args.warmup), "--bucket-cap-mb", str(args.bucket_cap_mb)]
     done = netsim("torchrun", str(per_node), *script, env=env, check=False)
     if done.returncode != 0:
         logs = "\n".join(p.read_text()[-3000:] for p in sorted(folder.glob("netsim-node*.log")))
@@ -198,6 +198,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=1024, help="MLP width (default: 13.1 M parameters at depth 12)")
     parser.add_argument("--depth", type=int, default=12)
     parser.add_argument("--batch", type=int, default=32, help="samples per rank and step")
+    parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="the package's bucket cap (ddp keeps 25)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -210,7 +211,8 @@ def main() -> None:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from _results import Report
 
-    settings = {k: getattr(args, k) for k in ("links", "layouts", "variants", "launches", "steps", "warmup")}
+    keys = ("links", "layouts", "variants", "launches", "steps", "warmup", "bucket_cap_mb")
+    settings = {k: getattr(args, k) for k in keys}
     report = Report("cluster", {**settings, "width": args.width, "depth": args.depth, "batch": args.batch})
     cells = []
     for link in args.links:
