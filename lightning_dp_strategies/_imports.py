@@ -73,6 +73,8 @@ def public_name(name: str) -> Any:
     """The public object ``name`` of the package root: from :data:`PUBLIC`, or a strategy class of that name."""
     if name in PUBLIC:
         return getattr(importlib.import_module(PUBLIC[name]), name)
+    if name.startswith("__"):  # probes such as __wrapped__ or __path__ of a submodule: never import Lightning for them
+        raise AttributeError(f"module {_PACKAGE!r} has no attribute {name!r}")
     for cls in _strategy_classes():
         if cls.__name__ == name:
             return cls

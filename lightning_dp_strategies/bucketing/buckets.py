@@ -40,7 +40,6 @@ from lightning_dp_strategies.bucketing.stats import CommStats
 from lightning_dp_strategies.comm import divide
 from lightning_dp_strategies.comm.failures import PEER_FAILURE_HINT, announce_failure
 from lightning_dp_strategies.plan.sizing import (
-    MiB as MiB,  # importable from here before sizing existed
     ring_bytes_per_rank,
 )
 from lightning_dp_strategies.reducers.base import GradBucket, Reducer, close_reducer, set_event

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from lightning_dp_strategies.plan.sizing import MiB as MiB  # importable from here before sizing existed
-
 __all__ = ["CommStats"]
 
 

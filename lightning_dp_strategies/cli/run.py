@@ -37,10 +37,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     import lightning  # noqa: F401  (importing Lightning registers the package's strategy names)
 
-    from lightning_dp_strategies.compare import demo, runner
+    from lightning_dp_strategies.compare import demo, runner, worker
 
     if args.worker:
-        runner.run_worker(args.worker, args.task, args.devices, args.output)
+        worker.run_worker(args.worker, args.task, args.devices, args.output)
         return 0
 
     config = None

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import logging
 
-from lightning_dp_strategies.plan.sizing import MiB as MiB  # importable from here before sizing existed
-
 __all__ = ["PEER_FAILURE_HINT", "announce_failure"]
 
 

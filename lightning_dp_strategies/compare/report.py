@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lightning_dp_strategies.compare.catalogue import BASELINE
 from lightning_dp_strategies.compare.demo import DemoConfig
-from lightning_dp_strategies.compare.runner import BASELINE, RunResult
+from lightning_dp_strategies.compare.runner import RunResult
 from lightning_dp_strategies.plan.tables import text_table
 
 if TYPE_CHECKING:

@@ -23,17 +23,7 @@ from typing import Any
 import torch
 from torchmetrics.classification import MulticlassAccuracy
 
-# importable from here before the catalogue and the worker had their own modules
-from lightning_dp_strategies.compare.catalogue import (
-    BASELINE as BASELINE,
-    REFERENCE as REFERENCE,
-    available_strategies as available_strategies,
-    cannot_run_here as cannot_run_here,
-    check_strategies as check_strategies,
-    default_strategies as default_strategies,
-    processes_for as processes_for,
-    runnable_strategies as runnable_strategies,
-)
+from lightning_dp_strategies.compare.catalogue import BASELINE, check_strategies, default_strategies, processes_for
 from lightning_dp_strategies.compare.demo import DemoClassifier, DemoConfig, make_dataset
 from lightning_dp_strategies.compare.task import (
     Task,
@@ -42,7 +32,6 @@ from lightning_dp_strategies.compare.task import (
     make_task,
     training_loss,
 )
-from lightning_dp_strategies.compare.worker import run_worker as run_worker
 from lightning_dp_strategies.data_parallel.pytree import _tensors
 
 WARMUP_STEPS = 3

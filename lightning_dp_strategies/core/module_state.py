@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.distributed_c10d import _get_default_group
+from torch.distributed.utils import _sync_module_states as _torch_sync_module_states
 
 __all__ = ["BUFFER_BROADCAST_BYTES", "broadcast_module_buffers", "sync_module_states"]
 
@@ -12,21 +13,21 @@ BUFFER_BROADCAST_BYTES = 250 * 1024 * 1024
 """Bytes per coalesced broadcast: torch DDP's bucket size for broadcasting parameters and buffers."""
 
 
-def _broadcast_from_rank_zero(tensors: list) -> None:
-    if tensors and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist._broadcast_coalesced(_get_default_group(), tensors, BUFFER_BROADCAST_BYTES, 0)
-
-
 def sync_module_states(module: nn.Module) -> None:
-    """Give every rank rank 0's parameters and buffers (as torch DDP does when it wraps a module); a no-op on one
-    process or before ``torch.distributed`` is initialised.
+    """Give every rank rank 0's parameters and buffers, as torch DDP does when it wraps a module (torch's own helper,
+    honouring ``module._ddp_params_and_buffers_to_ignore``); a no-op on one process or before ``torch.distributed``
+    is initialised.
 
     Examples:
         >>> sync_module_states(nn.Linear(2, 2))  # one process: nothing to do
     """
-    _broadcast_from_rank_zero([t.detach() for t in (*module.parameters(), *module.buffers())])
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", []))
+        _torch_sync_module_states(module, _get_default_group(), BUFFER_BROADCAST_BYTES, 0, ignore)
 
 
 def broadcast_module_buffers(module: nn.Module) -> None:
     """Give every rank rank 0's buffers (BatchNorm statistics), as torch DDP does before each training forward."""
-    _broadcast_from_rank_zero(list(module.buffers()))
+    buffers = list(module.buffers())
+    if buffers and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist._broadcast_coalesced(_get_default_group(), buffers, BUFFER_BROADCAST_BYTES, 0)

@@ -2,28 +2,25 @@
 
 from __future__ import annotations
 
-from lightning_dp_strategies.core.options import ReductionOptions, RingAllReduceConfig
+from lightning_dp_strategies.core.options import ReductionOptions
 from lightning_dp_strategies.reducers import PowerSGD, Reducer
 from lightning_dp_strategies.reducers.two_level import TwoLevelReducer
 
 __all__ = ["check_two_level", "layout_reducer", "uses_two_level"]
 
 
-def check_two_level(two_level: object, reduction: ReductionOptions) -> bool | None:
-    """``two_level`` itself when it is ``None``, ``True`` or ``False``; a clear error otherwise, or when it is forced
-    on with a torch DDP communication hook (a hook reduces whole buckets).
+def check_two_level(two_level: bool | None, reduction: ReductionOptions) -> None:
+    """A clear error when ``two_level=True`` meets a reducer that needs whole buckets: a torch DDP communication hook
+    or PowerSGD. (The option's type is checked by :class:`~lightning_dp_strategies.core.options.RingAllReduceConfig`.)
 
     Examples:
-        >>> check_two_level(None, ReductionOptions()) is None
-        True
-        >>> check_two_level("yes", ReductionOptions())  # doctest: +ELLIPSIS
+        >>> check_two_level(None, ReductionOptions())
+        >>> from lightning_dp_strategies.reducers import PowerSGD
+        >>> check_two_level(True, ReductionOptions(PowerSGD("ring", rank=2)))  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        TypeError: `two_level` must be None (two levels when the job spans several nodes of several processes), ...
+        ValueError: `two_level=True` cannot be combined with `reducer=PowerSGD(...)`: ...
     """
-    if two_level is not None and not isinstance(two_level, bool):
-        RingAllReduceConfig(two_level=two_level)  # type: ignore[arg-type]  # raises the option's own error
-    assert two_level is None or isinstance(two_level, bool)
     if two_level and reduction.ddp_comm_hook is not None:
         raise ValueError(
             "`two_level=True` cannot be combined with `ddp_comm_hook`: a torch communication hook reduces whole "
@@ -35,7 +32,6 @@ def check_two_level(two_level: object, reduction: ReductionOptions) -> bool | No
             "matrices, and the hop across nodes carries a flat shard of it. Pass `two_level=False` for PowerSGD, or "
             "`reducer=bf16_compress('ring')` to compress the hop across nodes."
         )
-    return two_level
 
 
 def uses_two_level(two_level: bool | None, nodes: int, per_node: int, reduction: ReductionOptions) -> bool:

@@ -109,7 +109,7 @@ class FabricRingAllReduceStrategy(AtomicCheckpoints, HoldsGradientSync, Nonfinit
         # configuration (validated before Fabric does anything)
         self.reduction = ReductionOptions(reducer, ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper)
         self.config = RingAllReduceConfig(bucket_cap_mb, first_bucket_cap_mb, broadcast_buffers, two_level=two_level)
-        check_two_level(two_level, self.reduction)
+        check_two_level(self.config.two_level, self.reduction)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -180,7 +180,7 @@ class FabricRingAllReduceStrategy(AtomicCheckpoints, HoldsGradientSync, Nonfinit
     def _fingerprint_options(self, module: nn.Module) -> dict[str, Any]:
         """What every rank must agree on besides the model: the options, precision and bucket layout."""
         options = bucketed_options(self, self.reduction, self.config, module, self.precision)
-        return {**options, "fabric": True, "nodes": self.num_nodes, "per_node": self.num_processes}
+        return {**options, "nodes": self.num_nodes, "per_node": self.num_processes}
 
     def _broadcast_buffers(self, module: nn.Module, args: Any) -> None:
         """Before a training forward (train mode, gradients on, not inside ``no_backward_sync``): rank 0's buffers."""

@@ -83,8 +83,13 @@ class TwoLevelReducer:
     def __call__(self, bucket: GradBucket) -> Future[Tensor]:
         groups = self._groups.get(bucket.group)
         buffer = bucket.buffer
-        if groups is None or bucket.world_size == 1:
+        if bucket.world_size == 1:
             return completed(buffer)
+        if groups is None:
+            raise RuntimeError(
+                "TwoLevelReducer was handed a bucket over a process group it was not set up for: call "
+                "`setup_reducer(reducer, group, ranks)` on every rank, for every group it will reduce over, first."
+            )
         chunks = list(buffer.view(-1).tensor_split(groups.layout.per_node))
         counters = [CommCounter() for _ in self._phases]  # one per thread, added up by the last phase
         owned: list[int] = []

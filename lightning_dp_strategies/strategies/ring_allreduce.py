@@ -106,7 +106,7 @@ class RingAllReduceStrategy(BucketedDataParallel):
             ddp_comm_hook=ddp_comm_hook,
             ddp_comm_wrapper=ddp_comm_wrapper,
         )
-        check_two_level(two_level, self.reduction)
+        check_two_level(self.config.two_level, self.reduction)
 
     # ------------------------------------------------------------------ setup
     @override

@@ -94,7 +94,7 @@ def test_processes_come_from_the_registered_strategy_class() -> None:
     from lightning.pytorch.strategies import StrategyRegistry
 
     from lightning_dp_strategies import ScatterGatherStrategy
-    from lightning_dp_strategies.compare.runner import processes_for
+    from lightning_dp_strategies.compare.catalogue import processes_for
 
     class Threads(ScatterGatherStrategy):
         pass
