@@ -66,6 +66,7 @@ if TYPE_CHECKING:  # what type checkers see; at run time each name is imported o
     from lightning_dp_strategies.strategies import (
         BucketedDataParallel as BucketedDataParallel,
         HybridPipelineStrategy as HybridPipelineStrategy,
+        LocalSGDStrategy as LocalSGDStrategy,
         RingAllReduceStrategy as RingAllReduceStrategy,
         ScatterGatherStrategy as ScatterGatherStrategy,
     )

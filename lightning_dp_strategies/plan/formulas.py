@@ -9,7 +9,17 @@ from dataclasses import dataclass, field
 from lightning_dp_strategies.plan.model import Link, Workload, bucket_count
 from lightning_dp_strategies.plan.sizing import ring_bytes_per_rank
 
-__all__ = ["COST_MODELS", "HYBRID_PIPELINE", "RING_ALLREDUCE", "SCATTER_GATHER", "STRATEGIES", "CostModel", "Formula"]
+__all__ = [
+    "COST_MODELS",
+    "HYBRID_PIPELINE",
+    "LOCAL_SGD",
+    "RING_ALLREDUCE",
+    "SCATTER_GATHER",
+    "STRATEGIES",
+    "CostModel",
+    "Formula",
+    "local_sgd_cost_model",
+]
 
 
 def _ring(nbytes: float, world: int, buckets: int) -> tuple[float, int]:
@@ -76,6 +86,31 @@ SCATTER_GATHER = CostModel("scatter_gather", _scatter_gather_formula)
 
 
 HYBRID_PIPELINE = CostModel("hybrid_pipeline", _pipeline_formula, pipelined=True)
+
+
+def local_sgd_cost_model(sync_every: int = 8) -> CostModel:
+    """Local SGD synchronising every ``sync_every`` optimizer steps: one ring all-reduce of the parameters' change
+    (one flat buffer), after the step so nothing hides it, priced per step as a ``1/sync_every`` share.
+
+    Examples:
+        >>> local_sgd_cost_model(16).name, LOCAL_SGD.pipelined
+        ('local_sgd', False)
+    """
+
+    def formula(
+        w: Workload, n: int, link: Link, stages: int, micro_batches: int, caps: tuple[float, float]
+    ) -> tuple[float, int, float, float, float]:
+        nbytes, messages = _ring(w.gradient_bytes, n, 1)
+        comm = link.seconds(messages, nbytes) / sync_every
+        return nbytes / sync_every, math.ceil(messages / sync_every), comm, comm, 0.0
+
+    return CostModel("local_sgd", formula)
+
+
+LOCAL_SGD = local_sgd_cost_model(8)
+"""Local SGD at its default period (8 steps); a ``LocalSGDStrategy`` instance carries the model of its own
+``sync_every``. Not in :data:`COST_MODELS`: its price depends on the period, so plan with a strategy instance or
+:func:`local_sgd_cost_model`."""
 
 
 COST_MODELS: dict[str, CostModel] = {m.name: m for m in (RING_ALLREDUCE, SCATTER_GATHER, HYBRID_PIPELINE)}

@@ -13,6 +13,7 @@ from lightning_dp_strategies.core.options import BucketedConfig
 from lightning_dp_strategies.core.registry import discover
 from lightning_dp_strategies.strategies.bucketed import BucketedDataParallel
 from lightning_dp_strategies.strategies.hybrid_pipeline import HybridPipelineStrategy
+from lightning_dp_strategies.strategies.local_sgd import LocalSGDStrategy
 from lightning_dp_strategies.strategies.ring_allreduce import RingAllReduceStrategy
 from lightning_dp_strategies.strategies.scatter_gather import ScatterGatherStrategy
 
@@ -21,6 +22,7 @@ __all__ = [
     "BucketedConfig",
     "BucketedDataParallel",
     "HybridPipelineStrategy",
+    "LocalSGDStrategy",
     "RingAllReduceStrategy",
     "ScatterGatherStrategy",
     "register_trainer_strategies",
@@ -33,7 +35,7 @@ def trainer_strategies() -> list[type[Strategy]]:
 
     Examples:
         >>> [cls.__name__ for cls in trainer_strategies()]
-        ['HybridPipelineStrategy', 'RingAllReduceStrategy', 'ScatterGatherStrategy']
+        ['HybridPipelineStrategy', 'LocalSGDStrategy', 'RingAllReduceStrategy', 'ScatterGatherStrategy']
     """
     return discover(__name__, Strategy)
 

@@ -1,0 +1,243 @@
+"""Local SGD and DiLoCo under the Trainer: local optimizer steps, then the average parameter change, every H steps."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from typing import Any, ClassVar, Literal
+
+import lightning.pytorch as pl
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_dp_strategies.core.averaging import FlatAverager
+from lightning_dp_strategies.core.local_sgd import (
+    LocalSGD,
+    LocalSGDConfig,
+    OuterOptimizerFactory,
+    check_single_optimizer,
+    local_checkpoint_record,
+    restore_local_record,
+)
+from lightning_dp_strategies.core.options import BucketedConfig, ConfigOption
+from lightning_dp_strategies.plan import CostModel
+from lightning_dp_strategies.plan.formulas import LOCAL_SGD, local_sgd_cost_model
+from lightning_dp_strategies.reducers import Reducer
+from lightning_dp_strategies.strategies.bucketed import BucketedDataParallel
+
+__all__ = ["LocalSGDStrategy"]
+
+
+class LocalSGDStrategy(BucketedDataParallel):
+    """Each rank takes ``sync_every`` optimizer steps on its own; then the ranks average the parameter change since
+    the last synchronisation in one all-reduce, and an outer optimizer applies it (see
+    :mod:`lightning_dp_strategies.core.local_sgd`).
+
+    With the default plain averaging every rank ends a period with the mean of the ranks' parameters; with
+    ``outer_optimizer=diloco_outer_optimizer()`` (SGD, lr 0.7, Nesterov momentum 0.9) it is DiLoCo. The inner
+    optimizer (the one ``configure_optimizers`` returns) keeps its state on each rank: it is never averaged.
+    Floating-point buffers (BatchNorm statistics) are averaged with the change at each synchronisation.
+
+    The ranks synchronise before every validation run and at the end of ``fit``, so validation, ``ModelCheckpoint``
+    and the code after ``fit`` see one model on every rank. ``sync_every`` counts optimizer steps (with
+    ``accumulate_grad_batches`` a step is several batches; in manual optimization, every ``optimizer.step()``);
+    gradient clipping clips each rank's local gradient. A checkpoint holds the averaged model as its ``state_dict``
+    (so any strategy loads it), the anchor, the outer optimizer's state and the position in the period, and each
+    rank's own parameters and inner optimizer state, so resuming continues exactly where the run stopped.
+
+    Args:
+        sync_every: optimizer steps between synchronisations (H, >= 1). With 1, plain averaging and SGD it trains as
+            ``ring_allreduce`` does.
+        outer_optimizer: ``factory(params) -> Optimizer`` over the anchor parameters it is given, called once at
+            setup (``None``: plain averaging).
+        warmup_steps: optimizer steps at the start whose gradients are averaged every step, as ``ring_allreduce``
+            does (post-local SGD); local steps begin after them.
+        reducer: how the change is averaged (and the warm-up's gradients): ``"ring"`` (default), ``"native"``, or
+            a reducer such as ``bf16_compress("ring")``, which halves the bytes sent.
+        average_buffers: average floating-point buffers at each synchronisation.
+        bucket_cap_mb: cap of the warm-up's gradient buckets in MiB.
+        first_bucket_cap_mb: cap of the warm-up's first gradient bucket in MiB.
+        nonfinite_grads: ``None``, ``"skip"`` or ``"raise"`` on NaN/Inf in the gradients before each step.
+        process_group_backend: ``"gloo"``, ``"nccl"``, ...; ``None`` picks by device.
+        timeout: collective timeout (``timedelta`` or seconds); ``None`` is 5 minutes on gloo, 30 on NCCL.
+        start_method: ``"popen"`` (scripts, the default), ``"spawn"``, ``"fork"`` (notebooks) or ``"forkserver"``.
+
+    Examples:
+        >>> import lightning as L
+        >>> from lightning_dp_strategies.core.local_sgd import diloco_outer_optimizer
+        >>> strategy = LocalSGDStrategy(sync_every=16, outer_optimizer=diloco_outer_optimizer())
+        >>> strategy.sync_every, strategy.cost_model.name
+        (16, 'local_sgd')
+        >>> trainer = L.Trainer(strategy="local_sgd", accelerator="cpu", devices=2)  # doctest: +SKIP
+    """
+
+    registered_name: ClassVar[str | None] = "local_sgd"
+    registered_description: ClassVar[str] = "Local SGD / DiLoCo: local steps, the parameter change averaged every H"
+    compared_as: ClassVar[str | None] = None
+    cost_model: ClassVar[CostModel] = LOCAL_SGD
+
+    def __init__(
+        self,
+        sync_every: int = 8,
+        outer_optimizer: OuterOptimizerFactory | None = None,
+        warmup_steps: int = 0,
+        reducer: str | Reducer | None = None,
+        average_buffers: bool = True,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[Any] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        bucket_cap_mb: float = 25.0,
+        first_bucket_cap_mb: float = 1.0,
+        nonfinite_grads: Literal["skip", "raise"] | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | float | None = None,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        local_config = LocalSGDConfig(sync_every, outer_optimizer, warmup_steps, average_buffers)
+        super().__init__(
+            config=BucketedConfig(bucket_cap_mb, first_bucket_cap_mb),
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            reducer=reducer,
+            nonfinite_grads=nonfinite_grads,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        # configuration
+        self.local_config = local_config
+        self.cost_model = local_sgd_cost_model(sync_every)  # type: ignore[misc]  # this instance's period
+        # runtime state (made at setup) and statistics (local_sgd.syncs, local_sgd.averager.counter)
+        self.local_sgd: LocalSGD | None = None
+
+    # ------------------------------------------------------------------ setup
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Restore after setup: each rank's own parameters must not be overwritten by rank 0's broadcast."""
+        return True
+
+    @override
+    def setup_distributed(self) -> None:
+        super().setup_distributed()
+        averager = FlatAverager(self.configure_reducer())
+        averager.setup(self.grad_sync.group, list(range(self.world_size)), self._process_group_backend)
+        self.local_sgd = LocalSGD(self.local_config, averager)
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            check_single_optimizer(self.optimizers, type(self).__name__)
+
+    @override
+    def configure_ddp(self) -> None:
+        """As the base (ranks agree, rank 0's weights, gradient buckets for the warm-up), then the anchor."""
+        super().configure_ddp()
+        assert self.local_sgd is not None and self.lightning_module is not None
+        self.local_sgd.start(self.lightning_module)
+
+    @override
+    def _fingerprint_options(self) -> dict[str, Any]:
+        cfg = self.local_config
+        outer = None if cfg.outer_optimizer is None else getattr(cfg.outer_optimizer, "__qualname__", "callable")
+        local = {"sync_every": cfg.sync_every, "warmup_steps": cfg.warmup_steps, "outer_optimizer": outer}
+        return {**super()._fingerprint_options(), **local, "average_buffers": cfg.average_buffers}
+
+    # ------------------------------------------------------------------ one step
+    @override
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        """Warm-up steps average their gradients (the base's buckets); local steps keep them on the rank."""
+        if self.local_sgd is not None and not self.local_sgd.averages_gradients:
+            self.grad_sync.set_blocked(True)
+        super().pre_backward(closure_loss)
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | Any | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.local_sgd is not None:
+            self.local_sgd.after_step()
+        return output
+
+    def synchronize(self) -> None:
+        """Average the ranks' parameter changes now and apply the outer step (on every rank; nothing when the ranks
+        are in sync already). The strategy calls it before validation and at the end of ``fit``."""
+        if self.local_sgd is not None:
+            self.local_sgd.synchronize()
+
+    @override
+    def on_validation_start(self) -> None:
+        module = self.lightning_module
+        if module is not None and module.trainer.state.fn == TrainerFn.FITTING:
+            self.synchronize()
+        super().on_validation_start()
+
+    @override
+    def on_train_end(self) -> None:
+        self.synchronize()
+        super().on_train_end()
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The model averaged over the ranks (collective mid-period): what another strategy loads."""
+        state = super().lightning_module_state_dict()
+        return state if self.local_sgd is None else self.local_sgd.averaged_state(state)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        """Add the local SGD record (anchor, outer state, position, every rank's own state) to a resumable checkpoint;
+        rank 0 writes it. Called on every rank."""
+        module = self.lightning_module
+        if self.local_sgd is not None and module is not None and "optimizer_states" in checkpoint:
+            record = local_checkpoint_record(self.local_sgd, module, checkpoint["optimizer_states"])
+            checkpoint = {**checkpoint, "local_sgd": record} if record is not None else checkpoint
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """The averaged model, then this rank's own parameters and the local SGD record, when the checkpoint has one;
+        from another strategy's checkpoint, the anchor is the loaded model."""
+        super().load_model_state_dict(checkpoint, strict)
+        module = self.lightning_module
+        if self.local_sgd is not None and module is not None:
+            restore_local_record(self.local_sgd, module, checkpoint.get("local_sgd"), self.global_rank)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """This rank's own inner optimizer state where the checkpoint holds one per rank."""
+        record = checkpoint.get("local_sgd")
+        if record is not None:
+            checkpoint = {**checkpoint, "optimizer_states": record["ranks"][self.global_rank]["optimizer"]}
+        super().load_optimizer_state_dict(checkpoint)
+
+    # ------------------------------------------------------------------ teardown
+    @override
+    def teardown(self) -> None:
+        if self.local_sgd is not None:
+            self.local_sgd.averager.close()
+        super().teardown()
+
+    # ------------------------------------------------------------------ options (read-only)
+    sync_every = ConfigOption[int]("local_config")
+    outer_optimizer = ConfigOption[OuterOptimizerFactory | None]("local_config")
+    warmup_steps = ConfigOption[int]("local_config")
+    average_buffers = ConfigOption[bool]("local_config")
+    bucket_cap_mb = ConfigOption[float]()
+    first_bucket_cap_mb = ConfigOption[float]()

@@ -1,0 +1,218 @@
+"""Trainer runs for the local_sgd tests, and the hand-written loops they are checked against.
+
+Run as ``python -m tests.strategies.local_sgd_scenarios NAME[,NAME...] OUTDIR`` on 2 ranks (started as torchrun
+starts them); the scenarios run one after the other in the same process group. Every rank writes
+``OUTDIR/{name}/rank{r}.pt`` with its final parameters and buffers (after ``fit`` returns) and what it recorded.
+:func:`reference_diloco` replays DiLoCo on the same shards in one process, two models side by side.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from lightning_dp_strategies import LocalSGDStrategy, RingAllReduceStrategy, bf16_compress
+from lightning_dp_strategies.core.local_sgd import diloco_outer_optimizer
+
+WORLD = 2
+SAMPLES = 44  # 22 per rank: batches of 4,4,4,4,4,2 (an uneven final batch), 6 steps per epoch
+PER_RANK_BATCH = 4
+EPOCHS = 2
+
+
+@dataclass(frozen=True)
+class Scenario:
+    strategy: str = "local_sgd"  # or "ring_allreduce"
+    sync_every: int = 4
+    diloco: bool = False
+    warmup: int = 0
+    optimizer: str = "sgd"  # SGD with momentum and weight decay, or Adam
+    accumulate: int = 1
+    clip: float | None = None
+    manual: bool = False
+    batchnorm: bool = False
+    validate: bool = False
+    checkpoint: bool = False  # ModelCheckpoint at every epoch's end
+    resume_from: str | None = None  # the scenario whose epoch-0 checkpoint this one resumes
+    reducer: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+SCENARIOS = {
+    # H = 1, plain averaging, SGD: ring_allreduce's training
+    "h1": Scenario(sync_every=1),
+    "h1@ring": Scenario(strategy="ring_allreduce"),
+    # DiLoCo with Adam inside, H = 5: syncs after steps 5 and 10, and the partial period at the end of fit (12)
+    "diloco": Scenario(sync_every=5, diloco=True, optimizer="adam"),
+    # a checkpoint at the end of epoch 0 (step 6, two steps into the second period), then resumed from it
+    "full": Scenario(diloco=True, optimizer="adam", checkpoint=True),
+    "resumed": Scenario(diloco=True, optimizer="adam", resume_from="full"),
+    "resumed@ring": Scenario(strategy="ring_allreduce", optimizer="adam", resume_from="full"),
+    # features: warm-up, accumulation, clipping, BatchNorm, validation, manual optimization
+    "warmup": Scenario(warmup=3, clip=0.05, batchnorm=True, validate=True),
+    "accumulate": Scenario(sync_every=2, accumulate=2),
+    "manual": Scenario(sync_every=3, manual=True),
+    # the change averaged through bf16_compress("ring"): half the bytes of the plain ring's
+    "plain4": Scenario(),
+    "bf16": Scenario(reducer="bf16"),
+    "several_optimizers": Scenario(manual=True, extra={"several_optimizers": True}),
+}
+
+
+def make_data() -> TensorDataset:
+    gen = torch.Generator().manual_seed(1234)
+    return TensorDataset(torch.randn(SAMPLES, 8, generator=gen), torch.randint(0, 3, (SAMPLES,), generator=gen))
+
+
+def make_body(batchnorm: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    norm: list[nn.Module] = [nn.BatchNorm1d(32)] if batchnorm else []
+    return nn.Sequential(nn.Linear(8, 32), *norm, nn.Tanh(), nn.Linear(32, 3))
+
+
+def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
+    if name == "adam":
+        return torch.optim.Adam(params, lr=1e-2)
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-2)
+
+
+class Net(L.LightningModule):
+    def __init__(self, scenario: Scenario) -> None:
+        super().__init__()
+        self.scenario = scenario
+        self.body = make_body(scenario.batchnorm)
+        self.automatic_optimization = not scenario.manual
+        self.records: list[dict[str, Any]] = []
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor | None:
+        x, y = batch
+        loss = F.cross_entropy(self.body(x), y)
+        if self.automatic_optimization:
+            return loss
+        opt = self.optimizers()
+        self.manual_backward(loss)
+        opt.step()
+        opt.zero_grad()
+        return None
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        if batch_idx == 0:  # the model validation sees: the same on every rank
+            flat = torch.cat([p.detach().reshape(-1) for p in self.parameters()])
+            self.records.append({"val_params": flat.clone(), "step": self.trainer.global_step})
+
+    def configure_optimizers(self) -> Any:
+        opt = make_optimizer(self.scenario.optimizer, self.parameters())
+        if self.scenario.extra.get("several_optimizers"):
+            return [opt, make_optimizer("sgd", self.parameters())]
+        return opt
+
+
+def make_strategy(scenario: Scenario) -> Any:
+    if scenario.strategy == "ring_allreduce":
+        return RingAllReduceStrategy()
+    outer = diloco_outer_optimizer() if scenario.diloco else None
+    reducer = bf16_compress("ring") if scenario.reducer == "bf16" else scenario.reducer
+    return LocalSGDStrategy(
+        sync_every=scenario.sync_every, outer_optimizer=outer, warmup_steps=scenario.warmup, reducer=reducer
+    )
+
+
+def run(name: str, outdir: Path) -> None:
+    scenario = SCENARIOS[name]
+    out = outdir / name
+    out.mkdir(parents=True, exist_ok=True)
+    model = Net(scenario)
+    callbacks: list[L.Callback] = []
+    if scenario.checkpoint:
+        callbacks.append(ModelCheckpoint(dirpath=out, filename="{epoch}", save_top_k=-1, save_on_train_epoch_end=True))
+    trainer = L.Trainer(
+        strategy=make_strategy(scenario),
+        accelerator="cpu",
+        devices=WORLD,
+        max_epochs=EPOCHS,
+        accumulate_grad_batches=scenario.accumulate,
+        gradient_clip_val=scenario.clip,
+        logger=False,
+        enable_checkpointing=scenario.checkpoint,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=callbacks,
+    )
+    loader = DataLoader(make_data(), batch_size=PER_RANK_BATCH, shuffle=False)
+    val = DataLoader(make_data(), batch_size=PER_RANK_BATCH) if scenario.validate else None
+    ckpt = outdir / scenario.resume_from / "epoch=0.ckpt" if scenario.resume_from else None
+    trainer.fit(model, loader, val, ckpt_path=ckpt)
+    strategy = trainer.strategy
+    local = getattr(strategy, "local_sgd", None)
+    torch.save(
+        {
+            "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "records": model.records,
+            "syncs": local.syncs if local is not None else None,
+            "steps": local.steps if local is not None else None,
+            "ring_operations": strategy.comm_stats.ring_operations,
+            "averaged_bytes": local.averager.counter.bytes_sent if local is not None else None,
+        },
+        out / f"rank{trainer.global_rank}.pt",
+    )
+
+
+def rank_shards(epoch: int) -> list[list[list[int]]]:
+    """Per step of ``epoch``, per rank, the sample indices it trains on (Lightning's ``DistributedSampler``)."""
+    per_rank = []
+    for rank in range(WORLD):
+        sampler = DistributedSampler(range(SAMPLES), WORLD, rank, shuffle=True, seed=0)
+        sampler.set_epoch(epoch)
+        per_rank.append(list(sampler))
+    steps = -(-len(per_rank[0]) // PER_RANK_BATCH)
+    b = PER_RANK_BATCH
+    return [[per_rank[r][k * b : (k + 1) * b] for r in range(WORLD)] for k in range(steps)]
+
+
+def reference_diloco(sync_every: int, optimizer: str = "adam") -> dict[str, Tensor]:
+    """DiLoCo written out: two replicas with their own inner optimizers on their own shards; every ``sync_every``
+    steps (and at the end) the anchor takes one Nesterov SGD step (lr 0.7, momentum 0.9) along the mean of
+    ``anchor - replica``, and both replicas restart from it."""
+    x, y = make_data().tensors
+    replicas = [make_body() for _ in range(WORLD)]
+    inner = [make_optimizer(optimizer, m.parameters()) for m in replicas]
+    anchor = [p.detach().clone().requires_grad_(True) for p in replicas[0].parameters()]
+    outer = torch.optim.SGD(anchor, lr=0.7, momentum=0.9, nesterov=True)
+
+    def sync() -> None:
+        with torch.no_grad():
+            for i, a in enumerate(anchor):
+                a.grad = sum(a - list(m.parameters())[i] for m in replicas) / WORLD
+            outer.step()
+            for m in replicas:
+                for p, a in zip(m.parameters(), anchor, strict=True):
+                    p.copy_(a)
+
+    steps = 0
+    for epoch in range(EPOCHS):
+        for shards in rank_shards(epoch):
+            for model, opt, shard in zip(replicas, inner, shards, strict=True):
+                F.cross_entropy(model(x[shard]), y[shard]).backward()
+                opt.step()
+                opt.zero_grad()
+            steps += 1
+            if steps % sync_every == 0:
+                sync()
+    if steps % sync_every:
+        sync()
+    return {n: p.detach().clone() for n, p in replicas[0].named_parameters()}
+
+
+if __name__ == "__main__":
+    for scenario_name in sys.argv[1].split(","):
+        run(scenario_name, Path(sys.argv[2]))

@@ -1,0 +1,192 @@
+"""LocalSGDStrategy: anchored to ring_allreduce, to a hand-written DiLoCo loop, and to an uninterrupted run.
+
+The scenarios run in one 2-rank launch on CPU/gloo (ranks started as torchrun starts them, a timeout on the launch;
+see :mod:`tests.strategies.local_sgd_scenarios`). Tolerance: max absolute difference of the parameters <= 1e-6
+(fp32; the averaged change is summed in the same order as the references sum it).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.helpers.distributed import run_ranks
+from tests.strategies.local_sgd_scenarios import WORLD, make_body, reference_diloco
+
+TOLERANCE = 1e-6
+NAMES = [
+    "h1",
+    "h1@ring",
+    "diloco",
+    "full",
+    "resumed",
+    "resumed@ring",
+    "warmup",
+    "accumulate",
+    "manual",
+    "plain4",
+    "bf16",
+]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("local-sgd")
+    run_ranks("tests.strategies.local_sgd_scenarios", [",".join(NAMES), str(out)], WORLD, timeout=500)
+    return out
+
+
+def results(out: Path, name: str) -> list[dict[str, Any]]:
+    return [torch.load(out / name / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[n].float() - b[n].float()).abs().max().item() for n in a)
+
+
+def params(result: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return {n.removeprefix("body."): t for n, t in result["state"].items() if "running" not in n and "batches" not in n}
+
+
+@pytest.mark.timeout(600)
+def test_sync_every_1_with_plain_averaging_and_sgd_trains_as_ring_allreduce(runs: Path) -> None:
+    local, ring = results(runs, "h1"), results(runs, "h1@ring")
+    for mine, theirs in zip(local, ring, strict=True):
+        assert max_diff(mine["state"], theirs["state"]) <= TOLERANCE
+        assert mine["syncs"] == 12 and mine["ring_operations"] == 0  # 12 steps; no gradient crossed the ranks
+    init = {n: p.detach() for n, p in make_body().named_parameters()}
+    assert max_diff(params(local[0]), init) > 1e-2, "training did not move the parameters"
+
+
+@pytest.mark.timeout(600)
+def test_diloco_outer_step_equals_a_hand_written_diloco_loop(runs: Path) -> None:
+    ranks = results(runs, "diloco")
+    reference = reference_diloco(sync_every=5)
+    for result in ranks:
+        assert max_diff(params(result), reference) <= TOLERANCE
+        assert result["syncs"] == 3  # after steps 5 and 10, and the 2 steps left at the end of fit
+    assert max_diff(ranks[0]["state"], ranks[1]["state"]) == 0  # fit returns one model on every rank
+
+
+@pytest.mark.timeout(600)
+def test_resume_mid_period_equals_an_uninterrupted_run(runs: Path) -> None:
+    ckpt = torch.load(runs / "full" / "epoch=0.ckpt", weights_only=False)
+    record = ckpt["local_sgd"]
+    assert (record["steps"], record["since_sync"], record["sync_every"]) == (6, 2, 4)  # two steps into a period
+    assert record["outer"]["state"], "the outer optimizer's momentum is in the checkpoint"
+    own = [r["module"] for r in record["ranks"]]
+    assert all(o is not None for o in own) and max_diff(own[0], own[1]) > 0  # the ranks differ mid-period
+    average = {k: (own[0][k] + own[1][k]) / 2 for k in own[0]}
+    assert max_diff(ckpt["state_dict"], average) <= TOLERANCE  # what another strategy loads: the averaged model
+    assert all(len(r["optimizer"]) == 1 for r in record["ranks"])  # each rank's own inner Adam state
+    for full, resumed in zip(results(runs, "full"), results(runs, "resumed"), strict=True):
+        assert max_diff(full["state"], resumed["state"]) <= TOLERANCE
+        assert resumed["steps"] == 12 and resumed["syncs"] == full["syncs"]
+    ring = results(runs, "resumed@ring")  # the checkpoint resumes under ring_allreduce too
+    assert max_diff(ring[0]["state"], ring[1]["state"]) == 0
+
+
+@pytest.mark.timeout(600)
+def test_warmup_clipping_batchnorm_and_validation(runs: Path) -> None:
+    ranks = results(runs, "warmup")
+    for result in ranks:
+        assert result["ring_operations"] == 3  # the 3 warm-up steps averaged their gradients (one bucket each)
+        # local steps 4-6, synchronised before validation; 7-10 a full period; 11-12, synchronised before validation
+        assert result["syncs"] == 3
+    assert max_diff(ranks[0]["state"], ranks[1]["state"]) == 0  # BatchNorm statistics averaged too
+    validated = [[r["val_params"] for r in result["records"]] for result in ranks]
+    assert len(validated[0]) == 2
+    assert all(torch.equal(a, b) for a, b in zip(*validated, strict=True)), "validation saw different models"
+
+
+@pytest.mark.timeout(600)
+def test_sync_every_counts_optimizer_steps_with_accumulation_and_manual_optimization(runs: Path) -> None:
+    for name, steps, syncs in [("accumulate", 6, 3), ("manual", 12, 4)]:
+        for result in results(runs, name):
+            assert (result["steps"], result["syncs"], result["ring_operations"]) == (steps, syncs, 0), name
+
+
+@pytest.mark.timeout(600)
+def test_bf16_reducer_halves_the_bytes_of_the_average(runs: Path) -> None:
+    plain, bf16 = results(runs, "plain4"), results(runs, "bf16")
+    assert bf16[0]["averaged_bytes"] * 2 == plain[0]["averaged_bytes"] > 0
+    assert 0 < max_diff(plain[0]["state"], bf16[0]["state"]) <= 1e-2  # bf16 rounding of the change
+    assert max_diff(bf16[0]["state"], bf16[1]["state"]) == 0
+
+
+@pytest.mark.timeout(300)
+def test_several_optimizers_are_refused_at_setup_on_every_rank(tmp_path: Path) -> None:
+    with pytest.raises(AssertionError) as failure:
+        run_ranks("tests.strategies.local_sgd_scenarios", ["several_optimizers", str(tmp_path)], WORLD, timeout=240)
+    output = str(failure.value)
+    assert output.count("counts `sync_every` in steps of one optimizer") >= WORLD, output
+
+
+# ---------------------------------------------------------------------------------------------- without a launch
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "fix"),
+    [
+        ({"sync_every": 0}, ValueError, r"`sync_every` must be an int >= 1"),
+        ({"sync_every": 2.5}, ValueError, r"`sync_every` must be an int >= 1"),
+        ({"sync_every": True}, ValueError, r"`sync_every` must be an int >= 1"),
+        ({"warmup_steps": -1}, ValueError, r"`warmup_steps` must be an int >= 0"),
+        ({"outer_optimizer": "sgd"}, TypeError, r"`outer_optimizer` must be a callable `factory\(params\)"),
+        ({"average_buffers": "yes"}, TypeError, r"`average_buffers` must be True or False"),
+        ({"reducer": "tree"}, ValueError, r"Unknown reducer 'tree'"),
+    ],
+)
+def test_bad_options_fail_when_the_strategy_is_made(options: dict[str, Any], error: type, fix: str) -> None:
+    from lightning_dp_strategies import LocalSGDStrategy
+
+    with pytest.raises(error, match=fix):
+        LocalSGDStrategy(**options)
+
+
+def test_an_outer_factory_that_returns_no_optimizer_over_its_parameters_is_refused_at_setup() -> None:
+    from lightning_dp_strategies.core.averaging import FlatAverager
+    from lightning_dp_strategies.core.local_sgd import LocalSGD, LocalSGDConfig
+    from lightning_dp_strategies.reducers import NativeReducer
+
+    model = torch.nn.Linear(2, 2)
+    bad = LocalSGD(LocalSGDConfig(outer_optimizer=lambda params: None), FlatAverager(NativeReducer()))
+    with pytest.raises(TypeError, match=r"returned NoneType, not a torch\.optim\.Optimizer"):
+        bad.start(model)
+    wrong = LocalSGD(
+        LocalSGDConfig(outer_optimizer=lambda params: torch.optim.SGD(model.parameters(), lr=1)),
+        FlatAverager(NativeReducer()),
+    )
+    with pytest.raises(ValueError, match="over the parameters it is given"):
+        wrong.start(model)
+
+
+def test_the_names_resolve_and_the_cost_model_divides_the_ring_by_sync_every() -> None:
+    import lightning as L
+
+    from lightning_dp_strategies import LocalSGDStrategy, plan
+    from lightning_dp_strategies.plan.formulas import local_sgd_cost_model
+
+    trainer = L.Trainer(strategy="local_sgd_notebook", accelerator="cpu", devices=2, logger=False)
+    assert isinstance(trainer.strategy, LocalSGDStrategy) and trainer.strategy.sync_every == 8
+    workload, link, caps = plan.Workload(gradient_bytes=52_000_000), _gbe_link(), (1e9, 1e9)  # one bucket
+    ring_row = plan.RING_ALLREDUCE.formula(workload, 2, link, 1, 1, caps)
+    local_row = local_sgd_cost_model(8).formula(workload, 2, link, 1, 1, caps)
+    assert local_row[0] == pytest.approx(ring_row[0] / 8)  # bytes per step
+    assert local_row[2] == pytest.approx(ring_row[2] / 8)  # seconds per step
+    h16 = plan.cost_model_of(LocalSGDStrategy(sync_every=16)).formula(workload, 2, link, 1, 1, caps)
+    assert h16[0] == pytest.approx(ring_row[0] / 16)
+
+
+def _gbe_link() -> Any:
+    """A 1 GbE link, built with whichever argument names :class:`~lightning_dp_strategies.plan.Link` takes."""
+    import inspect
+
+    from lightning_dp_strategies.plan import Link
+
+    names = list(inspect.signature(Link).parameters)
+    return Link(**{names[0]: 5e-5, names[1]: 1.25e8})
