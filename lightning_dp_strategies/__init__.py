@@ -41,6 +41,7 @@ if TYPE_CHECKING:  # what type checkers see; at run time each name is imported o
         scatter as scatter,
     )
     from lightning_dp_strategies.fabric import (
+        FabricLocalSGDStrategy as FabricLocalSGDStrategy,
         FabricRingAllReduceStrategy as FabricRingAllReduceStrategy,
         FabricScatterGatherStrategy as FabricScatterGatherStrategy,
     )

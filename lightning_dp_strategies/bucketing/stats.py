@@ -43,6 +43,9 @@ class CommStats:
     pipeline_bytes_received: int = 0
     """Bytes this rank received from neighbouring pipeline stages (``hybrid_pipeline`` only)."""
 
+    def __add__(self, other: CommStats) -> CommStats:
+        return CommStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+
     def __sub__(self, other: CommStats) -> CommStats:
         return CommStats(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
 

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_dp_strategies.bucketing.stats import CommStats
 from lightning_dp_strategies.core.averaging import FlatAverager, averageable
 
 __all__ = [
@@ -142,6 +143,19 @@ class LocalSGD:
         self.buffers = [b for b in module.buffers() if averageable(b)] if self.config.average_buffers else []
         self.anchor = [p.detach().to(torch.float32, copy=True).requires_grad_(True) for p in self.params]
         self.outer = make_outer_optimizer(self.config.outer_optimizer, self.anchor)
+
+    @property
+    def stats(self) -> CommStats:
+        """What the synchronisations sent so far, as gradient statistics count it (all of it exposed)."""
+        counter = self.averager.counter
+        return CommStats(
+            bytes_sent=counter.bytes_sent,
+            inter_node_bytes_sent=counter.inter_node_bytes,
+            messages=counter.messages,
+            ring_operations=counter.operations,
+            comm_seconds=counter.seconds,
+            exposed_seconds=counter.seconds,
+        )
 
     @property
     def averages_gradients(self) -> bool:

@@ -205,12 +205,16 @@ class ReductionOptions:
     ddp_comm_hook: CommHook | None = None
     ddp_comm_state: object = None
     ddp_comm_wrapper: Callable[[CommHook], CommHook] | None = None
+    model_averaging_period: int | None = None
+    """With ``PostLocalSGDState``: optimizer steps between parameter averages after the warm-up."""
     comm_hook: CommHook | None = field(init=False, repr=False, compare=False)
     """The hook to call: ``ddp_comm_wrapper(ddp_comm_hook)`` when a wrapper was given."""
 
     def __post_init__(self) -> None:
         check_reducer(self.reducer)
-        hook = check_comm_hook(self.ddp_comm_hook, self.ddp_comm_state, self.ddp_comm_wrapper, self.reducer)
+        hook = check_comm_hook(
+            self.ddp_comm_hook, self.ddp_comm_state, self.ddp_comm_wrapper, self.reducer, self.model_averaging_period
+        )
         object.__setattr__(self, "comm_hook", hook)
 
     def make_reducer(self) -> Reducer:

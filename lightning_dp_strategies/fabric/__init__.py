@@ -8,6 +8,8 @@
 ``_notebook``)
 ``"scatter_gather"``    :class:`FabricScatterGatherStrategy`  one process, every ``model(x)`` scattered across
                                                             the devices and gathered
+``"local_sgd"``         :class:`FabricLocalSGDStrategy`       one process per device, local optimizer steps; the
+                                                            parameter change averaged every ``sync_every`` steps
 ======================  ==================================  =====================================================
 
 Importing :mod:`lightning_dp_strategies` registers the names (:func:`register_fabric_strategies`).
@@ -22,10 +24,12 @@ Examples:
 from lightning.fabric.strategies import STRATEGY_REGISTRY, Strategy
 
 from lightning_dp_strategies.core.registry import discover
+from lightning_dp_strategies.fabric.local_sgd import FabricLocalSGDStrategy
 from lightning_dp_strategies.fabric.ring_allreduce import FabricRingAllReduceStrategy
 from lightning_dp_strategies.fabric.scatter_gather import FabricScatterGatherStrategy
 
 __all__ = [
+    "FabricLocalSGDStrategy",
     "FabricRingAllReduceStrategy",
     "FabricScatterGatherStrategy",
     "fabric_strategies",
@@ -38,7 +42,7 @@ def fabric_strategies() -> list[type[Strategy]]:
 
     Examples:
         >>> [cls.__name__ for cls in fabric_strategies()]
-        ['FabricRingAllReduceStrategy', 'FabricScatterGatherStrategy']
+        ['FabricLocalSGDStrategy', 'FabricRingAllReduceStrategy', 'FabricScatterGatherStrategy']
     """
     return discover(__name__, Strategy)
 

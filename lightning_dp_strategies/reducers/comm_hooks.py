@@ -100,10 +100,17 @@ def _takes_two_positional(fn: Callable[..., Any]) -> bool | None:
 
 
 def check_comm_hook(
-    hook: object, state: object = None, wrapper: object = None, reducer: object = None
+    hook: object,
+    state: object = None,
+    wrapper: object = None,
+    reducer: object = None,
+    model_averaging_period: object = None,
 ) -> CommHook | None:
     """The hook to call, ``wrapper(hook)`` when a wrapper is given, or ``None`` without a hook; a clear error, at
     construction, for anything torch DDP would not accept or this package cannot honour.
+
+    ``PostLocalSGDState`` (post-local SGD) needs ``model_averaging_period``, the steps between the parameter averages
+    that follow the warm-up, as in Lightning's ``DDPStrategy``; a period without that state is refused too.
 
     Examples:
         >>> from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as default
@@ -136,14 +143,7 @@ def check_comm_hook(
             f"`ddp_comm_hook` must be callable as {_HOOK_SIGNATURE}, as torch DDP's `register_comm_hook` expects; "
             f"got {_describe(hook)}. Torch's hooks are in `torch.distributed.algorithms.ddp_comm_hooks`."
         )
-    from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState
-
-    if isinstance(state, PostLocalSGDState):
-        raise ValueError(
-            "`ddp_comm_state=PostLocalSGDState(...)` needs Lightning's periodic model averaging, which these "
-            "strategies do not do. Use `lightning.pytorch.strategies.DDPStrategy(ddp_comm_state=..., "
-            "ddp_comm_hook=post_localSGD_hook, model_averaging_period=...)` on CUDA for post-local SGD."
-        )
+    _check_post_local_sgd(state, model_averaging_period)
     if wrapper is None:
         return hook
     if not callable(wrapper):
@@ -155,6 +155,26 @@ def check_comm_hook(
             f"`fp16_compress_wrapper` does), got {_describe(wrapped)}."
         )
     return wrapped
+
+
+def _check_post_local_sgd(state: object, period: object) -> None:
+    """``PostLocalSGDState`` and ``model_averaging_period`` come together (see :func:`check_comm_hook`)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState
+
+    post_local = isinstance(state, PostLocalSGDState)
+    if post_local and period is None:
+        raise ValueError(
+            "`ddp_comm_state=PostLocalSGDState(...)` needs periodic model averaging after its warm-up: pass "
+            "`model_averaging_period=N` (the optimizer steps between parameter averages) to RingAllReduceStrategy, "
+            "as to Lightning's DDPStrategy. Or use LocalSGDStrategy(sync_every=N, warmup_steps=...)."
+        )
+    if period is not None and not post_local:
+        raise ValueError(
+            "`model_averaging_period` averages the parameters after post-local SGD's warm-up: pass it with "
+            "`ddp_comm_state=PostLocalSGDState(...)` and `ddp_comm_hook=post_localSGD_hook`, or drop it."
+        )
+    if post_local and (isinstance(period, bool) or not isinstance(period, int) or period < 1):
+        raise ValueError(f"`model_averaging_period` must be an int >= 1 (optimizer steps), got {period!r}.")
 
 
 def _describe(obj: object) -> str:

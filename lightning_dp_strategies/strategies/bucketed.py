@@ -54,13 +54,14 @@ from lightning_dp_strategies.core.options import (
 from lightning_dp_strategies.core.registry import register_with_launchers
 from lightning_dp_strategies.plan import RING_ALLREDUCE, CostModel
 from lightning_dp_strategies.reducers import CommHook, Reducer
+from lightning_dp_strategies.strategies._model_averaging import PeriodicModelAveraging
 from lightning_dp_strategies.strategies._nonfinite import NonfiniteCheck
 from lightning_dp_strategies.strategies._resume import CheckpointAndResume
 
 __all__ = ["BucketedConfig", "BucketedDataParallel"]
 
 
-class BucketedDataParallel(CheckpointAndResume, HoldsGradientSync, NonfiniteCheck, DDPStrategy):
+class BucketedDataParallel(CheckpointAndResume, HoldsGradientSync, PeriodicModelAveraging, NonfiniteCheck, DDPStrategy):
     """Base of the strategies whose gradients ``GradientBuckets`` average over groups of ranks (see the module doc).
 
     Lightning's launchers, cluster environments and process-group setup come from
@@ -78,6 +79,8 @@ class BucketedDataParallel(CheckpointAndResume, HoldsGradientSync, NonfiniteChec
             instead of the reducer, on any device and backend (see :mod:`lightning_dp_strategies.comm_hooks`).
         ddp_comm_state: the hook's ``state``; ``None`` gives it the strategy's gradient group.
         ddp_comm_wrapper: applied to the hook once, ``ddp_comm_wrapper(ddp_comm_hook)``, as in Lightning's DDP.
+        model_averaging_period: with ``ddp_comm_state=PostLocalSGDState(...)``: average the parameters every this
+            many optimizer steps after the state's warm-up (post-local SGD, as Lightning's DDP on CUDA).
 
     Examples:
         >>> from lightning_dp_strategies.reducers import NativeReducer
@@ -121,9 +124,10 @@ class BucketedDataParallel(CheckpointAndResume, HoldsGradientSync, NonfiniteChec
         ddp_comm_state: object = None,
         ddp_comm_hook: CommHook | None = None,
         ddp_comm_wrapper: Callable[[CommHook], CommHook] | None = None,
+        model_averaging_period: int | None = None,
     ) -> None:
         check_start_method(start_method)
-        reduction = ReductionOptions(reducer, ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper)
+        reduction = ReductionOptions(reducer, ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper, model_averaging_period)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

@@ -15,6 +15,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_dp_strategies.bucketing.stats import CommStats
 from lightning_dp_strategies.core.averaging import FlatAverager
 from lightning_dp_strategies.core.local_sgd import (
     LocalSGD,
@@ -119,6 +120,7 @@ class LocalSGDStrategy(BucketedDataParallel):
         self.cost_model = local_sgd_cost_model(sync_every)  # type: ignore[misc]  # this instance's period
         # runtime state (made at setup) and statistics (local_sgd.syncs, local_sgd.averager.counter)
         self.local_sgd: LocalSGD | None = None
+        self._averaged_step = CommStats()
 
     # ------------------------------------------------------------------ setup
     @property
@@ -172,8 +174,23 @@ class LocalSGDStrategy(BucketedDataParallel):
     ) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.local_sgd is not None:
+            before = self.local_sgd.stats
             self.local_sgd.after_step()
+            self._averaged_step = self.local_sgd.stats - before
         return output
+
+    @property
+    @override
+    def step_stats(self) -> CommStats:
+        """Communication of the last optimizer step: the warm-up's gradients, or the synchronisation it ended with."""
+        return self.grad_sync.step_stats + self._averaged_step
+
+    @property
+    @override
+    def comm_stats(self) -> CommStats:
+        """Running totals on this rank: the warm-up's gradients and every synchronisation."""
+        averaged = self.local_sgd.stats if self.local_sgd is not None else CommStats()
+        return self.grad_sync.totals + averaged
 
     def synchronize(self) -> None:
         """Average the ranks' parameter changes now and apply the outer step (on every rank; nothing when the ranks

@@ -54,6 +54,10 @@ class RingAllReduceStrategy(BucketedDataParallel):
             a node sends ``2(n-1)/n`` of the gradient over its link instead of almost twice that. ``None`` (default):
             on when the job spans several nodes of several processes each; ``reducer`` then reduces the hop across
             nodes, so a compression wrapper compresses what crosses the slow link.
+        model_averaging_period: post-local SGD, as Lightning's ``DDPStrategy`` runs it (there on CUDA only):
+            with ``ddp_comm_state=PostLocalSGDState(...)`` and ``ddp_comm_hook=post_localSGD_hook``, the parameters
+            are averaged every this many optimizer steps after the state's ``start_localSGD_iter`` (see
+            :class:`~lightning_dp_strategies.LocalSGDStrategy` for local SGD with an outer optimizer).
 
     Examples:
         >>> import lightning as L
@@ -87,6 +91,7 @@ class RingAllReduceStrategy(BucketedDataParallel):
         ddp_comm_hook: CommHook | None = None,
         ddp_comm_wrapper: Callable[[CommHook], CommHook] | None = None,
         two_level: bool | None = None,
+        model_averaging_period: int | None = None,
     ) -> None:
         super().__init__(
             config=RingAllReduceConfig(
@@ -105,6 +110,7 @@ class RingAllReduceStrategy(BucketedDataParallel):
             ddp_comm_state=ddp_comm_state,
             ddp_comm_hook=ddp_comm_hook,
             ddp_comm_wrapper=ddp_comm_wrapper,
+            model_averaging_period=model_averaging_period,
         )
         check_two_level(self.config.two_level, self.reduction)
 

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor, nn
+from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_dp_strategies import LocalSGDStrategy, RingAllReduceStrategy, bf16_compress
@@ -44,6 +45,7 @@ class Scenario:
     checkpoint: bool = False  # ModelCheckpoint at every epoch's end
     resume_from: str | None = None  # the scenario whose epoch-0 checkpoint this one resumes
     reducer: str | None = None
+    post_local: tuple[int, bool] | None = None  # ring_allreduce with torch's post-local SGD: (period, local allreduce)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -64,6 +66,10 @@ SCENARIOS = {
     # the change averaged through bf16_compress("ring"): half the bytes of the plain ring's
     "plain4": Scenario(),
     "bf16": Scenario(reducer="bf16"),
+    # torch's post-local SGD on RingAllReduceStrategy: 3 warm-up steps, then averages every `period` steps
+    "postlocal1": Scenario(strategy="ring_allreduce", post_local=(1, False)),
+    "postlocal4": Scenario(strategy="ring_allreduce", post_local=(4, True)),
+    "postlocal4_local": Scenario(strategy="ring_allreduce", post_local=(4, False)),
     "several_optimizers": Scenario(manual=True, extra={"several_optimizers": True}),
 }
 
@@ -109,6 +115,11 @@ class Net(L.LightningModule):
             flat = torch.cat([p.detach().reshape(-1) for p in self.parameters()])
             self.records.append({"val_params": flat.clone(), "step": self.trainer.global_step})
 
+    def on_train_end(self) -> None:  # the post-local SGD averager, before teardown closes it
+        averager = getattr(self.trainer.strategy, "_post_local_averager", None)
+        if averager is not None:
+            self.records.append(averager.averager.reductions)
+
     def configure_optimizers(self) -> Any:
         opt = make_optimizer(self.scenario.optimizer, self.parameters())
         if self.scenario.extra.get("several_optimizers"):
@@ -117,6 +128,12 @@ class Net(L.LightningModule):
 
 
 def make_strategy(scenario: Scenario) -> Any:
+    if scenario.post_local is not None:
+        period, local_allreduce = scenario.post_local
+        state = PostLocalSGDState(None, None, start_localSGD_iter=3, post_local_gradient_allreduce=local_allreduce)
+        return RingAllReduceStrategy(
+            ddp_comm_hook=post_localSGD_hook, ddp_comm_state=state, model_averaging_period=period
+        )
     if scenario.strategy == "ring_allreduce":
         return RingAllReduceStrategy()
     outer = diloco_outer_optimizer() if scenario.diloco else None
@@ -153,6 +170,7 @@ def run(name: str, outdir: Path) -> None:
     ckpt = outdir / scenario.resume_from / "epoch=0.ckpt" if scenario.resume_from else None
     trainer.fit(model, loader, val, ckpt_path=ckpt)
     strategy = trainer.strategy
+    averages = model.records.pop() if scenario.post_local is not None else None
     local = getattr(strategy, "local_sgd", None)
     torch.save(
         {
@@ -160,8 +178,10 @@ def run(name: str, outdir: Path) -> None:
             "records": model.records,
             "syncs": local.syncs if local is not None else None,
             "steps": local.steps if local is not None else None,
-            "ring_operations": strategy.comm_stats.ring_operations,
+            "ring_operations": strategy.grad_sync.totals.ring_operations,  # the gradients' reductions
+            "comm": strategy.comm_stats.as_dict(),
             "averaged_bytes": local.averager.counter.bytes_sent if local is not None else None,
+            "parameter_averages": averages,
         },
         out / f"rank{trainer.global_rank}.pt",
     )

@@ -7,6 +7,7 @@ see :mod:`tests.strategies.local_sgd_scenarios`). Tolerance: max absolute differ
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,9 @@ NAMES = [
     "manual",
     "plain4",
     "bf16",
+    "postlocal1",
+    "postlocal4",
+    "postlocal4_local",
 ]
 
 
@@ -114,8 +118,47 @@ def test_sync_every_counts_optimizer_steps_with_accumulation_and_manual_optimiza
 def test_bf16_reducer_halves_the_bytes_of_the_average(runs: Path) -> None:
     plain, bf16 = results(runs, "plain4"), results(runs, "bf16")
     assert bf16[0]["averaged_bytes"] * 2 == plain[0]["averaged_bytes"] > 0
+    # the strategy's statistics (what `compare` reports) count the averages: 3 periods of 4 steps
+    assert plain[0]["comm"]["bytes_sent"] == plain[0]["averaged_bytes"] and plain[0]["comm"]["ring_operations"] == 3
     assert 0 < max_diff(plain[0]["state"], bf16[0]["state"]) <= 1e-2  # bf16 rounding of the change
     assert max_diff(bf16[0]["state"], bf16[1]["state"]) == 0
+
+
+@pytest.mark.timeout(600)
+def test_ring_allreduce_runs_torchs_post_local_sgd_with_model_averaging_period(runs: Path) -> None:
+    """``PostLocalSGDState(start_localSGD_iter=3)``, ``post_localSGD_hook``, ``model_averaging_period``: averages after
+    steps 4, 8 and 12 (torch's ``PeriodicModelAverager`` schedule) on CPU/gloo."""
+    ring = results(runs, "h1@ring")
+    # averaging every step after the warm-up, no gradient averaging then: SGD's training all the same (linear)
+    for mine, theirs in zip(results(runs, "postlocal1"), ring, strict=True):
+        assert max_diff(mine["state"], theirs["state"]) <= TOLERANCE
+        assert mine["parameter_averages"] == 9
+    # the intra-node group (made at setup, here both ranks: one node) averages the gradients after the warm-up
+    for mine, theirs in zip(results(runs, "postlocal4"), ring, strict=True):
+        assert max_diff(mine["state"], theirs["state"]) <= TOLERANCE
+        assert mine["parameter_averages"] == 3
+    local = results(runs, "postlocal4_local")  # truly local steps in between
+    assert max_diff(local[0]["state"], local[1]["state"]) == 0 and local[0]["parameter_averages"] == 3
+    assert max_diff(local[0]["state"], ring[0]["state"]) > TOLERANCE
+
+
+@pytest.mark.parametrize(
+    ("options", "fix"),
+    [
+        ({"model_averaging_period": 4}, "pass it with `ddp_comm_state=PostLocalSGDState(...)`"),
+        ({"ddp_comm_state": "post_local", "model_averaging_period": 0}, "`model_averaging_period` must be an int >= 1"),
+        ({"ddp_comm_state": "post_local"}, "pass `model_averaging_period=N`"),
+    ],
+)
+def test_post_local_sgd_options_are_checked_when_the_strategy_is_made(options: dict[str, Any], fix: str) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
+
+    from lightning_dp_strategies import RingAllReduceStrategy
+
+    if options.get("ddp_comm_state") == "post_local":
+        options = {**options, "ddp_comm_state": PostLocalSGDState(None, None, 3)}
+    with pytest.raises(ValueError, match=re.escape(fix)):
+        RingAllReduceStrategy(ddp_comm_hook=post_localSGD_hook, **options)
 
 
 @pytest.mark.timeout(300)
