@@ -173,8 +173,9 @@ def run_one(name: str, session: Session) -> RunResult:
     if steady:
         result.step_ms = statistics.median(steady)
     if data["comm_bytes"]:
-        result.comm_mb_per_step = statistics.median(_steady(data["comm_bytes"])) / 1e6
-        result.exposed_comm_ms = statistics.median(_steady(data["exposed_ms"]))
+        # means: bytes and waits add up over the steps, and a periodic strategy (local_sgd) sends on few of them
+        result.comm_mb_per_step = statistics.fmean(_steady(data["comm_bytes"])) / 1e6
+        result.exposed_comm_ms = statistics.fmean(_steady(data["exposed_ms"]))
     if any(data.get("pipeline_bytes", [])):
         result.pipeline_mb_per_step = statistics.median(_steady(data["pipeline_bytes"])) / 1e6
     if data["bubbles"]:

@@ -169,6 +169,23 @@ def test_several_optimizers_are_refused_at_setup_on_every_rank(tmp_path: Path) -
     assert output.count("counts `sync_every` in steps of one optimizer") >= WORLD, output
 
 
+@pytest.mark.timeout(300)
+def test_compare_runs_it_and_reports_what_its_averages_send(tmp_path: Path) -> None:
+    """``lightning-dp-strategies compare --strategies single,local_sgd``: two processes, plain averaging every 8
+    steps; its row counts the synchronisations' traffic, averaged over the steps."""
+    import json
+
+    from lightning_dp_strategies.cli import main
+
+    argv = ["compare", "--strategies", "single,local_sgd", "--steps", "8", "--model-size", "small"]
+    assert main([*argv, "--output", str(tmp_path)]) == 0
+    rows = {r["strategy"]: r for r in json.loads((tmp_path / "comparison.json").read_text())["results"]}
+    local = rows["local_sgd"]
+    assert local["status"] == "ok" and local["processes"] == 2
+    assert len(local["loss_curve"]) == 8 and local["max_param_diff"] > 0  # local steps: not single-device training
+    assert local["comm_mb_per_step"] > 0
+
+
 # ---------------------------------------------------------------------------------------------- without a launch
 
 
@@ -233,3 +250,35 @@ def _gbe_link() -> Any:
 
     names = list(inspect.signature(Link).parameters)
     return Link(**{names[0]: 5e-5, names[1]: 1.25e8})
+
+
+def test_the_benchmark_variants_are_strategies_and_its_summary_times_ddps_loss() -> None:
+    """``benchmarks/bench_local_sgd.py`` without a cluster: every variant is a strategy the Trainer takes, and the
+    time to ddp's final loss is read at the first evaluation that reaches it."""
+    import importlib.util
+
+    import lightning as L
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_local_sgd.py"
+    spec = importlib.util.spec_from_file_location("bench_local_sgd", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for variant in bench.VARIANTS:
+        strategy = bench.make_strategy(variant)
+        assert isinstance(strategy, str) or isinstance(strategy, L.pytorch.strategies.Strategy), variant
+
+    def point(step: int, seconds: float, loss: float) -> dict[str, float]:
+        return {"step": step, "samples": 64 * step, "seconds": seconds, "val_loss": loss}
+
+    curves = {
+        "ddp": [point(0, 0, 1.0), point(8, 10, 0.5)],
+        "local_sgd_8": [point(0, 0, 1.0), point(8, 4, 0.6), point(16, 6, 0.45)],
+    }
+    summary = bench.summarize(curves)
+    local = summary["variants"]["local_sgd_8"]
+    assert summary["target_loss"] == 0.5 and local["ratio_to_ddp"] == pytest.approx(0.6)
+    assert local["loss_at_ddp_samples"] == 0.6 and local["steps_to_target"] == 16
+    x_train, _, x_val, y_val = bench.make_task(8, 32)
+    assert x_train.shape == (32, 8) and y_val.shape == (bench.VAL_SAMPLES, bench.OUT_DIM)
+    assert torch.equal(bench.make_task(8, 64)[2], x_val)  # the held-out set does not depend on the run's length
