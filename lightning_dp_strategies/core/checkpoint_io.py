@@ -29,6 +29,8 @@ from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from lightning.fabric.utilities.types import _PATH
 from typing_extensions import override
 
+from lightning_dp_strategies.core.checkpoint_files import complete_or_newest
+
 __all__ = ["AtomicCheckpointIO", "atomic_write", "with_atomic_default"]
 
 
@@ -82,11 +84,15 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
         """Load as ``TorchCheckpointIO`` does; a local file in ``torch.save``'s zip format is memory-mapped
-        (``mmap=True``), so a tensor's bytes are read only when it is used: a pipeline stage reads only its own part."""
+        (``mmap=True``), so a tensor's bytes are read only when it is used: a pipeline stage reads only its own part.
+
+        A local file that is incomplete (cut short while written or copied) is skipped with a warning for the newest
+        complete ``*.ckpt`` in its folder (:func:`~.checkpoint_files.complete_or_newest`)."""
         if fsspec.utils.get_protocol(str(path)) == "file":
-            local = fsspec.core.strip_protocol(str(path))
+            local = str(complete_or_newest(fsspec.core.strip_protocol(str(path))))
             if os.path.isfile(local) and _is_zip(local):
                 return torch.load(local, map_location=map_location, weights_only=weights_only, mmap=True)
+            path = local
         return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
 
 
