@@ -34,13 +34,14 @@ from lightning_dp_strategies.core.options import (
 )
 from lightning_dp_strategies.core.registry import register_with_launchers
 from lightning_dp_strategies.core.topology import check_two_level, layout_reducer
+from lightning_dp_strategies.fabric._elastic import RestartSafeGroups
 from lightning_dp_strategies.fabric._step import NonfiniteStep
 from lightning_dp_strategies.reducers import CommHook, Reducer
 
 __all__ = ["FabricRingAllReduceStrategy"]
 
 
-class FabricRingAllReduceStrategy(AtomicCheckpoints, HoldsGradientSync, NonfiniteStep, DDPStrategy):
+class FabricRingAllReduceStrategy(AtomicCheckpoints, RestartSafeGroups, HoldsGradientSync, NonfiniteStep, DDPStrategy):
     """One process per device under Lightning Fabric; gradients averaged by the bucketed ring all-reduce.
 
     The Fabric counterpart of :class:`~lightning_dp_strategies.RingAllReduceStrategy`, on the same machinery

@@ -1,12 +1,15 @@
-"""Resuming under the Trainer: atomic checkpoint files by default, and the resumed epoch's sample order."""
+"""Resuming under the Trainer: atomic checkpoint files by default, the resumed epoch's sample order, and process
+groups that torchrun's restarts can make again."""
 
 from __future__ import annotations
 
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.data import _set_sampler_epoch
-from lightning.pytorch.strategies import Strategy
+from lightning.pytorch.strategies import DDPStrategy, Strategy
 from typing_extensions import override
 
 from lightning_dp_strategies.core.checkpoint_io import AtomicCheckpoints
+from lightning_dp_strategies.core.elastic import init_restart_safe_process_group
 
 
 def with_resumed_sampler_epoch(strategy: Strategy, dataloader: object) -> object:
@@ -35,3 +38,18 @@ class CheckpointAndResume(AtomicCheckpoints, Strategy):
     def process_dataloader(self, dataloader: object) -> object:
         """The loader as Lightning prepared it; the train sampler already set to the epoch that is resumed."""
         return with_resumed_sampler_epoch(self, super().process_dataloader(dataloader))
+
+
+class RestartSafeGroups(DDPStrategy):
+    """Mixed in ahead of ``DDPStrategy``: under torchrun the default process group meets under a key prefix of its
+    own attempt (:mod:`lightning_dp_strategies.core.elastic`), so workers restarted by ``--max-restarts`` never dial
+    the addresses of the attempt that died."""
+
+    @override
+    def setup_distributed(self) -> None:
+        self.set_world_ranks()
+        assert self.cluster_environment is not None
+        timeout = self._timeout if self._timeout is not None else default_pg_timeout
+        backend = self._get_process_group_backend()
+        init_restart_safe_process_group(self.cluster_environment, backend, timeout, self.root_device)
+        super().setup_distributed()

@@ -56,12 +56,14 @@ from lightning_dp_strategies.plan import RING_ALLREDUCE, CostModel
 from lightning_dp_strategies.reducers import CommHook, Reducer
 from lightning_dp_strategies.strategies._model_averaging import PeriodicModelAveraging
 from lightning_dp_strategies.strategies._nonfinite import NonfiniteCheck
-from lightning_dp_strategies.strategies._resume import CheckpointAndResume
+from lightning_dp_strategies.strategies._resume import CheckpointAndResume, RestartSafeGroups
 
 __all__ = ["BucketedConfig", "BucketedDataParallel"]
 
 
-class BucketedDataParallel(CheckpointAndResume, HoldsGradientSync, PeriodicModelAveraging, NonfiniteCheck, DDPStrategy):
+class BucketedDataParallel(
+    CheckpointAndResume, RestartSafeGroups, HoldsGradientSync, PeriodicModelAveraging, NonfiniteCheck, DDPStrategy
+):
     """Base of the strategies whose gradients ``GradientBuckets`` average over groups of ranks (see the module doc).
 
     Lightning's launchers, cluster environments and process-group setup come from
