@@ -355,11 +355,12 @@ class GradientBuckets:
 
     def _failure_message(self, bucket: Bucket, what: str) -> str:
         rank = dist.get_rank() if dist.is_initialized() else 0
-        world = dist.get_world_size(self.group) if dist.is_initialized() else 1
+        members = dist.get_process_group_ranks(self.group or dist.group.WORLD) if dist.is_initialized() else [rank]
+        peers = [r for r in members if r != rank]
         hint = getattr(self.reducer, "failure_hint", PEER_FAILURE_HINT)
         return announce_failure(
             f"Reducing gradient bucket {bucket.index} ({len(bucket.params)} parameters from {bucket.names[0]!r}) "
-            f"over {world} ranks failed on rank {rank}: {what}\n{hint}"
+            f"over {len(members)} ranks failed on rank {rank} (its peers: ranks {peers}): {what}\n{hint}"
         )
 
     def _reduced_flags(self) -> list[list[float]]:
