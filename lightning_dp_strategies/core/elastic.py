@@ -1,11 +1,11 @@
 """Process groups that survive torchrun's restarts: each attempt of the job meets under a key prefix of its own.
 
-Under ``torchrun`` with c10d rendezvous the workers do not host the store their process group meets in: the agent of
-node 0 does (``TORCHELASTIC_USE_AGENT_STORE=True``), and the same store serves every restart of the job. torch's
-``env://`` initialisation uses it with fixed keys (``default_pg/0//cpu//0/<rank>``, one group after another), so after
-a restart the keys of the dead attempt are still there: a new worker that reads a peer's key before that peer has
-rewritten it dials the dead worker's address (``Connection refused, remote=[10.77.0.1]:<old port>``) and the job
-hangs until the collective timeout. Whether it does depends on which worker starts first: a race, not a rule.
+Under ``torchrun`` (c10d or static rendezvous) the workers do not host the store their process group meets in: the
+agent of node 0 does (``TORCHELASTIC_USE_AGENT_STORE=True``), and the same store serves every restart of the job.
+torch's ``env://`` initialisation uses it with fixed keys (``default_pg/0//cpu//0/<rank>``, one group after another),
+so after a restart the keys of the dead attempt are still there: a new worker that reads a peer's key before that
+peer has rewritten it dials the dead worker's address (``Connection refused, remote=[10.77.0.1]:<old port>``) and the
+job hangs until the collective timeout. Whether it does depends on which worker starts first: a race, not a rule.
 
 Here the workers of one attempt first agree on a fresh random prefix, then initialise the default process group on
 the agent's store under it, so every key of this attempt (the default group's, every ``new_group``'s, barriers')
@@ -25,6 +25,7 @@ once a node's agent restarts its workers for a membership change.
 
 from __future__ import annotations
 
+import atexit
 import os
 import time
 import uuid
@@ -33,6 +34,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
+from lightning.fabric.utilities.distributed import _destroy_dist_connection
 
 __all__ = [
     "agree_on_attempt",
@@ -134,7 +136,7 @@ def init_restart_safe_process_group(
     """Initialise the default process group under this attempt's own prefix when torchrun shares its store.
 
     Called by the strategies before Lightning's own initialisation, which then finds the group made and skips its
-    ``env://`` one. Elsewhere (no torchrun, a static rendezvous, or a group already made) it does nothing.
+    ``env://`` one. Elsewhere (no torchrun, or a group already made) it does nothing.
 
     Args:
         environment: the strategy's cluster environment (ranks and world size).
@@ -158,4 +160,6 @@ def init_restart_safe_process_group(
     dist.init_process_group(
         backend, store=store, rank=rank, world_size=world_size, timeout=timeout, device_id=device_id
     )
+    if "nccl" in backend:  # as Lightning's own initialisation: torch warns about an NCCL group left at exit
+        atexit.register(_destroy_dist_connection)
     return True
