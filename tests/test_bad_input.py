@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dp_strategies import HybridPipelineStrategy, RingAllReduceStrategy, ScatterGatherStrategy
+from lightning_dp_strategies.reducers import AutoReducer
 from tests.helpers.distributed import run_distributed
 
 QUIET: dict[str, Any] = {
@@ -286,6 +287,12 @@ CATALOGUE = [
         "reducer",
     ),
     Misuse(
+        "ring-reducer-auto-unknown-restriction",
+        lambda run: RingAllReduceStrategy(reducer=AutoReducer(allow="fastest")),
+        ValueError,
+        r"use 'all', 'lossless' \(the plain ring only, one or two levels\) or a tuple of",
+    ),
+    Misuse(
         "ring-no-trainable-parameters",
         lambda run: fit(run, "ring_allreduce", Frozen(), devices=1),
         ValueError,
@@ -436,6 +443,12 @@ CATALOGUE = [
         lambda run: HybridPipelineStrategy(reducer=42),  # type: ignore[arg-type]
         OPTION_ERRORS,
         "reducer",
+    ),
+    Misuse(
+        "hybrid-reducer-auto",
+        lambda run: HybridPipelineStrategy(reducer="auto"),
+        ValueError,
+        r"`reducer='auto'` is not supported by HybridPipelineStrategy.*Name one instead: reducer='ring'",
     ),
     Misuse(
         "hybrid-log_pipeline_stats-not-a-bool",

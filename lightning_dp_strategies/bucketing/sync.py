@@ -4,14 +4,17 @@ A strategy (Trainer or Fabric) makes one :class:`GradientSync` and calls it at f
 
     setup        make_groups(partition, rank, backend, reducer)  ──▶  attach(named_parameters, caps)
     each pass    arm_or_skip()  ─ backward ─  finish()      (inside ``no_sync()``: accumulate locally)
-    each step    record_step()                               (``step_stats``: that step's communication)
+    each step    record_step()                               (``step_stats``: that step's communication; a reducer
+                                                              with ``observe_step`` is told the step's timing)
     teardown     close()  ──▶  destroy_groups()
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Generator, Iterable, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -19,7 +22,7 @@ from torch import nn
 
 from lightning_dp_strategies.bucketing.buckets import GradientBuckets
 from lightning_dp_strategies.bucketing.stats import CommStats
-from lightning_dp_strategies.reducers import Reducer, close_reducer, setup_reducer
+from lightning_dp_strategies.reducers import Reducer, StepTiming, close_reducer, setup_reducer
 
 __all__ = ["GradientSync", "HoldsGradientSync", "destroy_groups"]
 
@@ -34,6 +37,16 @@ def destroy_groups(groups: Iterable[object]) -> None:
         if isinstance(group, dist.ProcessGroup) and group is not dist.group.WORLD and id(group) not in destroyed:
             destroyed.add(id(group))
             dist.destroy_process_group(group)
+
+
+@dataclass
+class _Clock:
+    """When this step's communicating backward began, and what its backward and waiting took so far (seconds)."""
+
+    armed_at: float | None = None
+    backward: float = 0.0
+    exposed: float = 0.0
+    last_step: float | None = None
 
 
 class GradientSync:
@@ -66,6 +79,7 @@ class GradientSync:
         """Communication of the last optimizer step (all backward passes since the previous step)."""
         self._step_start = CommStats()
         self._closed_totals = CommStats()
+        self._clock = _Clock()
 
     # ------------------------------------------------------------------ setup
     def make_groups(self, partition: Sequence[Sequence[int]], rank: int, backend: str | None, reducer: Reducer) -> None:
@@ -127,11 +141,17 @@ class GradientSync:
             self.buckets.skip()
         else:
             self.buckets.arm()
+            self._clock.armed_at = time.perf_counter()
 
     def finish(self) -> None:
         """After a backward pass: wait until every ``.grad`` holds the average (nothing to do when skipped)."""
         if self.buckets is not None:
+            clock, start = self._clock, time.perf_counter()
             self.buckets.finish()
+            if clock.armed_at is not None:
+                clock.backward += start - clock.armed_at
+                clock.exposed += time.perf_counter() - start
+                clock.armed_at = None
 
     def abort(self) -> None:
         """On an exception: drop the buckets' pending work so that nothing waits for it."""
@@ -144,6 +164,15 @@ class GradientSync:
         if self.buckets is not None:
             self.step_stats = self.buckets.totals - self._step_start
             self._step_start = self.buckets.totals.copy()
+        self._observe_step()
+
+    def _observe_step(self) -> None:
+        """Tell a reducer that watches the steps (``observe_step``, e.g. ``reducer="auto"``) how this one went."""
+        clock, now = self._clock, time.perf_counter()
+        observe = getattr(self.reducer, "observe_step", None)
+        if callable(observe) and clock.last_step is not None:
+            observe(StepTiming(now - clock.last_step, clock.backward, clock.exposed))
+        self._clock = _Clock(last_step=now)
 
     @property
     def totals(self) -> CommStats:

@@ -4,6 +4,7 @@
 - :mod:`.ring`: ring reduce-scatter, all-gather and all-reduce, and the reference all-reduce they are tested against.
 - :mod:`.streamed`: the ring all-reduce as one stream of messages, the path :func:`ring_all_reduce` takes on gloo.
 - :mod:`.two_level`: the all-reduce for several nodes: inside each node, across nodes by shard, inside again.
+- :mod:`.probe`: a link's latency and bandwidth, measured on the live process group.
 - :mod:`.failures`: what a failed collective most likely means, logged on the rank that sees it.
 """
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from lightning_dp_strategies.core.options import ReductionOptions
-from lightning_dp_strategies.reducers import PowerSGD, Reducer
+from lightning_dp_strategies.reducers import AutoReducer, PowerSGD, Reducer
 from lightning_dp_strategies.reducers.two_level import TwoLevelReducer
 
 __all__ = ["check_two_level", "layout_reducer", "uses_two_level"]
@@ -65,6 +65,8 @@ def layout_reducer(two_level: bool | None, nodes: int, per_node: int, reduction:
         'NativeReducer'
     """
     reducer = reduction.make_reducer()
+    if isinstance(reducer, AutoReducer):  # it tries one and two levels itself
+        return reducer.with_layout(per_node, two_level)
     if uses_two_level(two_level, nodes, per_node, reduction):
         return TwoLevelReducer(per_node, inter_node=reducer)
     return reducer

@@ -32,7 +32,7 @@ from lightning_dp_strategies.core.options import (
     check_timeout,
     default_timeout,
 )
-from lightning_dp_strategies.core.registry import register_with_launchers
+from lightning_dp_strategies.core.registry import register_name, register_with_launchers
 from lightning_dp_strategies.core.topology import check_two_level, layout_reducer
 from lightning_dp_strategies.fabric._elastic import RestartSafeGroups
 from lightning_dp_strategies.fabric._step import NonfiniteStep
@@ -55,8 +55,10 @@ class FabricRingAllReduceStrategy(AtomicCheckpoints, RestartSafeGroups, HoldsGra
     Args:
         bucket_cap_mb: cap of each gradient bucket in MiB (default 25, as torch DDP).
         first_bucket_cap_mb: cap of the first bucket in MiB (default 1), so communication starts early in backward.
-        reducer: how a bucket is averaged: ``"ring"`` (default), ``"native"``, ``"per_tensor"``, or any callable
-            ``reducer(bucket) -> Future``; see :mod:`lightning_dp_strategies.reducers`.
+        reducer: how a bucket is averaged: ``"ring"`` (default), ``"native"``, ``"per_tensor"``, ``"auto"`` (the
+            fastest reduction for the link, picked after a few timed steps:
+            :class:`~lightning_dp_strategies.reducers.AutoReducer`), or any callable ``reducer(bucket) -> Future``;
+            see :mod:`lightning_dp_strategies.reducers`.
         broadcast_buffers: broadcast module buffers (BatchNorm statistics) from rank 0 before every training forward
             call (train mode, gradients enabled, outside ``no_backward_sync``), as torch DDP does.
         nonfinite_grads: check the averaged gradients for NaN/Inf at every ``optimizer.step()``: ``None`` (no
@@ -132,6 +134,8 @@ class FabricRingAllReduceStrategy(AtomicCheckpoints, RestartSafeGroups, HoldsGra
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         register_with_launchers(strategy_registry, cls.registered_name, cls, cls.registered_description, where="Fabric")
+        description = f"{cls.registered_description}, the reduction picked for the link (reducer='auto')"
+        register_name(strategy_registry, f"{cls.registered_name}_auto", cls, description, "Fabric", reducer="auto")
 
     @override
     def _configure_launcher(self) -> None:

@@ -15,16 +15,23 @@ sends per optimizer step and prices it on the link::
                       plus a ring all-reduce over D replicas of the stage's gradient bytes, gradient_bytes / S
 
 The ring's gradient reduction may hide behind backward: given ``Workload.backward_seconds``, the exposed time is
-``max(0, comm - backward_seconds)``, otherwise all of it. The pipeline's is priced as fully exposed, an upper bound:
-``hybrid_pipeline`` starts each stage's reduction inside the schedule, at that stage's last backward, so part of it
-overlaps the drain. Contention, congestion and hierarchy (NVLink inside a node, a slower network between nodes) are
-not modelled: fit one :class:`Link` per level and plan with the slowest.
+``max(0, comm - backward_seconds)``, otherwise all of it. Given also a measured ``Workload.compute_seconds``, a
+prediction has a ``step_seconds``: for the ring, a flow shop of its buckets through the reduction's phases (one or two
+levels, a compression) on a :class:`Topology` of nodes and links, with the CPU's per-byte costs
+(:mod:`lightning_dp_strategies.plan.step`); for the others, compute plus the exposed time. The pipeline's is priced
+as fully exposed, an upper bound: ``hybrid_pipeline`` starts each stage's reduction inside the schedule, at that
+stage's last backward, so part of it overlaps the drain. Contention and congestion are not modelled; a node's link
+is shared by the streams that cross it at once.
 
 =====================  ===================================================================
 module                 what it holds
 =====================  ===================================================================
 ``plan.sizing``        bucket boundaries, ring bytes per rank, divisors
-``plan.model``         :class:`Link`, :class:`Workload`, :class:`Prediction`
+``plan.link``          :class:`Link`: latency and bandwidth, fitted from measurements
+``plan.cluster``       :class:`Topology` (nodes, processes a node, links), :class:`CpuCosts`
+``plan.model``         :class:`Workload`, :class:`Prediction`
+``plan.step``          :func:`ring_step`: the bucketed ring's step, :class:`Reduction`
+``plan.measure``       :func:`measure_compute`: one rank's step without communication
 ``plan.formulas``      :class:`CostModel` and one formula per strategy
 ``plan.predict``       :func:`predict`, :func:`plan`, :func:`cost_model_of`
 ``plan.compression``   :func:`compression_pays`: when a compressed reducer beats the plain one
@@ -32,6 +39,7 @@ module                 what it holds
 =====================  ===================================================================
 """
 
+from lightning_dp_strategies.plan.cluster import CpuCosts, Topology
 from lightning_dp_strategies.plan.compression import CompressionVerdict, compression_pays, payload_bytes
 from lightning_dp_strategies.plan.formulas import (
     COST_MODELS,
@@ -41,32 +49,44 @@ from lightning_dp_strategies.plan.formulas import (
     STRATEGIES,
     CostModel,
 )
-from lightning_dp_strategies.plan.model import Link, Prediction, Workload, bucket_count
+from lightning_dp_strategies.plan.link import Link
+from lightning_dp_strategies.plan.measure import ComputeTimes, measure_compute
+from lightning_dp_strategies.plan.model import Prediction, Workload, bucket_count
 from lightning_dp_strategies.plan.predict import cost_model_of, plan, predict
 from lightning_dp_strategies.plan.sizing import MiB, bucket_boundaries, divisors, ring_bytes_per_rank
+from lightning_dp_strategies.plan.step import COMPRESSIONS, Reduction, StepTimes, buckets_step, ring_step
 from lightning_dp_strategies.plan.tables import format_table, text_table
 
 __all__ = [
+    "COMPRESSIONS",
     "COST_MODELS",
     "HYBRID_PIPELINE",
     "RING_ALLREDUCE",
     "SCATTER_GATHER",
     "STRATEGIES",
     "CompressionVerdict",
+    "ComputeTimes",
     "CostModel",
+    "CpuCosts",
     "Link",
     "MiB",
     "Prediction",
+    "Reduction",
+    "StepTimes",
+    "Topology",
     "Workload",
     "bucket_boundaries",
     "bucket_count",
+    "buckets_step",
     "compression_pays",
     "cost_model_of",
     "divisors",
     "format_table",
+    "measure_compute",
     "payload_bytes",
     "plan",
     "predict",
     "ring_bytes_per_rank",
+    "ring_step",
     "text_table",
 ]

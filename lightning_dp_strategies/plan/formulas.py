@@ -48,6 +48,9 @@ class CostModel:
     formula: Formula = field(repr=False)
     pipelined: bool = False
     """Whether ``stages`` and ``micro_batches`` apply."""
+    bucketed: bool = False
+    """Whether its step is the bucketed ring's (:func:`~lightning_dp_strategies.plan.step.ring_step`), so a
+    ``reduction`` and a workload's ``topology`` apply."""
 
 
 def _ring_formula(
@@ -79,7 +82,7 @@ def _pipeline_formula(
     return nbytes, messages, comm, comm, (stages - 1) / (micro_batches + stages - 1)
 
 
-RING_ALLREDUCE = CostModel("ring_allreduce", _ring_formula)
+RING_ALLREDUCE = CostModel("ring_allreduce", _ring_formula, bucketed=True)
 
 
 SCATTER_GATHER = CostModel("scatter_gather", _scatter_gather_formula)

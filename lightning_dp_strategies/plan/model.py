@@ -1,71 +1,17 @@
-"""The cost model's inputs and output: a :class:`Link`, a :class:`Workload` and a :class:`Prediction`."""
+"""The cost model's input and output: a :class:`Workload` and a :class:`Prediction` (:class:`Link` re-exported)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_dp_strategies.plan.cluster import CpuCosts, Topology
+from lightning_dp_strategies.plan.link import Link
 from lightning_dp_strategies.plan.sizing import MiB, bucket_boundaries, check_caps
 
 __all__ = ["Link", "Prediction", "Workload", "bucket_count"]
-
-
-@dataclass(frozen=True)
-class Link:
-    """A point-to-point link: ``seconds = messages * latency_s + bytes / bandwidth_bytes_per_s``.
-
-    Examples:
-        >>> link = Link(latency_s=1e-5, bandwidth_bytes_per_s=1e9)
-        >>> round(link.seconds(messages=2, nbytes=1e6), 6)
-        0.00102
-    """
-
-    latency_s: float
-    bandwidth_bytes_per_s: float
-
-    def __post_init__(self) -> None:
-        if not self.bandwidth_bytes_per_s > 0 or math.isinf(self.bandwidth_bytes_per_s):
-            raise ValueError(
-                f"Link bandwidth must be a positive, finite number of bytes per second, got "
-                f"{self.bandwidth_bytes_per_s!r}: e.g. 25e9 for 200 Gb/s, or fit one with Link.fit(measurements)."
-            )
-        if not self.latency_s >= 0:
-            raise ValueError(f"Link latency must be >= 0 seconds per message, got {self.latency_s!r}.")
-
-    def seconds(self, messages: float, nbytes: float) -> float:
-        """Time to send ``messages`` messages carrying ``nbytes`` bytes in all, one after the other."""
-        return messages * self.latency_s + nbytes / self.bandwidth_bytes_per_s
-
-    @classmethod
-    def fit(cls, samples: Iterable[tuple[float, float, float]]) -> Link:
-        """Fit ``seconds = latency * messages + bytes / bandwidth`` to ``(messages, bytes, seconds)`` measurements.
-
-        Least squares of the *relative* error (each sample weighted by ``1 / seconds**2``), so 64 KiB and 64 MiB
-        measurements count alike. A negative latency fit (noise on tiny latencies) is clamped to 0 and the bandwidth
-        refitted alone.
-
-        Examples:
-            >>> true = Link(latency_s=2e-5, bandwidth_bytes_per_s=5e8)
-            >>> samples = [(m, b, true.seconds(m, b)) for m, b in [(2, 1e4), (2, 1e6), (4, 1e5), (8, 1e8)]]
-            >>> fitted = Link.fit(samples)
-            >>> round(fitted.latency_s, 9), round(fitted.bandwidth_bytes_per_s)
-            (2e-05, 500000000)
-        """
-        rows = [(float(m), float(b), float(t)) for m, b, t in samples]
-        if len(rows) < 2 or any(t <= 0 or b < 0 or m < 0 for m, b, t in rows):
-            raise ValueError(f"Link.fit needs two or more (messages, bytes, seconds > 0) samples, got {rows!r}.")
-        xy = [(m / t, b / t) for m, b, t in rows]  # relative residuals: x * latency + y / bandwidth - 1
-        sxx, sxy, syy = (sum(x * x for x, _ in xy), sum(x * y for x, y in xy), sum(y * y for _, y in xy))
-        sx, sy, det = sum(x for x, _ in xy), sum(y for _, y in xy), sxx * syy - sxy * sxy
-        latency = (sx * syy - sy * sxy) / det if det > 1e-9 * sxx * syy else -1.0
-        inverse_bandwidth = (sy * sxx - sx * sxy) / det if latency >= 0 else -1.0
-        if latency < 0 or inverse_bandwidth <= 0:  # latency below the noise: fit the bandwidth alone
-            latency, inverse_bandwidth = 0.0, sy / syy if syy > 0 else 0.0
-        if inverse_bandwidth <= 0:
-            raise ValueError("Link.fit found no bandwidth term: measure sizes large enough that bytes cost time.")
-        return cls(latency_s=latency, bandwidth_bytes_per_s=1.0 / inverse_bandwidth)
 
 
 @dataclass(frozen=True)
@@ -83,6 +29,14 @@ class Workload:
         tensor_bytes: optional per-parameter gradient bytes in registration order; then buckets are counted as
             :func:`lightning_dp_strategies.bucketing.assign_buckets` forms them (else ``gradient_bytes`` is cut
             into full buckets).
+        compute_seconds: one rank's measured step without communication (forward, backward and optimizer at the
+            per-rank batch; :func:`~lightning_dp_strategies.plan.measure_compute` measures it). Given, a prediction
+            has a ``step_seconds``.
+        shapes: the trainable parameters' shapes in registration order (what PowerSGD factors).
+        topology: nodes, processes a node and their links; ``None``: one node whose processes share ``predict``'s
+            link.
+        cpu: seconds per byte of reducing and compressing on this machine
+            (:func:`~lightning_dp_strategies.reducers.calibrate_cpu`); ``None``: the wire alone.
 
     Examples:
         >>> from lightning_dp_strategies.plan import predict
@@ -99,11 +53,16 @@ class Workload:
     activation_bytes_per_sample: int = 0
     backward_seconds: float | None = None
     tensor_bytes: tuple[int, ...] = field(default=(), repr=False)
+    compute_seconds: float | None = None
+    shapes: tuple[tuple[int, ...], ...] = field(default=(), repr=False)
+    topology: Topology | None = None
+    cpu: CpuCosts | None = None
 
     def __post_init__(self) -> None:
         counts = [self.gradient_bytes, self.parameter_bytes or 0, self.input_bytes_per_sample]
         counts += [self.output_bytes_per_sample, self.activation_bytes_per_sample, *self.tensor_bytes]
-        if min(counts) < 0 or self.batch_size < 1:
+        times = [t for t in (self.backward_seconds, self.compute_seconds) if t is not None]
+        if min(counts) < 0 or self.batch_size < 1 or min(times, default=0.0) < 0:
             raise ValueError(f"Workload byte counts must be >= 0 and batch_size >= 1, got {self!r}.")
         if self.tensor_bytes and sum(self.tensor_bytes) != self.gradient_bytes:
             raise ValueError(
@@ -120,8 +79,10 @@ class Workload:
             >>> Workload.from_module(torch.nn.Linear(1000, 10), batch_size=64).gradient_bytes
             40040
         """
-        sizes = tuple(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
-        return cls(gradient_bytes=sum(sizes), tensor_bytes=sizes, **kwargs)
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        sizes = tuple(p.numel() * p.element_size() for p in trainable)
+        shapes = tuple(tuple(p.shape) for p in trainable)
+        return cls(gradient_bytes=sum(sizes), tensor_bytes=sizes, shapes=shapes, **kwargs)
 
 
 def bucket_count(
@@ -166,6 +127,8 @@ class Prediction:
     exposed_seconds: float
     """Of ``comm_seconds``, what is not hidden behind backward (see ``Workload.backward_seconds``)."""
     bubble_fraction: float
+    step_seconds: float | None = None
+    """One optimizer step: ``Workload.compute_seconds`` plus the exposed communication (``None`` without it)."""
 
     def as_row(self) -> dict[str, Any]:
         """The figures rounded for a table: S x D stages x replicas, M micro-batches, MB (10^6 bytes), milliseconds."""
@@ -179,4 +142,5 @@ class Prediction:
             "comm_ms": round(self.comm_seconds * 1e3, 3),
             "exposed_ms": round(self.exposed_seconds * 1e3, 3),
             "bubble": round(self.bubble_fraction, 3),
+            **({} if self.step_seconds is None else {"step_ms": round(self.step_seconds * 1e3, 3)}),
         }

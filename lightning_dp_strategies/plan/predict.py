@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from lightning_dp_strategies.plan.cluster import Topology
 from lightning_dp_strategies.plan.formulas import COST_MODELS, STRATEGIES, CostModel
 from lightning_dp_strategies.plan.model import Link, Prediction, Workload
 from lightning_dp_strategies.plan.sizing import divisors
+from lightning_dp_strategies.plan.step import Reduction, ring_step
 
 __all__ = ["cost_model_of", "plan", "predict"]
 
@@ -51,8 +53,10 @@ def predict(
     micro_batches: int = 1,
     bucket_cap_mb: float = 25.0,
     first_bucket_cap_mb: float = 1.0,
+    reduction: Reduction | None = None,
 ) -> Prediction:
-    """Predict one strategy's per-step communication at ``world_size`` devices (formulas in the module docstring).
+    """Predict one strategy's per-step communication at ``world_size`` devices (formulas in the module docstring),
+    and its whole step when the workload has a ``compute_seconds`` (:mod:`lightning_dp_strategies.plan.step`).
 
     Args:
         strategy: ``"ring_allreduce"``, ``"scatter_gather"`` (or ``"dp"``), ``"hybrid_pipeline"``, a strategy class
@@ -64,6 +68,8 @@ def predict(
         micro_batches: micro-batches per step (``hybrid_pipeline`` only).
         bucket_cap_mb: gradient bucket cap in MiB, as the strategies take it.
         first_bucket_cap_mb: the first bucket's cap in MiB.
+        reduction: how the ring's buckets are reduced (compression, one or two levels) for ``step_seconds``; the
+            plain flat ring by default.
 
     Examples:
         >>> from lightning_dp_strategies.plan import MiB
@@ -91,7 +97,36 @@ def predict(
     caps = (bucket_cap_mb, first_bucket_cap_mb)
     nbytes, messages, comm, exposed, bubble = model.formula(workload, world_size, link, stages, micro_batches, caps)
     name = model.name if isinstance(strategy, str) else label
-    return Prediction(name, world_size, stages, micro_batches, nbytes, messages, comm, exposed, bubble)
+    step = _step_seconds(model, workload, world_size, link, exposed, reduction, caps)
+    return Prediction(name, world_size, stages, micro_batches, nbytes, messages, comm, exposed, bubble, step)
+
+
+def _step_seconds(
+    model: CostModel,
+    work: Workload,
+    world_size: int,
+    link: Link,
+    exposed: float,
+    reduction: Reduction | None,
+    caps: tuple[float, float],
+) -> float | None:
+    """The predicted step: the bucketed ring's flow shop, or compute plus the formula's exposed time."""
+    topology = work.topology or Topology(nodes=1, per_node=world_size, inter=link)
+    if topology.world_size != world_size:
+        raise ValueError(
+            f"The workload's topology has {topology.nodes} x {topology.per_node} = {topology.world_size} processes "
+            f"but world_size is {world_size}: predict at world_size={topology.world_size} or change the topology."
+        )
+    if reduction is not None and not model.bucketed:
+        raise ValueError(f"`reduction` applies to bucketed strategies such as 'ring_allreduce', not {model.name!r}.")
+    if work.compute_seconds is None:
+        return None
+    if not model.bucketed:
+        return work.compute_seconds + exposed
+    sizes = work.tensor_bytes or (work.gradient_bytes,)
+    backward = min(work.backward_seconds or 0.0, work.compute_seconds)
+    how = reduction or Reduction()
+    return ring_step(sizes, work.shapes, work.compute_seconds, backward, topology, how, work.cpu, caps).step_seconds
 
 
 def plan(

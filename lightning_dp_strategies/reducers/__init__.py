@@ -33,6 +33,7 @@ none                  the fp32 bucket                                  yes (to s
 ====================  ===============================================  ==========================================
 """
 
+from lightning_dp_strategies.reducers.auto import AutoDecision, AutoReducer, StepTiming
 from lightning_dp_strategies.reducers.base import (
     GradBucket,
     ReduceKind,
@@ -51,6 +52,7 @@ from lightning_dp_strategies.reducers.builtin import (
     check_reducer,
     resolve_reducer,
 )
+from lightning_dp_strategies.reducers.calibrate import calibrate_cpu
 from lightning_dp_strategies.reducers.casts import CastCompression, bf16_compress, fp16_compress
 from lightning_dp_strategies.reducers.comm_hooks import (
     CommHook,
@@ -64,8 +66,12 @@ from lightning_dp_strategies.reducers.powersgd import PowerSGD
 from lightning_dp_strategies.reducers.thread import CommThread as CommThread
 from lightning_dp_strategies.reducers.two_level import TwoLevelReducer
 
+REDUCERS["auto"] = AutoReducer  # built on the others, so named here rather than beside them
+
 __all__ = [
     "REDUCERS",
+    "AutoDecision",
+    "AutoReducer",
     "CastCompression",
     "CommHook",
     "CommHookReducer",
@@ -77,8 +83,10 @@ __all__ = [
     "ReduceKind",
     "Reducer",
     "RingReducer",
+    "StepTiming",
     "TwoLevelReducer",
     "bf16_compress",
+    "calibrate_cpu",
     "check_comm_hook",
     "check_reducer",
     "close_reducer",

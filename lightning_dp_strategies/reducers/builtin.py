@@ -161,7 +161,8 @@ REDUCERS: dict[str, Callable[[], Reducer]] = {
     "native": NativeReducer,
     "per_tensor": PerTensorReducer,
 }
-"""The built-in reducers by name, as the strategies' ``reducer=`` option accepts them."""
+"""The built-in reducers by name, as the strategies' ``reducer=`` option accepts them (and ``"auto"``,
+:class:`~lightning_dp_strategies.reducers.AutoReducer`, added by the package)."""
 
 
 def check_reducer(reducer: object) -> None:
@@ -173,7 +174,7 @@ def check_reducer(reducer: object) -> None:
         >>> check_reducer(42)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        TypeError: `reducer` must be one of ['ring', 'native', 'per_tensor'] or a callable ...
+        TypeError: `reducer` must be one of ['ring', 'native', 'per_tensor', 'auto'] or a callable ...
     """
     if reducer is None:
         return
@@ -200,7 +201,7 @@ def resolve_reducer(reducer: str | Reducer | None) -> Reducer:
         >>> resolve_reducer("tree")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        ValueError: Unknown reducer 'tree': use one of ['ring', 'native', 'per_tensor'], or pass a callable ...
+        ValueError: Unknown reducer 'tree': use one of ['ring', 'native', 'per_tensor', 'auto'], or pass a callable ...
     """
     check_reducer(reducer)
     if reducer is None:

@@ -8,6 +8,7 @@ hop across nodes goes through another reducer (``inter_node``: the ring by defau
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 
 import torch.distributed as dist
@@ -33,9 +34,10 @@ __all__ = ["TwoLevelReducer"]
 class TwoLevelReducer:
     """Reduce each bucket over ``per_node`` consecutive ranks a node, then across nodes, then inside the node.
 
-    The three phases run on three threads, one phase each, buckets in launch order on every thread: while bucket
-    ``k`` crosses the link between nodes, bucket ``k+1`` is reduced inside the node and bucket ``k-1`` gathered, so
-    the slow link and the fast one are busy at the same time. Each phase has its own process group (the node's
+    A bucket is cut into pieces of at most ``piece_mb`` MiB, and the three phases run on three threads, one phase
+    each, pieces in launch order on every thread: while piece ``k`` crosses the link between nodes, piece ``k+1`` is
+    reduced inside the node and piece ``k-1`` gathered, so the slow link and the fast one are busy at the same time,
+    also within one large bucket. Each phase has its own process group (the node's
     all-gather a second group over the node), so the order of messages on every group is the launch order on every
     rank, whatever the timing.
 
@@ -44,6 +46,7 @@ class TwoLevelReducer:
         inter_node: the reducer of the hop across nodes: a name (``"ring"``, the default, or ``"native"``) or a
             reducer such as ``bf16_compress("ring")``. It sums one shard (``1/per_node`` of the bucket) over the ranks
             that hold it, one per node.
+        piece_mb: the largest piece of a bucket that goes through the phases at once, in MiB (default 4).
 
     Its :meth:`setup` makes the groups (collective over the world, as every reducer's setup). What a bucket sent
     across nodes is counted in its counter's ``inter_node_bytes``.
@@ -56,10 +59,13 @@ class TwoLevelReducer:
         >>> reducer.close()
     """
 
-    def __init__(self, per_node: int, inter_node: str | Reducer | None = None) -> None:
+    def __init__(self, per_node: int, inter_node: str | Reducer | None = None, piece_mb: float = 4.0) -> None:
         if isinstance(per_node, bool) or not isinstance(per_node, int) or per_node < 1:
             raise ValueError(f"`per_node` must be the number of processes on each node (>= 1), got {per_node!r}.")
+        if not piece_mb > 0:
+            raise ValueError(f"`piece_mb` must be a positive number of MiB, got {piece_mb!r}.")
         self.per_node = per_node
+        self.piece_mb = float(piece_mb)
         self.inter_node = resolve_reducer(inter_node)
         self._groups: dict[object, TwoLevelGroups] = {}  # the group a bucket names -> its two levels
         self._made: list[dist.ProcessGroup] = []
@@ -90,31 +96,44 @@ class TwoLevelReducer:
                 "TwoLevelReducer was handed a bucket over a process group it was not set up for: call "
                 "`setup_reducer(reducer, group, ranks)` on every rank, for every group it will reduce over, first."
             )
-        chunks = list(buffer.view(-1).tensor_split(groups.layout.per_node))
+        flat = buffer.view(-1)
+        pieces = max(1, math.ceil(flat.numel() * flat.element_size() / (self.piece_mb * 2**20)))
+        futures = [self._submit(bucket, piece, groups) for piece in flat.tensor_split(pieces)]
+
+        def all_done(last: Future[Tensor]) -> Tensor:
+            for future in futures:
+                future.value()  # an earlier piece's error reaches the waiter
+            bucket.counter.operations += 1
+            return buffer
+
+        return futures[-1].then(all_done)
+
+    def _submit(self, bucket: GradBucket, piece: Tensor, groups: TwoLevelGroups) -> Future[Tensor]:
+        """The three phases of one piece of a bucket, each on its phase's thread."""
+        chunks = list(piece.tensor_split(groups.layout.per_node))
         counters = [CommCounter() for _ in self._phases]  # one per thread, added up by the last phase
         owned: list[int] = []
-        device = buffer.device
 
         def reduce_in() -> Tensor:
             owned.append(reduce_in_node(chunks, groups, counters[0]))
-            return buffer
+            return piece
 
         def across() -> Tensor:
             reduced.wait()
             hop = functools.partial(self._across, bucket.index)
             reduce_across_nodes(chunks[owned[0]], groups, counters[1], hop)
-            return buffer
+            return piece
 
         def gather() -> Tensor:
             crossed.wait()
             gather_in_node(chunks, groups, counters[2])
             for counter in counters:
                 bucket.counter.add(counter)
-            bucket.counter.operations += 1
             if bucket.op == "avg":
-                divide_(buffer, groups.layout.nodes * groups.layout.per_node)
-            return buffer
+                divide_(piece, groups.layout.nodes * groups.layout.per_node)
+            return piece
 
+        device = piece.device
         reduced = self._phases[0].submit(reduce_in, device)
         crossed = self._phases[1].submit(across, device)
         return self._phases[2].submit(gather, device)

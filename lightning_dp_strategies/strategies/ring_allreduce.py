@@ -8,11 +8,13 @@ from typing import Any, ClassVar, Literal
 
 import lightning.pytorch as pl
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.plugins.precision import Precision
 from typing_extensions import override
 
 from lightning_dp_strategies.core.module_state import broadcast_module_buffers
 from lightning_dp_strategies.core.options import ConfigOption, RingAllReduceConfig
+from lightning_dp_strategies.core.registry import register_name
 from lightning_dp_strategies.core.topology import check_two_level, layout_reducer
 from lightning_dp_strategies.reducers import CommHook, Reducer
 from lightning_dp_strategies.strategies.bucketed import BucketedDataParallel
@@ -32,8 +34,11 @@ class RingAllReduceStrategy(BucketedDataParallel):
         bucket_cap_mb: cap of each gradient bucket in MiB (default 25, as torch DDP).
         first_bucket_cap_mb: cap of the first bucket in MiB (default 1), so communication starts early in backward.
         reducer: how a bucket is averaged: ``"ring"`` (default, this package's ring all-reduce), ``"native"`` (the
-            backend's ``all_reduce``), ``"per_tensor"`` (naive reference), or any callable ``reducer(bucket) ->
-            Future``, e.g. a compression wrapper; see :mod:`lightning_dp_strategies.reducers`.
+            backend's ``all_reduce``), ``"per_tensor"`` (naive reference), ``"auto"`` (measure the link and the step,
+            then keep the fastest of the plain ring, bf16 on the wire and PowerSGD, one or two levels:
+            :class:`~lightning_dp_strategies.reducers.AutoReducer`; ``AutoReducer(allow="lossless")`` keeps it
+            exact), or any callable ``reducer(bucket) -> Future``, e.g. a compression wrapper; see
+            :mod:`lightning_dp_strategies.reducers`.
         broadcast_buffers: broadcast module buffers (BatchNorm statistics) from rank 0 before every training step,
             as torch DDP does.
         log_comm_stats: log the per-step communication statistics (``comm/bytes_sent``, ...) to the
@@ -113,6 +118,16 @@ class RingAllReduceStrategy(BucketedDataParallel):
             model_averaging_period=model_averaging_period,
         )
         check_two_level(self.config.two_level, self.reduction)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        """Register ``ring_allreduce`` (with its launcher variants) and ``ring_allreduce_auto``: the same strategy
+        with ``reducer="auto"``, so that ``Trainer(strategy=...)`` and the comparison can name it."""
+        super().register_strategies(strategy_registry)
+        if cls.registered_name is not None:
+            description = f"{cls.registered_description}, the reduction picked for the link (reducer='auto')"
+            register_name(strategy_registry, f"{cls.registered_name}_auto", cls, description, reducer="auto")
 
     # ------------------------------------------------------------------ setup
     @override

@@ -76,8 +76,8 @@ def test_the_reducer_compresses_only_the_hop_across_nodes(compress: bool) -> Non
     run_distributed(_check_reducer, 4, compress)
 
 
-def _check_buckets_in_flight(rank: int, world_size: int) -> None:
-    reducer = TwoLevelReducer(per_node=2)
+def _check_buckets_in_flight(rank: int, world_size: int, piece_mb: float) -> None:
+    reducer = TwoLevelReducer(per_node=2, piece_mb=piece_mb)
     setup_reducer(reducer, None, list(range(world_size)))
     for _ in range(3):  # each bucket's phases overlap the next one's: all launched before any is waited for
         data = [torch.randn(n, generator=torch.Generator().manual_seed(10 * rank + n)) for n in (1001, 7, 4096, 64)]
@@ -92,10 +92,12 @@ def _check_buckets_in_flight(rank: int, world_size: int) -> None:
     dist.barrier()
 
 
+@pytest.mark.parametrize("piece_mb", [4.0, 0.001])
 @pytest.mark.timeout(120)
-def test_buckets_in_flight_at_once_each_reduce_to_the_average() -> None:
-    """The phases of consecutive buckets run at the same time on their own threads and groups."""
-    run_distributed(_check_buckets_in_flight, 4)
+def test_buckets_in_flight_at_once_each_reduce_to_the_average(piece_mb: float) -> None:
+    """The phases of consecutive buckets run at the same time on their own threads and groups; with pieces of 1048
+    bytes, the larger buckets go through the phases in several pieces, each bucket still one operation."""
+    run_distributed(_check_buckets_in_flight, 4, piece_mb)
 
 
 def test_a_layout_that_does_not_cover_the_ranks_is_refused() -> None:
@@ -103,3 +105,5 @@ def test_a_layout_that_does_not_cover_the_ranks_is_refused() -> None:
         NodeLayout(nodes=2, per_node=2, ranks=(0, 1, 2))
     with pytest.raises(ValueError, match="per_node"):
         TwoLevelReducer(per_node=0)
+    with pytest.raises(ValueError, match="`piece_mb` must be a positive number of MiB"):
+        TwoLevelReducer(per_node=2, piece_mb=0)

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import lightning_dp_strategies  # noqa: F401  # registers the Fabric names
 from lightning_dp_strategies import FabricRingAllReduceStrategy
 from lightning_dp_strategies.core.agreement import RankMismatchError
+from lightning_dp_strategies.reducers import AutoReducer
 
 WORLD = 2
 SAMPLES = 44  # 22 per rank: batches of 4,4,4,4,4,2 (an uneven final batch), 6 optimizer steps per epoch
@@ -198,6 +199,22 @@ def nonfinite(out: Path) -> dict[str, Any]:
     return {"skipped": strategy.nonfinite.skipped_steps, "unchanged": skipped_unchanged, "moved": moved}
 
 
+def auto(out: Path) -> dict[str, Any]:
+    """The parity run with ``reducer="auto"`` restricted to the lossless candidates, and what it chose."""
+    strategy = FabricRingAllReduceStrategy(reducer=AutoReducer(allow="lossless", warmup_steps=3))
+    reducer: list[Any] = []
+    original = strategy.configure_reducer
+
+    def keep() -> Any:  # the AutoReducer the strategy sets up, kept to read its decision after teardown
+        reducer.append(original())
+        return reducer[-1]
+
+    strategy.configure_reducer = keep  # type: ignore[method-assign]
+    result = sgd(out, strategy)
+    decision = reducer[0].decision
+    return {**result, "chosen": decision.chosen, "predicted": decision.predicted_step_seconds}
+
+
 def hook(out: Path) -> dict[str, Any]:
     """The parity run with torch's DDP ``allreduce_hook`` averaging the buckets instead of the ring."""
     return sgd(out, FabricRingAllReduceStrategy(ddp_comm_hook=allreduce_hook))
@@ -206,6 +223,7 @@ def hook(out: Path) -> dict[str, Any]:
 SCENARIOS: dict[str, Callable[[Path], dict[str, Any]]] = {
     "sgd": sgd,
     "hook": hook,
+    "auto": auto,
     "accumulate": accumulate,
     "resume": resume,
     "refusals": refusals,

@@ -85,6 +85,17 @@ def test_a_torch_ddp_comm_hook_averages_the_buckets_under_fabric(runs: Path) -> 
 
 @NUMERICS
 @pytest.mark.timeout(240)
+def test_reducer_auto_times_three_steps_then_keeps_one_choice_at_parity(runs: Path) -> None:
+    """``reducer=AutoReducer(allow="lossless")``: one node, so one candidate level (flat); it is chosen on both ranks
+    after the timed steps and training stays at parity (1e-5)."""
+    ranks = results(runs, "auto")
+    assert_parity(ranks)
+    assert [r["chosen"] for r in ranks] == ["flat plain"] * WORLD
+    assert list(ranks[0]["predicted"]) == ["flat plain"] and ranks[0]["predicted"]["flat plain"] > 0
+
+
+@NUMERICS
+@pytest.mark.timeout(240)
 def test_no_backward_sync_accumulates_locally_and_the_next_backward_averages(runs: Path) -> None:
     ranks = results(runs, "accumulate")
     assert_parity(ranks)  # half the batch accumulated locally, half synchronised: the whole batch's average
@@ -153,6 +164,7 @@ def test_names_registered_with_fabric_idempotently_with_their_launchers() -> Non
     ]:
         assert STRATEGY_REGISTRY[name]["strategy"] is FabricRingAllReduceStrategy
         assert STRATEGY_REGISTRY[name]["init_params"] == {"start_method": start_method}
+    assert STRATEGY_REGISTRY["ring_allreduce_auto"]["init_params"] == {"reducer": "auto"}
     assert STRATEGY_REGISTRY["dp"]["strategy"].__module__.startswith("lightning.fabric")  # Fabric keeps its own
     fabric = L.Fabric(strategy="ring_allreduce_spawn", accelerator="cpu", devices=2)
     strategy = fabric.strategy

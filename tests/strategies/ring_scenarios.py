@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_dp_strategies
-from lightning_dp_strategies.reducers import NativeReducer, Reducer
+from lightning_dp_strategies.reducers import AutoReducer, NativeReducer, Reducer
 from lightning_dp_strategies.strategies import BucketedDataParallel
 from tests.helpers.distributed import duplex_ranks
 
@@ -149,6 +149,7 @@ class Recorder(L.Callback):
     def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         stats = getattr(trainer.strategy, "comm_stats", None)
         buckets = getattr(trainer.strategy, "buckets", None)
+        decision = getattr(getattr(getattr(trainer.strategy, "grad_sync", None), "reducer", None), "decision", None)
         torch.save(
             {
                 "params": {n: p.detach().clone() for n, p in module.named_parameters()},
@@ -156,6 +157,7 @@ class Recorder(L.Callback):
                 "totals": stats.as_dict() if stats is not None else None,
                 "duplex_ranks": duplex_ranks(buckets),
                 "bucket_timeout": getattr(buckets, "timeout", None),
+                "auto": None if decision is None else (decision.chosen, decision.predicted_step_seconds),
             },
             self.outdir / f"rank{trainer.global_rank}.pt",
         )
@@ -183,6 +185,8 @@ def make_strategy(scenario: Scenario, strategy: str) -> Any:
         return MinimalBucketed()
     if strategy == "flat":
         return lightning_dp_strategies.RingAllReduceStrategy(two_level=False)
+    if strategy == "auto":  # the lossless candidates only, so that parity holds whichever it picks
+        return lightning_dp_strategies.RingAllReduceStrategy(reducer=AutoReducer(allow="lossless"))
     return strategy
 
 

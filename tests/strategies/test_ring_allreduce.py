@@ -301,11 +301,18 @@ def test_two_nodes_of_two_processes_reduce_in_two_levels_at_parity(tmp_path: Pat
     across nodes, so a node sends 1x the buffer over its link instead of 1.5x."""
     from tests.helpers.distributed import run_ranks
 
-    argv = ["nodes2x2,nodes2x2@flat", str(tmp_path)]
+    argv = ["nodes2x2,nodes2x2@flat,nodes2x2@auto", str(tmp_path)]
     run_ranks("tests.strategies.ring_scenarios", argv, 4, timeout=280, env={"LDPS_NUM_NODES": "2"}, per_node=2)
     two_level, flat = results(tmp_path, "nodes2x2"), results(tmp_path, "nodes2x2", strategy="flat")
     assert_parity(two_level, "nodes2x2")
     assert_parity(flat, "nodes2x2")
+    # reducer="auto" restricted to lossless candidates: after 4 timed steps it picks flat or two-level, the same on
+    # every rank, and stays at parity
+    auto = results(tmp_path, "nodes2x2", strategy="auto")
+    assert_parity(auto, "nodes2x2")
+    choices = {auto[rank]["auto"][0] for rank in range(4)}
+    assert len(choices) == 1 and choices <= {"flat plain", "two-level plain"}, choices
+    assert set(auto[0]["auto"][1]) == {"flat plain", "two-level plain"}
     for rank in range(4):
         totals, flat_totals = two_level[rank]["totals"], flat[rank]["totals"]
         assert flat_totals["inter_node_bytes_sent"] == 0

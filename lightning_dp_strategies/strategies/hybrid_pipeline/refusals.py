@@ -5,7 +5,21 @@ from __future__ import annotations
 import lightning.pytorch as pl
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 
-__all__ = ["check_automatic_optimization", "check_no_sync_batchnorm", "check_precision"]
+__all__ = ["check_automatic_optimization", "check_no_sync_batchnorm", "check_precision", "check_reducer_not_auto"]
+
+
+def check_reducer_not_auto(reducer: object, strategy: str) -> None:
+    """Refuse ``reducer="auto"``: it times the data-parallel ring's steps, and the pipeline's schedule runs its own.
+
+    Examples:
+        >>> check_reducer_not_auto("ring", "HybridPipelineStrategy")
+    """
+    if reducer == "auto" or type(reducer).__name__ == "AutoReducer":
+        raise ValueError(
+            f"`reducer='auto'` is not supported by {strategy}: it picks a reduction for `ring_allreduce` from timed "
+            "steps, and the pipeline reduces each stage's gradients inside its own schedule. Name one instead: "
+            "reducer='ring' (the default), reducer=bf16_compress('ring') or PowerSGD('ring', rank=4)."
+        )
 
 
 def check_no_sync_batchnorm(layer_sync: object, strategy: str) -> None:

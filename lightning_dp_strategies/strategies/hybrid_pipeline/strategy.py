@@ -72,6 +72,7 @@ from lightning_dp_strategies.strategies.hybrid_pipeline.refusals import (
     check_automatic_optimization,
     check_no_sync_batchnorm,
     check_precision,
+    check_reducer_not_auto,
 )
 from lightning_dp_strategies.strategies.hybrid_pipeline.steps import PipelineSteps
 from lightning_dp_strategies.strategies.hybrid_pipeline.summary import restore_summaries, stage_summary, summarize_with
@@ -198,6 +199,7 @@ class HybridPipelineStrategy(PipelineSteps, StreamedCheckpoints, DataGroupCollec
             ddp_comm_hook=ddp_comm_hook,
             ddp_comm_wrapper=ddp_comm_wrapper,
         )
+        check_reducer_not_auto(reducer, type(self).__name__)
         self._init_runtime()
 
     def _init_runtime(self) -> None:

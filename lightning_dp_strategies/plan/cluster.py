@@ -1,0 +1,78 @@
+"""Where a step runs: nodes and their links (:class:`Topology`), and what the CPU pays per byte (:class:`CpuCosts`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_dp_strategies.plan.link import Link
+
+__all__ = ["CpuCosts", "Topology"]
+
+
+@dataclass(frozen=True)
+class Topology:
+    """``nodes`` machines of ``per_node`` processes each: an ``inter`` link between nodes, an ``intra`` one inside.
+
+    ``inter`` is one node's network link (its bandwidth is shared by every stream that crosses it at once); ``intra``
+    is the link between two processes of one node (shared memory, NVLink, loopback), the ``inter`` link by default.
+    Measure both on the live job with :func:`lightning_dp_strategies.comm.probe_link`.
+
+    Examples:
+        >>> gbe = Link(latency_s=5e-5, bandwidth_bytes_per_s=1.25e8)
+        >>> Topology(nodes=2, per_node=4, inter=gbe).world_size
+        8
+    """
+
+    nodes: int
+    per_node: int
+    inter: Link
+    intra: Link | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "per_node"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Topology `{name}` must be an integer >= 1, got {value!r}.")
+
+    @property
+    def world_size(self) -> int:
+        """Processes in all."""
+        return self.nodes * self.per_node
+
+    @property
+    def intra_link(self) -> Link:
+        """The link between two processes of one node (``inter`` when none was given)."""
+        return self.intra if self.intra is not None else self.inter
+
+
+@dataclass(frozen=True)
+class CpuCosts:
+    """Seconds per byte of the local work that gradient reduction adds to the wire time, on one process.
+
+    Measure them on the machine that trains (:func:`lightning_dp_strategies.reducers.calibrate_cpu` does, in a
+    second); the defaults are zero, which prices the wire alone.
+
+    Args:
+        add: summing a received fp32 chunk into the bucket, per fp32 byte.
+        add_low: summing a received bf16/fp16 chunk, per 2-byte-element byte.
+        cast: casting fp32 to 16 bits and back, per fp32 byte.
+        powersgd: PowerSGD's local work (error feedback, the three factor products, orthogonalisation), per byte of
+            the fp32 matrices it compresses, at rank ``powersgd_rank``.
+        powersgd_rank: the rank ``powersgd`` was measured at.
+
+    Examples:
+        >>> CpuCosts(add=2e-10).add * 4e6  # summing 1 M fp32 values
+        0.0008
+    """
+
+    add: float = 0.0
+    add_low: float = 0.0
+    cast: float = 0.0
+    powersgd: float = 0.0
+    powersgd_rank: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("add", "add_low", "cast", "powersgd"):
+            value = getattr(self, name)
+            if not value >= 0:
+                raise ValueError(f"CpuCosts `{name}` must be >= 0 seconds per byte, got {value!r}.")

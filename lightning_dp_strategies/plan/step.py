@@ -1,0 +1,202 @@
+"""A step of bucketed data parallelism, predicted: compute, then each bucket's reduction as a small flow shop.
+
+Backward hands the buckets over one by one (bucket ``i`` is ready once backward has produced its share of the
+gradient bytes, backward time taken as proportional to bytes). A bucket goes through the reduction's phases in
+order, and each phase serves one bucket at a time (its own thread, as the reducers run them)::
+
+    flat ring        [ compress ─ ring over all N ranks (wire + adds) ─ decompress ]
+    two-level ring   [ reduce-scatter in the node ] ─▶ [ all-reduce across nodes, compressed ] ─▶ [ all-gather in
+                     the node ], a bucket in pieces of ``Reduction.piece_mb`` MiB
+    PowerSGD         [ local factor work ─ 2 rounds of ring over the factors and the uncompressed rest ]
+
+    finish(phase p, bucket i) = max(finish(p, i-1), finish(p-1, i)) + time(p, i),  finish(-1, i) = ready(i)
+
+The step is ``compute_seconds + max(0, last finish - backward_seconds)``: what backward does not hide is exposed.
+A ring over ``N`` ranks takes ``2(N-1)`` messages and sends ``2(N-1)/N`` of its bytes; between nodes the ``k``
+processes of a node that cross at once share the node's link (``bandwidth / k`` each), and a flat ring crosses each
+node's link with one stream. Local work is priced with :class:`~lightning_dp_strategies.plan.CpuCosts`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from lightning_dp_strategies.plan.cluster import CpuCosts, Topology
+from lightning_dp_strategies.plan.link import Link
+from lightning_dp_strategies.plan.sizing import bucket_boundaries
+
+__all__ = ["COMPRESSIONS", "Reduction", "StepTimes", "buckets_step", "ring_step"]
+
+COMPRESSIONS = ("none", "bf16", "fp16", "powersgd")
+"""What :class:`Reduction` compresses with: nothing, a 16-bit cast of what crosses the link, or PowerSGD."""
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """How the buckets are reduced: a compression and one or two levels.
+
+    Examples:
+        >>> Reduction("bf16", two_level=True).label, Reduction("powersgd", rank=2).label
+        ('two-level bf16', 'flat powersgd r2')
+    """
+
+    compression: str = "none"
+    rank: int = 4
+    """PowerSGD's rank."""
+    two_level: bool = False
+    piece_mb: float = 4.0
+    """The two-level reducer's pieces: a bucket goes through the three phases in pieces of at most this many MiB."""
+
+    def __post_init__(self) -> None:
+        if self.compression not in COMPRESSIONS:
+            raise ValueError(f"Unknown compression {self.compression!r}: choose one of {', '.join(COMPRESSIONS)}.")
+        if self.two_level and self.compression == "powersgd":
+            raise ValueError("PowerSGD reduces whole buckets: it has no two-level form; pass two_level=False.")
+
+    @property
+    def label(self) -> str:
+        """A short name: levels, compression (and PowerSGD's rank)."""
+        name = "plain" if self.compression == "none" else self.compression
+        return f"{'two-level' if self.two_level else 'flat'} {name}" + (
+            f" r{self.rank}" if self.compression == "powersgd" else ""
+        )
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """A predicted step (seconds): ``comm`` from the first bucket's hand-over to the last bucket's end, ``exposed``
+    what of it backward does not hide.
+
+    Examples:
+        >>> StepTimes(comm_seconds=0.4, exposed_seconds=0.38, step_seconds=0.43).step_seconds
+        0.43
+    """
+
+    comm_seconds: float
+    exposed_seconds: float
+    step_seconds: float
+
+
+def _ring(nbytes: float, ranks: int, link: Link, streams: int = 1) -> float:
+    """Seconds of a ring all-reduce of ``nbytes`` over ``ranks``, ``streams`` rings sharing the link."""
+    if ranks < 2 or nbytes <= 0:
+        return 0.0
+    return 2 * (ranks - 1) * link.latency_s + 2 * (ranks - 1) / ranks * nbytes * streams / link.bandwidth_bytes_per_s
+
+
+def _half_ring(nbytes: float, ranks: int, link: Link) -> float:
+    """Seconds of a ring reduce-scatter (or all-gather) of ``nbytes`` over ``ranks``."""
+    return _ring(nbytes, ranks, link) / 2
+
+
+def _phases(
+    nbytes: float, matrix_bytes: float, payload: float, topology: Topology, how: Reduction, cpu: CpuCosts
+) -> list[float]:
+    """The seconds of each phase of one bucket of ``nbytes`` fp32 gradient bytes."""
+    low = how.compression in ("bf16", "fp16")
+    add = cpu.add_low / 2 if low else cpu.add  # per fp32 byte of gradient
+    n, m = topology.per_node, topology.nodes
+    if how.two_level and n > 1:
+        shard = nbytes / n
+        wire = shard / 2 if low else shard
+        across = (
+            _ring(wire, m, topology.inter, streams=n) + (m - 1) / m * shard * add + (cpu.cast * shard if low else 0)
+        )
+        inside = _half_ring(nbytes, n, topology.intra_link)
+        return [inside + (n - 1) / n * nbytes * cpu.add, across, inside]
+    world = topology.world_size
+    link = topology.inter if m > 1 else topology.intra_link
+    if how.compression == "powersgd":
+        local = cpu.powersgd * matrix_bytes
+        return [local + 2 * _ring(payload / 2, world, link) + (world - 1) / world * payload * cpu.add]
+    wire = nbytes / 2 if low else nbytes
+    return [_ring(wire, world, link) + (world - 1) / world * nbytes * add + (cpu.cast * nbytes if low else 0.0)]
+
+
+def _payload(shapes: Sequence[Sequence[int]], rank: int) -> tuple[float, float]:
+    """(bytes of the matrices PowerSGD factors, bytes it sends in its two rounds) of fp32 ``shapes``."""
+    matrices = sent = 0.0
+    for shape in shapes:
+        numel = math.prod(shape)
+        rows = shape[0] if len(shape) >= 2 else 0
+        cols = numel // rows if rows else 0
+        if rows and rows * cols >= 2 * rank * (rows + cols):
+            matrices += 4 * numel
+            sent += 4 * rank * (rows + cols)
+        else:
+            sent += 4 * numel
+    return matrices, sent
+
+
+def ring_step(
+    tensor_bytes: Sequence[int],
+    shapes: Sequence[Sequence[int]],
+    compute_seconds: float,
+    backward_seconds: float,
+    topology: Topology,
+    how: Reduction,
+    cpu: CpuCosts | None = None,
+    caps: tuple[float, float] = (25.0, 1.0),
+) -> StepTimes:
+    """Predict one step of the bucketed ring (module docstring) for gradients of ``tensor_bytes`` (fp32, in
+    registration order; ``shapes`` beside them for PowerSGD), cut into buckets of ``caps`` (MiB) as the strategies
+    cut them.
+
+    Examples:
+        >>> gbe = Link(latency_s=0.0, bandwidth_bytes_per_s=1.25e8)
+        >>> sizes = [4 * 1024 * 1024] * 12  # twelve 1024 x 1024 fp32 matrices
+        >>> t = ring_step(sizes, [(1024, 1024)] * 12, 0.05, 0.03, Topology(2, 1, gbe), Reduction())
+        >>> round(t.comm_seconds, 3), round(t.step_seconds, 3)  # 50 MB cross once at 125 MB/s, behind backward
+        (0.403, 0.425)
+    """
+    buckets = [
+        (float(sum(tensor_bytes[i] for i in members)), [shapes[i] for i in members] if shapes else [])
+        for members in bucket_boundaries([(None, n) for n in tensor_bytes], *caps)
+    ]
+    return buckets_step(buckets, compute_seconds, backward_seconds, topology, how, cpu)
+
+
+def buckets_step(
+    buckets: Sequence[tuple[float, Sequence[Sequence[int]]]],
+    compute_seconds: float,
+    backward_seconds: float,
+    topology: Topology,
+    how: Reduction,
+    cpu: CpuCosts | None = None,
+) -> StepTimes:
+    """:func:`ring_step` for buckets given as ``(fp32 bytes, parameter shapes)`` in launch order (what
+    :class:`~lightning_dp_strategies.reducers.AutoReducer` sees of the real buckets).
+
+    Examples:
+        >>> gbe = Link(latency_s=0.0, bandwidth_bytes_per_s=1.25e8)
+        >>> t = buckets_step([(50e6, [])], 0.1, 0.0, Topology(2, 1, gbe), Reduction("bf16"))
+        >>> round(t.step_seconds, 3)  # 25 MB of bf16 cross at 125 MB/s after 0.1 s of compute
+        0.3
+    """
+    if backward_seconds > compute_seconds:
+        raise ValueError(f"backward_seconds ({backward_seconds}) cannot exceed compute_seconds ({compute_seconds}).")
+    cpu = cpu or CpuCosts()
+    total = sum(nbytes for nbytes, _ in buckets) or 1.0
+    first: float | None = None
+    finish = done = 0.0
+    finishes: list[float] = []
+    for nbytes, bucket_shapes in buckets:
+        done += nbytes
+        ready = backward_seconds * done / total
+        first = ready if first is None else first
+        matrices, payload = _payload(bucket_shapes, how.rank) if bucket_shapes else (nbytes, nbytes)
+        pieces = math.ceil(nbytes / (how.piece_mb * 2**20)) if how.two_level and topology.per_node > 1 else 1
+        phases = _phases(nbytes / pieces, matrices, payload, topology, how, cpu)
+        finishes += [0.0] * (len(phases) - len(finishes))
+        for _ in range(pieces):
+            previous = ready
+            for p, seconds in enumerate(phases):
+                finishes[p] = max(finishes[p], previous) + seconds
+                previous = finishes[p]
+        finish = previous
+    exposed = max(0.0, finish - backward_seconds)
+    return StepTimes(
+        comm_seconds=finish - (first or 0.0), exposed_seconds=exposed, step_seconds=compute_seconds + exposed
+    )

@@ -1,0 +1,314 @@
+"""``reducer="auto"``: measure the link and the step, predict every candidate reduction, keep the fastest.
+
+At setup :class:`AutoReducer` makes every candidate it may pick (the plain ring, bf16 on the wire, PowerSGD; flat,
+and two-level when the job spans several nodes of several processes) and probes the links
+(:func:`~lightning_dp_strategies.comm.probe_link`: between nodes, and inside a node). The first ``warmup_steps``
+optimizer steps are reduced losslessly by the layout's plain ring, and timed: one rank's compute is the step's time
+less what it waited for communication. Then every rank measures its CPU costs
+(:func:`~lightning_dp_strategies.reducers.calibrate_cpu`), the ranks take the slowest of every measurement, each
+candidate's step is predicted (:func:`~lightning_dp_strategies.plan.buckets_step`), and rank 0's choice (the same on
+every rank: the inputs are) reduces every later step. The decision and the predictions behind it are logged once, on
+rank 0, at INFO on the ``lightning_dp_strategies`` logger, and kept as :attr:`AutoReducer.decision`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.futures import Future
+
+from lightning_dp_strategies.comm.probe import probe_link
+from lightning_dp_strategies.plan import CpuCosts, Link, Reduction, Topology, buckets_step
+from lightning_dp_strategies.reducers.base import GradBucket, Reducer, close_reducer, setup_reducer
+from lightning_dp_strategies.reducers.builtin import RingReducer
+from lightning_dp_strategies.reducers.calibrate import calibrate_cpu
+from lightning_dp_strategies.reducers.casts import bf16_compress
+from lightning_dp_strategies.reducers.powersgd import PowerSGD
+from lightning_dp_strategies.reducers.two_level import TwoLevelReducer
+
+__all__ = ["ALLOWED", "AutoDecision", "AutoReducer", "StepTiming", "choose"]
+
+log = logging.getLogger("lightning_dp_strategies")
+
+
+def _visible(logger: logging.Logger) -> logging.Logger:
+    """``logger`` at INFO unless its level was set, printing to stderr when the program configured no logging (as
+    Lightning does for its own logger)."""
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
+    if not logging.getLogger().hasHandlers() and not logger.handlers:
+        logger.addHandler(logging.StreamHandler())
+    return logger
+
+
+ALLOWED = {"all": ("none", "bf16", "powersgd"), "lossless": ("none",)}
+"""The named restrictions of :class:`AutoReducer`'s ``allow``; a tuple of ``"none"``, ``"bf16"``, ``"powersgd"``
+names the candidates itself."""
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """One optimizer step as the gradient sync saw it (seconds): from one step's end to the next, the backward
+    passes that communicated, and the time spent waiting for their reduction after backward.
+
+    Examples:
+        >>> timing = StepTiming(interval=0.5, backward=0.03, exposed=0.42)
+        >>> round(timing.interval - timing.exposed, 2)  # the compute: what the step did besides waiting
+        0.08
+    """
+
+    interval: float
+    backward: float
+    exposed: float
+
+
+@dataclass(frozen=True)
+class AutoDecision:
+    """What :class:`AutoReducer` chose, and the measurements and predictions it chose by.
+
+    Examples:
+        >>> from lightning_dp_strategies.plan import Link
+        >>> predicted = {"flat plain": 0.2, "flat bf16": 0.15}
+        >>> decision = AutoDecision("flat bf16", predicted, 0.1, 0.06, Topology(2, 1, Link(0, 1.25e9)), CpuCosts())
+        >>> print(decision.describe())  # doctest: +NORMALIZE_WHITESPACE
+        reducer='auto' chose 'flat bf16' for 2 node(s) x 1 process(es): compute 100.0 ms a step (60.0 ms backward),
+        link between nodes 1250 MB/s, inside a node 1250 MB/s.
+          flat bf16                  150.0 ms predicted <-
+          flat plain                 200.0 ms predicted
+    """
+
+    chosen: str
+    predicted_step_seconds: dict[str, float]
+    compute_seconds: float
+    backward_seconds: float
+    topology: Topology
+    cpu: CpuCosts
+
+    def describe(self) -> str:
+        """A few lines for the log: the choice, the measured inputs, every candidate's predicted step."""
+        t = self.topology
+        inter, intra = t.inter.bandwidth_bytes_per_s / 1e6, t.intra_link.bandwidth_bytes_per_s / 1e6
+        lines = [
+            f"reducer='auto' chose {self.chosen!r} for {t.nodes} node(s) x {t.per_node} process(es): compute "
+            f"{self.compute_seconds * 1e3:.1f} ms a step ({self.backward_seconds * 1e3:.1f} ms backward), link "
+            f"between nodes {inter:.0f} MB/s, inside a node {intra:.0f} MB/s.",
+        ]
+        for label, seconds in sorted(self.predicted_step_seconds.items(), key=lambda kv: kv[1]):
+            lines.append(f"  {label:22s} {seconds * 1e3:9.1f} ms predicted" + (" <- " if label == self.chosen else ""))
+        return "\n".join(lines)
+
+
+def choose(
+    candidates: dict[str, Reduction],
+    buckets: Sequence[tuple[float, Sequence[Sequence[int]]]],
+    compute_seconds: float,
+    backward_seconds: float,
+    topology: Topology,
+    cpu: CpuCosts,
+) -> tuple[str, dict[str, float]]:
+    """The candidate with the shortest predicted step (the first listed on a tie), and every candidate's prediction.
+
+    Examples:
+        >>> from lightning_dp_strategies.plan import Link, Reduction, Topology, CpuCosts
+        >>> buckets = [(4.0 * 2**20, [(1024, 1024)])] * 12  # 50 MB of fp32 gradients
+        >>> options = {"plain": Reduction(), "bf16": Reduction("bf16"), "powersgd": Reduction("powersgd")}
+        >>> cpu = CpuCosts(add=4e-11, add_low=1e-10, cast=1e-10, powersgd=4e-9)
+        >>> slow, fast = Link(5e-5, 1.25e8), Link(5e-6, 2.5e10)  # 1 GbE and 200 Gbit/s
+        >>> choose(options, buckets, 0.1, 0.06, Topology(2, 1, slow), cpu)[0]
+        'powersgd'
+        >>> choose(options, buckets, 0.1, 0.06, Topology(2, 1, fast), cpu)[0]
+        'plain'
+    """
+    backward = min(backward_seconds, compute_seconds)
+    predicted = {
+        label: buckets_step(buckets, compute_seconds, backward, topology, how, cpu).step_seconds
+        for label, how in candidates.items()
+    }
+    return min(predicted, key=predicted.__getitem__), predicted
+
+
+def _allowed(allow: str | Sequence[str]) -> tuple[str, ...]:
+    names = ALLOWED.get(allow) if isinstance(allow, str) else tuple(allow)
+    known = ALLOWED["all"]
+    if not names or any(n not in known for n in names):
+        raise ValueError(
+            f"Unknown `allow` {allow!r} for reducer='auto': use 'all', 'lossless' (the plain ring only, one or two "
+            f"levels) or a tuple of {list(known)}."
+        )
+    return tuple(dict.fromkeys(("none", *names)))  # the plain ring is always built: it reduces the warm-up steps
+
+
+@dataclass
+class _Runtime:
+    group: dist.ProcessGroup | None = None
+    candidates: dict[str, tuple[Reduction, Reducer]] = field(default_factory=dict)
+    active: Reducer | None = None
+    topology: Topology | None = None
+    buckets: dict[int, tuple[float, list[tuple[int, ...]]]] = field(default_factory=dict)
+    timings: list[StepTiming] = field(default_factory=list)
+
+
+class AutoReducer:
+    """Pick the fastest reduction for this job's link and model after a few timed steps (see the module doc).
+
+    Args:
+        allow: which candidates it may pick: ``"all"`` (default), ``"lossless"`` (the plain ring only: flat or two
+            levels, results exact to summation order) or a tuple of ``"none"``, ``"bf16"``, ``"powersgd"``.
+        warmup_steps: optimizer steps reduced by the plain ring and timed before the choice (the first of them, which
+            pays the setup, is not counted).
+        rank: PowerSGD's rank when it is a candidate.
+        per_node: processes on every node (the strategies set it from Lightning's environment).
+        two_level: ``None``: try one and two levels where there are several nodes of several processes; ``True`` or
+            ``False``: only that.
+
+    Examples:
+        >>> AutoReducer(allow="lossless").allow
+        ('none',)
+        >>> AutoReducer(allow=("fp8",))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: Unknown `allow` ('fp8',) for reducer='auto': ...
+    """
+
+    def __init__(
+        self,
+        allow: str | Sequence[str] = "all",
+        warmup_steps: int = 4,
+        rank: int = 4,
+        per_node: int = 1,
+        two_level: bool | None = None,
+    ) -> None:
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 2:
+            raise ValueError(f"`warmup_steps` must be an integer >= 2 (the first is not timed), got {warmup_steps!r}.")
+        self.allow = _allowed(allow)
+        self.warmup_steps = warmup_steps
+        self.rank = rank
+        self.per_node = per_node
+        self.two_level = two_level
+        self.decision: AutoDecision | None = None
+        """The choice, once made (``None`` during the warm-up steps)."""
+        self._run = _Runtime()
+
+    def with_layout(self, per_node: int, two_level: bool | None) -> AutoReducer:
+        """The same reducer, not yet set up, for nodes of ``per_node`` processes."""
+        return AutoReducer(self.allow, self.warmup_steps, self.rank, per_node, two_level)
+
+    # ------------------------------------------------------------------ setup
+    def _make_candidates(self, nodes: int) -> dict[str, tuple[Reduction, Reducer]]:
+        levels = [lvl for lvl in (True, False) if self.two_level in (None, lvl)]
+        if nodes < 2 or self.per_node < 2:
+            levels = [False] if self.two_level is not True else [True]
+        made: dict[str, tuple[Reduction, Reducer]] = {}
+        for two in levels:
+            for compression in self.allow:
+                if two and compression == "powersgd":
+                    continue
+                how = Reduction(compression, rank=self.rank, two_level=two)
+                inner: Reducer = bf16_compress("ring") if compression == "bf16" else RingReducer()
+                made[how.label] = (how, TwoLevelReducer(self.per_node, inner) if two else inner)
+        return made
+
+    def setup(self, group: dist.ProcessGroup | None, ranks: Sequence[int], backend: str | None = None) -> None:
+        """Make every candidate's groups and probe the links (collective over the world, as every reducer's setup)."""
+        if len(ranks) % self.per_node:
+            raise ValueError(
+                f"{len(ranks)} ranks do not split into nodes of {self.per_node} processes: every node must run the "
+                "same number of processes."
+            )
+        nodes = len(ranks) // self.per_node
+        candidates = self._make_candidates(nodes)
+        for _, reducer in candidates.values():
+            setup_reducer(reducer, group, ranks, backend)
+        topology = self._probe(group, list(ranks), nodes, backend)
+        if dist.get_rank() in ranks:
+            plain = next(label for label, (how, _) in candidates.items() if how.compression == "none")
+            self._run = _Runtime(group, candidates, candidates[plain][1], topology)
+
+    def _probe(self, group: dist.ProcessGroup | None, ranks: list[int], nodes: int, backend: str | None) -> Topology:
+        """The links between nodes (one rank a node) and inside node 0, the same on every rank of ``ranks``."""
+        n, me = self.per_node, dist.get_rank()
+        members = ([ranks[::n]] if nodes > 1 else []) + ([ranks[:n]] if n > 1 else [])
+        probes = [(m, dist.new_group(m, backend=backend)) for m in members]  # collective: every rank makes each
+        figures = torch.zeros(4, dtype=torch.float64)  # inter latency, 1 / bandwidth, intra latency, 1 / bandwidth
+        for m, made in probes:
+            if me in m:
+                link = probe_link(made)
+                at = 0 if m == ranks[::n] and nodes > 1 else 2
+                figures[at : at + 2] = torch.tensor([link.latency_s, 1 / link.bandwidth_bytes_per_s])
+                dist.destroy_process_group(made)
+        if me in ranks:
+            dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=group)
+        inter, intra = (
+            Link(float(figures[i]), 1 / float(figures[i + 1])) if figures[i + 1] > 0 else None for i in (0, 2)
+        )
+        return Topology(nodes, n, inter or intra or Link(0.0, 1e12), intra)
+
+    # ------------------------------------------------------------------ each bucket and step
+    def __call__(self, bucket: GradBucket) -> Future[Tensor]:
+        run = self._run
+        if run.active is None:
+            raise RuntimeError("AutoReducer was handed a bucket before its setup: call `setup_reducer(...)` first.")
+        if self.decision is None and bucket.index not in run.buckets:
+            shapes = [tuple(s) for s in bucket.shapes]
+            run.buckets[bucket.index] = (float(bucket.buffer.numel() * bucket.buffer.element_size()), shapes)
+        return run.active(bucket)
+
+    def observe_step(self, timing: StepTiming) -> None:
+        """After every optimizer step (on every rank of the group): decide once the warm-up steps are timed."""
+        if self.decision is not None or self._run.active is None:
+            return
+        self._run.timings.append(timing)
+        if len(self._run.timings) >= self.warmup_steps:
+            self._decide()
+
+    def _decide(self) -> None:
+        run = self._run
+        assert run.topology is not None
+        timed = run.timings[1:]
+        compute = statistics.median(t.interval - t.exposed for t in timed)
+        backward = statistics.median(t.backward for t in timed)
+        matrices = [(s[0], math.prod(s[1:])) for _, shapes in run.buckets.values() for s in shapes if len(s) >= 2]
+        rows, cols = max(matrices, key=math.prod, default=(256, 256))
+        cpu = calibrate_cpu(rank=self.rank, matrix=(min(rows, 2048), min(cols, 2048)), repeats=3)
+        figures = torch.tensor([compute, backward, cpu.add, cpu.add_low, cpu.cast, cpu.powersgd], dtype=torch.float64)
+        dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=run.group)
+        compute, backward, add, add_low, cast, powersgd = figures.tolist()
+        cpu = CpuCosts(add, add_low, cast, powersgd, powersgd_rank=self.rank)
+        buckets = [run.buckets[i] for i in sorted(run.buckets)]
+        options = {label: how for label, (how, _) in run.candidates.items()}
+        best, predicted = choose(options, buckets, compute, backward, run.topology, cpu)
+        labels = list(run.candidates)
+        choice = torch.tensor([labels.index(best)])
+        dist.broadcast(choice, src=dist.get_global_rank(run.group, 0) if run.group else 0, group=run.group)
+        chosen = labels[int(choice)]
+        how, reducer = run.candidates[chosen]
+        run.active = PowerSGD(reducer, rank=self.rank) if how.compression == "powersgd" else reducer
+        self.decision = AutoDecision(chosen, predicted, compute, backward, run.topology, cpu)
+        if dist.get_rank(run.group) == 0:
+            _visible(log).info(self.decision.describe())
+
+    # ------------------------------------------------------------------ teardown
+    def close(self) -> None:
+        """Close every candidate (PowerSGD, when chosen, closes its inner ring)."""
+        run = self._run
+        inner = run.active.inner if isinstance(run.active, PowerSGD) else None
+        if inner is not None:
+            close_reducer(run.active)
+        for _, reducer in run.candidates.values():
+            if reducer is not inner:
+                close_reducer(reducer)
+
+    def __repr__(self) -> str:
+        chosen = f", chose {self.decision.chosen!r}" if self.decision else ""
+        return f"AutoReducer(allow={self.allow!r}{chosen})"
+
+    def __getstate__(self) -> dict[str, Any]:  # picklable before setup (spawn launchers pickle the strategy)
+        return {**self.__dict__, "_run": _Runtime()}

@@ -1,0 +1,104 @@
+"""``reducer="auto"``: its options, the choice it makes from predictions, and the decision on two ranks."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_dp_strategies.bucketing.sync import GradientSync
+from lightning_dp_strategies.plan import CpuCosts, Link, Reduction, Topology
+from lightning_dp_strategies.reducers import AutoReducer, GradBucket, StepTiming, setup_reducer
+from lightning_dp_strategies.reducers.auto import choose
+from tests.helpers.distributed import run_distributed
+
+BUCKETS = [(4.0 * 2**20, [(1024, 1024)])] * 12  # 50 MB of fp32 gradients, twelve 1024 x 1024 matrices
+CPU = CpuCosts(add=4e-11, add_low=1e-10, cast=1e-10, powersgd=4e-9)  # as measured on a 2-core CPU
+GBE, FAST = Link(5e-5, 1.25e8), Link(5e-6, 2.5e10)
+
+
+def test_allow_restricts_the_candidates_and_an_unknown_restriction_is_refused() -> None:
+    assert AutoReducer().allow == ("none", "bf16", "powersgd")
+    assert AutoReducer(allow="lossless").allow == ("none",)
+    assert AutoReducer(allow=("powersgd",)).allow == ("none", "powersgd")  # the plain ring reduces the warm-up
+    with pytest.raises(ValueError, match="Unknown `allow` 'fast' for reducer='auto': use 'all', 'lossless'"):
+        AutoReducer(allow="fast")
+    with pytest.raises(ValueError, match="`warmup_steps` must be an integer >= 2"):
+        AutoReducer(warmup_steps=1)
+
+
+@pytest.mark.parametrize(
+    ("link", "per_node", "best"),
+    [(GBE, 1, "powersgd"), (FAST, 1, "plain"), (GBE, 2, "two-level bf16"), (FAST, 2, "plain")],
+)
+def test_the_cheapest_prediction_wins(link: Link, per_node: int, best: str) -> None:
+    """One process a node over 1 GbE: PowerSGD (its local work costs less than the wire it saves); over 200 Gbit/s:
+    the plain ring. Two processes a node over 1 GbE: bf16 over two levels (a node sends half a gradient, and no
+    factor products); over 200 Gbit/s, the plain flat ring (listed first, on a tie)."""
+    candidates = {
+        "plain": Reduction(),
+        "two-level plain": Reduction(two_level=True),
+        "two-level bf16": Reduction("bf16", two_level=True),
+        "powersgd": Reduction("powersgd"),
+    }
+    if per_node == 1:
+        candidates = {k: v for k, v in candidates.items() if not v.two_level}
+    chosen, predicted = choose(candidates, BUCKETS, 0.1, 0.06, Topology(2, per_node, link, intra=FAST), CPU)
+    assert chosen == best, predicted
+    assert predicted[chosen] == min(predicted.values()) and set(predicted) == set(candidates)
+
+
+def test_a_tie_keeps_the_first_listed_candidate() -> None:
+    same = {"first": Reduction(), "second": Reduction()}
+    assert choose(same, BUCKETS, 0.1, 0.06, Topology(2, 1, GBE), CPU)[0] == "first"
+
+
+def test_the_gradient_sync_tells_the_reducer_how_each_step_went() -> None:
+    seen: list[StepTiming] = []
+
+    class Watching:
+        def __call__(self, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+            raise AssertionError("no bucket expected")
+
+        def observe_step(self, timing: StepTiming) -> None:
+            seen.append(timing)
+
+    sync = GradientSync()
+    sync.reducer = Watching()
+    sync.record_step()  # the first step has no start to measure from
+    sync.record_step()
+    sync.record_step()
+    assert len(seen) == 2 and all(t.interval >= 0 and t.backward == 0 and t.exposed == 0 for t in seen)
+
+
+def _decide(rank: int, world_size: int, logs: str) -> None:
+    handler = logging.FileHandler(Path(logs) / f"rank{rank}.log")
+    logging.getLogger("lightning_dp_strategies").addHandler(handler)
+    reducer = AutoReducer(warmup_steps=3)
+    setup_reducer(reducer, None, list(range(world_size)))
+    shapes = [torch.Size([64, 32]), torch.Size([64])]
+    for step in range(4):
+        buffer = torch.full((64 * 32 + 64,), float(rank + step))
+        reducer(GradBucket(buffer, shapes=shapes, op="avg")).wait()
+        if step < 3:  # the plain ring reduces the warm-up steps: the exact average
+            assert torch.equal(buffer, torch.full_like(buffer, step + 0.5))
+        reducer.observe_step(StepTiming(interval=0.1 * (rank + 1), backward=0.05, exposed=0.01))
+    decision = reducer.decision
+    assert decision is not None
+    chosen = [None] * world_size
+    dist.all_gather_object(chosen, (decision.chosen, decision.compute_seconds, decision.predicted_step_seconds))
+    assert all(c == chosen[0] for c in chosen)  # the same choice and inputs on every rank
+    assert decision.compute_seconds == pytest.approx(0.2 - 0.01)  # the slowest rank's step less its wait
+    assert set(decision.predicted_step_seconds) == {"flat plain", "flat bf16", "flat powersgd r4"}
+    reducer.close()
+    handler.close()
+
+
+@pytest.mark.timeout(120)
+def test_two_ranks_decide_alike_after_the_timed_steps_and_only_rank_0_logs(tmp_path: Path) -> None:
+    run_distributed(_decide, 2, str(tmp_path))
+    assert "reducer='auto' chose" in (tmp_path / "rank0.log").read_text()
+    assert (tmp_path / "rank1.log").read_text() == ""
