@@ -10,10 +10,16 @@ flipped every launch), and each figure is the median over launches of the median
     ring_bf16       the flat ring with bf16_compress("ring")
     two_level_bf16  the two-level reduction with bf16 on the hop across nodes
     powersgd        the flat ring with PowerSGD("ring", rank=4)
+    torch_powersgd  the flat ring's buckets through torch's powerSGD_hook (rank 4, from the third step)
+    auto            RingAllReduceStrategy(reducer="auto"): it times 4 steps, then picks from the above
+    hybrid_pipeline HybridPipelineStrategy(pipeline_stages=2, micro_batches=4): only activations cross between stages
 
 Each launch also saves rank 0's final parameters, and the table gives every variant's largest difference from
-``ddp``'s (the same seed, data and steps). Needs root (network namespaces): without it the script says so and exits
-with status 0. Always leaves the simulated cluster down.
+``ddp``'s (the same seed, data and steps). The ``ring`` launches also measure, before training, what the step model
+needs (one rank's compute, the links between and inside nodes, the CPU's per-byte costs), and
+``benchmarks/cluster_model.py`` predicts every ring variant's step from them: the JSON holds both.
+Needs root (network namespaces): without it the script says so and exits with status 0. Always leaves the simulated
+cluster down.
 
 Usage::
 
@@ -35,19 +41,36 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 NETSIM = ROOT.parent / "shared" / "netsim" / "netsim"
-VARIANTS = ("ddp", "ring", "two_level", "ring_bf16", "two_level_bf16", "powersgd")
+VARIANTS = (
+    "ddp",
+    "ring",
+    "two_level",
+    "ring_bf16",
+    "two_level_bf16",
+    "powersgd",
+    "torch_powersgd",
+    "auto",
+    "hybrid_pipeline",
+)
 
 
 def make_strategy(variant: str, bucket_cap_mb: float = 25.0) -> Any:
     """The Trainer's ``strategy=`` for ``variant``, the package's with buckets of ``bucket_cap_mb``."""
-    from lightning_dp_strategies import PowerSGD, RingAllReduceStrategy, bf16_compress
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 
+    from lightning_dp_strategies import HybridPipelineStrategy, PowerSGD, RingAllReduceStrategy, bf16_compress
+
+    if variant == "hybrid_pipeline":
+        return HybridPipelineStrategy(pipeline_stages=2, micro_batches=4, bucket_cap_mb=bucket_cap_mb)
+    hook_state = PowerSGDState(None, matrix_approximation_rank=4, start_powerSGD_iter=2)
     options: dict[str, dict[str, Any]] = {
         "ring": {"two_level": False},
         "two_level": {"two_level": True},
         "ring_bf16": {"two_level": False, "reducer": bf16_compress("ring")},
         "two_level_bf16": {"two_level": True, "reducer": bf16_compress("ring")},
         "powersgd": {"two_level": False, "reducer": PowerSGD("ring", rank=4)},
+        "torch_powersgd": {"two_level": False, "ddp_comm_hook": powerSGD_hook, "ddp_comm_state": hook_state},
+        "auto": {"reducer": "auto"},
     }
     return "ddp" if variant == "ddp" else RingAllReduceStrategy(bucket_cap_mb=bucket_cap_mb, **options[variant])
 
@@ -59,24 +82,35 @@ def worker(args: argparse.Namespace) -> None:
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
-    torch.set_num_threads(1)  # the simulated nodes share the machine's cores
+    torch.set_num_threads(1)  # the simulated nodes share the machine's cores (OMP_NUM_THREADS=1 keeps Lightning to it)
 
     class Timer(L.Callback):
         def __init__(self) -> None:
             self.times: list[float] = []
+            self.auto_chose: str | None = None
+
+        def on_train_end(self, trainer: L.Trainer, *_: Any) -> None:  # before teardown closes the reducer
+            reducer = getattr(getattr(trainer.strategy, "grad_sync", None), "reducer", None)
+            decision = getattr(reducer, "decision", None)
+            self.auto_chose = None if decision is None else decision.chosen
 
         def on_train_batch_end(self, *_: Any) -> None:
             self.times.append(time.perf_counter())
 
     class MLP(L.LightningModule):
+        pipeline_body = "net"  # what hybrid_pipeline splits into stages
+
         def __init__(self) -> None:
             super().__init__()
             layers: list[nn.Module] = [nn.Linear(args.width, args.width) for _ in range(args.depth)]
             self.net = nn.Sequential(*[m for layer in layers for m in (layer, nn.Tanh())], nn.Linear(args.width, 10))
 
+        def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            return nn.functional.cross_entropy(output, target)
+
         def training_step(self, batch: Any, _: int) -> torch.Tensor:
             x, y = batch
-            return nn.functional.cross_entropy(self.net(x), y)
+            return self.pipeline_loss(self.net(x), y)
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.parameters(), lr=0.01)
@@ -90,6 +124,12 @@ def worker(args: argparse.Namespace) -> None:
         torch.randn(samples, args.width, generator=gen), torch.randint(0, 10, (samples,), generator=gen)
     )
     timer = Timer()
+    inputs = None
+    if args.worker == "ring":  # Lightning keeps a process group made before it (torchrun's environment)
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        inputs = measure_inputs(model, data, args, dist.get_rank())
     trainer = L.Trainer(
         strategy=make_strategy(args.worker, args.bucket_cap_mb),
         accelerator="cpu",
@@ -104,10 +144,43 @@ def worker(args: argparse.Namespace) -> None:
     )
     trainer.fit(model, DataLoader(data, batch_size=args.batch))
     steps = [b - a for a, b in zip(timer.times, timer.times[1:], strict=False)][args.warmup :]
+    result: dict[str, Any] = {"variant": args.worker, "step_ms": 1e3 * statistics.median(steps)}
+    if timer.auto_chose is not None:
+        result["auto_chose"] = timer.auto_chose
+    if inputs is not None:
+        result["inputs"] = inputs
     if trainer.global_rank == 0:
         out = Path(args.out)
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out.with_suffix(".pt"))
-        out.write_text(json.dumps({"variant": args.worker, "step_ms": 1e3 * statistics.median(steps)}))
+        out.write_text(json.dumps(result))
+
+
+def measure_inputs(model: Any, data: Any, args: argparse.Namespace, rank: int) -> dict[str, Any]:
+    """What the step model needs, measured on every rank at once before training (as they will share the cores):
+    one rank's compute, the CPU's per-byte costs, the links between nodes and inside node 0; the slowest rank's."""
+    import torch
+    import torch.distributed as dist
+
+    from lightning_dp_strategies.comm.probe import probe_link
+    from lightning_dp_strategies.plan import measure_compute
+    from lightning_dp_strategies.reducers import calibrate_cpu
+
+    world, per_node = dist.get_world_size(), int(os.environ["LOCAL_WORLD_SIZE"])
+    x, y = data.tensors
+    dist.barrier()
+    compute = measure_compute(model, (x[: args.batch], y[: args.batch]), steps=5)
+    cpu = calibrate_cpu(rank=4, matrix=(args.width, args.width))
+    figures = torch.tensor([compute.total, compute.backward, cpu.add, cpu.add_low, cpu.cast, cpu.powersgd] + [0.0] * 4)
+    groups = [list(range(0, world, per_node)), list(range(per_node))]
+    for at, members in ((6, groups[0]), (8, groups[1])):
+        group = dist.new_group(members)
+        if len(members) > 1 and rank in members:
+            link = probe_link(group)
+            figures[at : at + 2] = torch.tensor([link.latency_s, link.bandwidth_bytes_per_s])
+    dist.all_reduce(figures, op=dist.ReduceOp.MAX)
+    names = ["compute_s", "backward_s", "add", "add_low", "cast", "powersgd"]
+    names += ["inter_latency_s", "inter_bytes_per_s", "intra_latency_s", "intra_bytes_per_s"]
+    return dict(zip(names, figures.tolist(), strict=True))
 
 
 def netsim(*argv: str, env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -118,6 +191,9 @@ def launch(variant: str, per_node: int, args: argparse.Namespace, folder: Path, 
     """One launch of ``variant`` on the cluster that is up; its rank 0's result."""
     out = folder / f"{name}.json"
     env = {**os.environ, "PYTHON": sys.executable, "NETSIM_LOGS": str(folder), "PYTHONPATH": str(ROOT)}
+    # one thread a process: the simulated nodes share the cores, and Lightning would otherwise give a lone process
+    # every core (torchrun sets 1 only for several processes a node), oversubscribing them
+    env["OMP_NUM_THREADS"] = "1"
     script = [str(Path(__file__).resolve()), "--worker", variant, "--out", str(out)]
     script += ["--width", str(args.width), "--depth", str(args.depth), "--steps", str(args.steps)]
     script += ["--batch", str(args.batch), "--warmup", str(args.warmup), "--bucket-cap-mb", str(args.bucket_cap_mb)]
@@ -136,6 +212,8 @@ def measure_cell(link: str, nodes: int, per_node: int, args: argparse.Namespace)
     try:
         bandwidth = netsim("bandwidth", check=False).stdout.strip()
         times: dict[str, list[float]] = {v: [] for v in args.variants}
+        inputs: list[dict[str, float]] = []
+        chose: list[str] = []
         with tempfile.TemporaryDirectory(prefix="cluster-") as tmp:
             folder = Path(tmp)
             for index in range(args.launches):
@@ -143,12 +221,14 @@ def measure_cell(link: str, nodes: int, per_node: int, args: argparse.Namespace)
                 for variant in order:
                     result = launch(variant, per_node, args, folder, f"{variant}-{index}")
                     times[variant].append(result["step_ms"])
+                    inputs += [result["inputs"]] if "inputs" in result else []
+                    chose += [result["auto_chose"]] if "auto_chose" in result else []
                     print(f"  {link} {nodes}x{per_node} {variant:15s} launch {index}: {result['step_ms']:.0f} ms")
             reference = torch.load(folder / "ddp-0.pt") if "ddp" in times else None
             diffs = {}
             for variant in args.variants:
-                if reference is not None:
-                    params = torch.load(folder / f"{variant}-0.pt")
+                params = torch.load(folder / f"{variant}-0.pt")
+                if reference is not None and variant != "hybrid_pipeline":  # S stages of N/S replicas: another batch
                     diffs[variant] = max((params[k] - reference[k]).abs().max().item() for k in reference)
     finally:
         netsim("down", check=False)
@@ -161,14 +241,19 @@ def measure_cell(link: str, nodes: int, per_node: int, args: argparse.Namespace)
         "step_ms": step,
         "launches_ms": times,
         "max_param_diff_vs_ddp": diffs,
+        "inputs": {k: statistics.median(i[k] for i in inputs) for k in inputs[0]} if inputs else None,
+        "auto_chose": chose,
     }
 
 
 def table(cells: list[dict[str, Any]], variants: list[str]) -> dict[str, Any]:
+    """Every cell's measured steps, against ``ddp`` (a parameter difference only where the global batch is ddp's)."""
     rows = []
     for cell in cells:
         ddp = cell["step_ms"].get("ddp")
         for v in variants:
+            if v not in cell["step_ms"]:
+                continue
             ms = cell["step_ms"][v]
             rows.append(
                 [
@@ -177,7 +262,7 @@ def table(cells: list[dict[str, Any]], variants: list[str]) -> dict[str, Any]:
                     v,
                     round(ms),
                     f"{ms / ddp:.2f}" if ddp else "-",
-                    f"{cell['max_param_diff_vs_ddp'].get(v, float('nan')):.1e}",
+                    f"{diff:.1e}" if (diff := cell["max_param_diff_vs_ddp"].get(v)) is not None else "-",
                 ]
             )
     return {
@@ -200,6 +285,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32, help="samples per rank and step")
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="the package's bucket cap (ddp keeps 25)")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--merge", action="store_true", help="keep the cells of --json that this run does not measure")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -210,6 +296,7 @@ def main() -> None:
         return None
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from _results import Report
+    from cluster_model import auto_rows, prediction_rows
 
     keys = ("links", "layouts", "variants", "launches", "steps", "warmup", "bucket_cap_mb")
     settings = {k: getattr(args, k) for k in keys}
@@ -219,12 +306,22 @@ def main() -> None:
         for layout in args.layouts:
             nodes, per_node = (int(n) for n in layout.split("x"))
             cells.append(measure_cell(link, nodes, per_node, args))
+    if args.merge and args.json is not None and args.json.exists():
+        kept = json.loads(args.json.read_text())
+        key = lambda c: (c["link"], c["nodes"], c["per_node"])  # noqa: E731
+        cells = sorted([c for c in kept["cells"] if key(c) not in {key(n) for n in cells}] + cells, key=key)
+        report.data["settings"]["links"] = sorted({c["link"] for c in cells})
+        report.data["settings"]["layouts"] = sorted({f"{c['nodes']}x{c['per_node']}" for c in cells})
+    report.data["cells"] = cells
     result = table(cells, args.variants)
     for row in result["rows"]:
         print("  ".join(str(c) for c in row))
     notes = [f"{c['link']} {c['nodes']}x{c['per_node']}: measured {c['bandwidth']}" for c in cells]
     report.table(result["title"], result["columns"], result["rows"], notes)
-    report.data["cells"] = cells
+    columns = ["link", "nodes x procs", "variant", "measured ms", "predicted ms", "error"]
+    report.table("The step model against the measured step", columns, prediction_rows(report.data))
+    columns = ["link", "nodes x procs", "auto chose", "auto ms", "best fixed", "its ms", "auto / best"]
+    report.table("reducer='auto' against the best fixed reducer", columns, auto_rows(report.data))
     report.save(args.json)
     return None
 

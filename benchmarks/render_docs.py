@@ -1,4 +1,5 @@
-"""Regenerate the result tables of ``docs/benchmarks.md`` from the stored runs in ``benchmarks/results/*.json``.
+"""Regenerate the result tables of the docs (``docs/benchmarks.md``, ``docs/network.md``) from the stored runs in
+``benchmarks/results/*.json``.
 
 Each table sits between markers named after its result file::
 
@@ -9,8 +10,8 @@ Each table sits between markers named after its result file::
 Everything between the markers is replaced; the rest of the page is left alone. A marker whose file is missing gets
 the command that produces it instead of a table. Usage::
 
-    python benchmarks/render_docs.py            # rewrite docs/benchmarks.md
-    python benchmarks/render_docs.py --check    # exit 1 if the page is not what the stored results give
+    python benchmarks/render_docs.py            # rewrite the pages
+    python benchmarks/render_docs.py --check    # exit 1 if a page is not what the stored results give
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGE = ROOT / "docs" / "benchmarks.md"
+PAGES = (ROOT / "docs" / "benchmarks.md", ROOT / "docs" / "network.md")
 RESULTS = ROOT / "benchmarks" / "results"
 
 COMMANDS = {
@@ -39,6 +40,9 @@ COMMANDS = {
     "ring_allreduce_c": "python benchmarks/bench_ring_allreduce.py --part c",
     "step_phases": "python benchmarks/bench_step_phases.py",
     "scatter_gather": "python benchmarks/bench_scatter_gather.py",
+    "cluster": "python benchmarks/bench_cluster.py",
+    "local_sgd": "python benchmarks/bench_local_sgd.py",
+    "network_guide": "python benchmarks/cluster_model.py --guide",
 }
 """The command that produces each result file (without ``--json``), shown where the file is missing."""
 
@@ -86,11 +90,10 @@ def render(name: str) -> str:
         )
     data = json.loads(path.read_text())
     ran = re.sub(r" --json \S+", "", data["command"])  # where the file went is said below
-    lines = [
-        f"*Machine:* {_machine(data)}.  ",
-        f"*Command:* `{ran} --json benchmarks/results/{name}.json`.",
-        "",
-    ]
+    if "machine" in data:
+        lines = [f"*Machine:* {_machine(data)}.  ", f"*Command:* `{ran} --json benchmarks/results/{name}.json`.", ""]
+    else:  # computed, not measured
+        lines = [f"*Computed by:* `{ran}`.", ""]
     m = data.get("machine", {})
     load, cores = m.get("load_average_at_start"), m.get("cpu_count")
     if load is not None and cores and load >= cores:
@@ -116,25 +119,29 @@ def render(name: str) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--check", action="store_true", help="only check that the page is up to date")
-    parser.add_argument("--page", type=Path, default=PAGE)
-    args = parser.parse_args()
-    text = args.page.read_text()
+def render_page(page: Path, check: bool) -> bool:
+    """Rewrite (or with ``check`` only compare) ``page``'s result blocks; whether it was up to date."""
+    text = page.read_text()
     names = [m.group("name") for m in MARKER.finditer(text)]
     new = MARKER.sub(lambda m: m.group(1) + render(m.group("name")) + m.group(4), text)
-    if args.check:
-        if new != text:
-            print(f"{args.page} is out of date: run python benchmarks/render_docs.py", file=sys.stderr)
-            sys.exit(1)
-        print(f"{args.page} is up to date ({len(names)} result blocks)")
-        return
-    args.page.write_text(new)
+    if check:
+        print(f"{page} is {'up to date' if new == text else 'out of date'} ({len(names)} result blocks)")
+        return new == text
+    page.write_text(new)
     stored = [n for n in names if (RESULTS / f"{n}.json").exists()]
-    print(
-        f"rendered {len(names)} result blocks into {args.page} ({len(stored)} from stored results: {', '.join(stored)})"
-    )
+    print(f"rendered {len(names)} result blocks into {page} ({len(stored)} from stored results: {', '.join(stored)})")
+    return True
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="only check that the pages are up to date")
+    parser.add_argument("--page", type=Path, action="append", help="only this page (default: all of them)")
+    args = parser.parse_args()
+    fresh = [render_page(page, args.check) for page in args.page or PAGES]
+    if not all(fresh):
+        print("run python benchmarks/render_docs.py", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -88,10 +88,12 @@ def test_cluster_benchmark_builds_every_variant_without_a_cluster() -> None:
     sys.path.insert(0, str(BENCHMARKS))
     import bench_cluster
 
-    from lightning_dp_strategies import RingAllReduceStrategy
+    from lightning_dp_strategies import HybridPipelineStrategy, RingAllReduceStrategy
 
     strategies = {v: bench_cluster.make_strategy(v) for v in bench_cluster.VARIANTS}
     assert strategies.pop("ddp") == "ddp"
+    assert isinstance(strategies.pop("hybrid_pipeline"), HybridPipelineStrategy)
     assert all(isinstance(s, RingAllReduceStrategy) for s in strategies.values())
     assert strategies["two_level"].two_level and strategies["ring"].two_level is False
+    assert strategies["auto"].reducer == "auto" and strategies["torch_powersgd"].ddp_comm_hook is not None
     assert "--links" in _run("bench_cluster.py", "--help")

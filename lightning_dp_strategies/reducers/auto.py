@@ -102,7 +102,7 @@ class AutoDecision:
             f"between nodes {inter:.0f} MB/s, inside a node {intra:.0f} MB/s.",
         ]
         for label, seconds in sorted(self.predicted_step_seconds.items(), key=lambda kv: kv[1]):
-            lines.append(f"  {label:22s} {seconds * 1e3:9.1f} ms predicted" + (" <- " if label == self.chosen else ""))
+            lines.append(f"  {label:22s} {seconds * 1e3:9.1f} ms predicted" + (" <-" if label == self.chosen else ""))
         return "\n".join(lines)
 
 

@@ -185,8 +185,8 @@ def test_notebook_form_trains_where_popen_is_refused(tmp_path: Path) -> None:
         ({"start_method": "thread"}, r"use one of \['popen', 'spawn', 'fork', 'forkserver'\]"),
         ({"process_group_backend": "nccI"}, "Unknown `process_group_backend`"),
         ({"timeout": -1}, "`timeout` must be a datetime.timedelta or a positive number of seconds"),
-        ({"reducer": "tree"}, r"Unknown reducer 'tree': use one of \['ring', 'native', 'per_tensor'\]"),
-        ({"reducer": 42}, r"`reducer` must be one of \['ring', 'native', 'per_tensor'\] or a callable"),
+        ({"reducer": "tree"}, r"Unknown reducer 'tree': use one of \['ring', 'native', 'per_tensor', 'auto'\]"),
+        ({"reducer": 42}, r"`reducer` must be one of \['ring', 'native', 'per_tensor', 'auto'\] or a callable"),
     ],
 )
 def test_bad_options_fail_at_construction_naming_the_fix(options: dict[str, Any], fix: str) -> None:
