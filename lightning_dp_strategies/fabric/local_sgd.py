@@ -17,6 +17,7 @@ from typing_extensions import override
 from lightning_dp_strategies.bucketing.stats import CommStats
 from lightning_dp_strategies.core.averaging import FlatAverager
 from lightning_dp_strategies.core.local_sgd import (
+    HoldsLocalSGD,
     LocalSGD,
     LocalSGDConfig,
     OuterOptimizerFactory,
@@ -30,7 +31,7 @@ from lightning_dp_strategies.reducers import Reducer
 __all__ = ["FabricLocalSGDStrategy"]
 
 
-class FabricLocalSGDStrategy(FabricRingAllReduceStrategy):
+class FabricLocalSGDStrategy(HoldsLocalSGD, FabricRingAllReduceStrategy):
     """The Fabric counterpart of :class:`~lightning_dp_strategies.LocalSGDStrategy`, on the same
     :class:`~lightning_dp_strategies.core.local_sgd.LocalSGD`.
 
@@ -121,10 +122,7 @@ class FabricLocalSGDStrategy(FabricRingAllReduceStrategy):
 
     @override
     def _fingerprint_options(self, module: nn.Module) -> dict[str, Any]:
-        cfg = self.local_config
-        outer = None if cfg.outer_optimizer is None else getattr(cfg.outer_optimizer, "__qualname__", "callable")
-        local = {"sync_every": cfg.sync_every, "warmup_steps": cfg.warmup_steps, "outer_optimizer": outer}
-        return {**super()._fingerprint_options(module), **local, "average_buffers": cfg.average_buffers}
+        return {**super()._fingerprint_options(module), **self._local_options()}
 
     # ------------------------------------------------------------------ one step
     @override
@@ -137,30 +135,8 @@ class FabricLocalSGDStrategy(FabricRingAllReduceStrategy):
     @override
     def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, **kwargs)
-        if self.local_sgd is not None:
-            before = self.local_sgd.stats
-            self.local_sgd.after_step()
-            self._averaged_step = self.local_sgd.stats - before
+        self._after_optimizer_step()
         return output
-
-    @property
-    @override
-    def step_stats(self) -> CommStats:
-        """Communication of the last optimizer step: the warm-up's gradients, or the synchronisation it ended with."""
-        return self.grad_sync.step_stats + self._averaged_step
-
-    @property
-    @override
-    def comm_stats(self) -> CommStats:
-        """Running totals on this rank: the warm-up's gradients and every synchronisation."""
-        averaged = self.local_sgd.stats if self.local_sgd is not None else CommStats()
-        return self.grad_sync.totals + averaged
-
-    def synchronize(self) -> None:
-        """Average the ranks' parameter changes now and apply the outer step (call on every rank: before evaluating,
-        at the end of training); nothing when the ranks are in sync already."""
-        if self.local_sgd is not None:
-            self.local_sgd.synchronize()
 
     # ------------------------------------------------------------------ checkpoints
     @override

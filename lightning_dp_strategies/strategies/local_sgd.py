@@ -18,6 +18,7 @@ from typing_extensions import override
 from lightning_dp_strategies.bucketing.stats import CommStats
 from lightning_dp_strategies.core.averaging import FlatAverager
 from lightning_dp_strategies.core.local_sgd import (
+    HoldsLocalSGD,
     LocalSGD,
     LocalSGDConfig,
     OuterOptimizerFactory,
@@ -34,7 +35,7 @@ from lightning_dp_strategies.strategies.bucketed import BucketedDataParallel
 __all__ = ["LocalSGDStrategy"]
 
 
-class LocalSGDStrategy(BucketedDataParallel):
+class LocalSGDStrategy(HoldsLocalSGD, BucketedDataParallel):
     """Each rank takes ``sync_every`` optimizer steps on its own; then the ranks average the parameter change since
     the last synchronisation in one all-reduce, and an outer optimizer applies it (see
     :mod:`lightning_dp_strategies.core.local_sgd`).
@@ -151,10 +152,7 @@ class LocalSGDStrategy(BucketedDataParallel):
 
     @override
     def _fingerprint_options(self) -> dict[str, Any]:
-        cfg = self.local_config
-        outer = None if cfg.outer_optimizer is None else getattr(cfg.outer_optimizer, "__qualname__", "callable")
-        local = {"sync_every": cfg.sync_every, "warmup_steps": cfg.warmup_steps, "outer_optimizer": outer}
-        return {**super()._fingerprint_options(), **local, "average_buffers": cfg.average_buffers}
+        return {**super()._fingerprint_options(), **self._local_options()}
 
     # ------------------------------------------------------------------ one step
     @override
@@ -173,30 +171,8 @@ class LocalSGDStrategy(BucketedDataParallel):
         **kwargs: Any,
     ) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self.local_sgd is not None:
-            before = self.local_sgd.stats
-            self.local_sgd.after_step()
-            self._averaged_step = self.local_sgd.stats - before
+        self._after_optimizer_step()
         return output
-
-    @property
-    @override
-    def step_stats(self) -> CommStats:
-        """Communication of the last optimizer step: the warm-up's gradients, or the synchronisation it ended with."""
-        return self.grad_sync.step_stats + self._averaged_step
-
-    @property
-    @override
-    def comm_stats(self) -> CommStats:
-        """Running totals on this rank: the warm-up's gradients and every synchronisation."""
-        averaged = self.local_sgd.stats if self.local_sgd is not None else CommStats()
-        return self.grad_sync.totals + averaged
-
-    def synchronize(self) -> None:
-        """Average the ranks' parameter changes now and apply the outer step (on every rank; nothing when the ranks
-        are in sync already). The strategy calls it before validation and at the end of ``fit``."""
-        if self.local_sgd is not None:
-            self.local_sgd.synchronize()
 
     @override
     def on_validation_start(self) -> None:
