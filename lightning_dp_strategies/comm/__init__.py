@@ -3,12 +3,14 @@
 - :mod:`.ops`: the reduction names, the counter of bytes and messages, averaging that is exact and fast.
 - :mod:`.ring`: ring reduce-scatter, all-gather and all-reduce, and the reference all-reduce they are tested against.
 - :mod:`.streamed`: the ring all-reduce as one stream of messages, the path :func:`ring_all_reduce` takes on gloo.
+- :mod:`.shards`: the ring's two halves on their own (each rank owns one reduced chunk in between), for sharded
+  optimizer state.
 - :mod:`.two_level`: the all-reduce for several nodes: inside each node, across nodes by shard, inside again.
 - :mod:`.probe`: a link's latency and bandwidth, measured on the live process group.
 - :mod:`.failures`: what a failed collective most likely means, logged on the rank that sees it.
 """
 
-from lightning_dp_strategies.comm import ops, ring
+from lightning_dp_strategies.comm import ops, ring, shards
 from lightning_dp_strategies.comm.ops import (
     CommCounter as CommCounter,
     ReduceOpLike as ReduceOpLike,
@@ -24,5 +26,11 @@ from lightning_dp_strategies.comm.ring import (
     ring_reduce_scatter as ring_reduce_scatter,
     ring_workspace_numel as ring_workspace_numel,
 )
+from lightning_dp_strategies.comm.shards import (
+    chunk_range as chunk_range,
+    owned_chunk as owned_chunk,
+    ring_all_gather_flat as ring_all_gather_flat,
+    ring_reduce_scatter_flat as ring_reduce_scatter_flat,
+)
 
-__all__ = [*ops.__all__, *ring.__all__]
+__all__ = [*ops.__all__, *ring.__all__, *shards.__all__]

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from lightning_dp_strategies.comm.ops import CommCounter, divide_
 
-__all__ = ["streamed_ring_all_reduce"]
+__all__ = ["streamed_ring_all_gather", "streamed_ring_all_reduce", "streamed_ring_reduce_scatter"]
 
 
 def _duplex_sides(
@@ -40,7 +40,9 @@ def _scratch(flat: Tensor, slots: int, pieces: int, stride: int, workspace: Tens
 
 
 class _StreamedRing:
-    """The state of one streamed all-reduce of ``flat``: its pieces, the receive scratch, the messages in flight.
+    """The state of one streamed all-reduce of ``flat`` (or of one of its halves: ``gather=False`` stops after the
+    reduce-scatter, ``scatter=False`` runs the all-gather alone): its pieces, the receive scratch, the messages in
+    flight.
 
     Tags keep the messages apart: reduce-scatter step s piece k is ``s * P + k``, all-gather step s is
     ``(N - 1 + s) * P + k``. Reduce-scatter receives are double-buffered in the scratch (step s in slot ``s % 2``).
@@ -54,6 +56,8 @@ class _StreamedRing:
         workspace: Tensor | None,
         duplex: dist.ProcessGroup | None,
         pieces: int,
+        gather: bool = True,
+        scatter: bool = True,
     ) -> None:
         pg = group if group is not None else dist.group.WORLD
         assert pg is not None
@@ -68,7 +72,9 @@ class _StreamedRing:
         self.split = [c.tensor_split(pieces) for c in chunks]
         stride = -(-chunks[0].numel() // pieces)  # scratch row per piece, so re-posting row k never touches row k+1
         self.slots = min(2, self.steps)
-        self.scratch = _scratch(flat, self.slots, pieces, stride, workspace)
+        self.scratch = _scratch(flat, self.slots, pieces, stride, workspace) if scatter else flat.new_empty(0, 0, 0)
+        self.gather = gather
+        """Whether the reduced chunks go on into the all-gather (else each rank keeps only its own)."""
         self.sends: list[dist.Work] = []
         self.incoming: list[list[tuple[dist.Work | None, Tensor]]] = [[] for _ in range(self.steps)]
         self.gathered: list[list[dist.Work | None]] = [[] for _ in range(self.steps)]
@@ -102,7 +108,7 @@ class _StreamedRing:
         for s in range(self.slots):
             for k in range(self.pieces):
                 self.post_reduce_scatter(s, k)
-        if self.gather_early:
+        if self.gather and self.gather_early:
             for k in range(self.pieces):
                 self.post_all_gather(k)
         for k, piece in enumerate(self.split[self.rank]):
@@ -128,6 +134,8 @@ class _StreamedRing:
         """Piece ``k`` of this rank's chunk is fully reduced: average it if asked, and send it into the all-gather."""
         if average:
             divide_(piece, self.size)
+        if not self.gather:
+            return
         self.send(piece, self.steps * self.pieces + k)
         if not self.gather_early:
             self.post_all_gather(k)
@@ -194,5 +202,48 @@ def streamed_ring_all_reduce(
     ring = _StreamedRing(flat, group, counter, workspace, duplex, pieces)
     ring.start()
     ring.reduce_scatter(average)
+    ring.all_gather()
+    ring.finish()
+
+
+def streamed_ring_reduce_scatter(
+    flat: Tensor,
+    average: bool,
+    group: dist.ProcessGroup | None,
+    counter: CommCounter | None,
+    workspace: Tensor | None,
+    duplex: dist.ProcessGroup | None,
+    pieces: int,
+) -> None:
+    """The reduce-scatter half of :func:`streamed_ring_all_reduce`: afterwards this rank's chunk of ``flat``
+    (``flat.tensor_split(N)[(rank + 1) % N]``) holds the reduction; the other chunks hold partial sums.
+
+    Examples:
+        >>> # on every rank of an initialised 2-process gloo group
+        >>> flat = torch.full((4,), float(dist.get_rank() + 1))  # doctest: +SKIP
+        >>> streamed_ring_reduce_scatter(flat, False, None, None, None, None, pieces=1)  # doctest: +SKIP
+        >>> flat.tensor_split(2)[(dist.get_rank() + 1) % 2]  # doctest: +SKIP
+        tensor([3., 3.])
+    """
+    ring = _StreamedRing(flat, group, counter, workspace, duplex, pieces, gather=False)
+    ring.start()
+    ring.reduce_scatter(average)
+    ring.finish()
+
+
+def streamed_ring_all_gather(
+    flat: Tensor,
+    group: dist.ProcessGroup | None,
+    counter: CommCounter | None,
+    duplex: dist.ProcessGroup | None,
+    pieces: int,
+) -> None:
+    """The all-gather half of :func:`streamed_ring_all_reduce`: each rank's chunk ``(rank + 1) % N`` of ``flat``
+    travels round the ring in place, so that every rank ends with every rank's chunk."""
+    ring = _StreamedRing(flat, group, counter, None, duplex, pieces, scatter=False)
+    for k in range(ring.pieces):
+        ring.post_all_gather(k)
+    for k, piece in enumerate(ring.split[(ring.rank + 1) % ring.size]):
+        ring.send(piece, ring.steps * ring.pieces + k)
     ring.all_gather()
     ring.finish()
