@@ -25,6 +25,7 @@ LAYERS = {
     "comm": 1,
     "reducers": 2,
     "bucketing": 3,
+    "sharding": 5,
     "data_parallel": 4,
     "pipeline": 4,
     "core": 5,

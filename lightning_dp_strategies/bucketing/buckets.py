@@ -39,9 +39,7 @@ from lightning_dp_strategies.bucketing.layout import assign_buckets
 from lightning_dp_strategies.bucketing.stats import CommStats
 from lightning_dp_strategies.comm import divide
 from lightning_dp_strategies.comm.failures import PEER_FAILURE_HINT, announce_failure
-from lightning_dp_strategies.plan.sizing import (
-    ring_bytes_per_rank,
-)
+from lightning_dp_strategies.plan.sizing import ring_bytes_per_rank
 from lightning_dp_strategies.reducers.base import GradBucket, Reducer, close_reducer, set_event
 from lightning_dp_strategies.reducers.builtin import resolve_reducer
 
@@ -66,6 +64,9 @@ class GradientBuckets:
         allow_no_trainable: allow a parameter set with nothing to train (no bucket until one is unfrozen).
         timeout: seconds to wait for a bucket's reduction after backward before failing with an error that names
             the bucket (``None``: wait as long as the reducer takes).
+
+    With a reducer whose ``scatters`` is true (:class:`~lightning_dp_strategies.reducers.ScatterReducer`) only this
+    rank's chunk of each bucket is averaged: ``.grad`` stays ``None``, a sharded optimizer takes the chunk.
 
     A reducer with a true ``hands_raw_gradients`` attribute (a torch DDP communication hook,
     :class:`~lightning_dp_strategies.comm_hooks.CommHookReducer`) gets each bucket's gradients undivided and without
@@ -109,6 +110,7 @@ class GradientBuckets:
         self.duplex_group = duplex_group
         self.reducer: Reducer = resolve_reducer(reducer)
         self._raw = bool(getattr(self.reducer, "hands_raw_gradients", False))
+        self._scatters = bool(getattr(self.reducer, "scatters", False))
         self.timeout = timeout
         self.bucket_cap_mb = bucket_cap_mb
         self.first_bucket_cap_mb = first_bucket_cap_mb
@@ -116,6 +118,7 @@ class GradientBuckets:
         self.buckets: list[Bucket] = []
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._built_for: tuple[bool, ...] = ()
+        self.builds = 0  # layouts built: one more each time the set of trainable parameters changes
         self._armed = False
         self._accepting: set[int] | None = None
         """With ``arm(deferred=True)``: the ids of the parameters whose next gradient is final (see ``accept``)."""
@@ -161,6 +164,7 @@ class GradientBuckets:
                 hook = functools.partial(self._on_grad_ready, index, slot)
                 self._hooks.append(param.register_post_accumulate_grad_hook(hook))
         self._built_for = self._trainable_signature()
+        self.builds += 1
 
     def layout(self) -> list[list[tuple[str, tuple[int, ...], str]]]:
         """Per bucket, the ``(name, shape, dtype)`` of its parameters: identical on every rank of a healthy job."""
@@ -342,7 +346,9 @@ class GradientBuckets:
         self._wait()
         for bucket, flags in zip(self.buckets, self._reduced_flags(), strict=True):
             for slot, param in enumerate(bucket.params):
-                if flags[slot] > 0:
+                if self._scatters:  # only this rank's chunk is reduced: the sharded optimizer steps it from there
+                    param.grad = None
+                elif flags[slot] > 0:
                     # .grad becomes a view of the bucket (no copy back): valid until the next synchronised backward
                     # refills the bucket, exactly when a new gradient replaces it anyway
                     param.grad = bucket.grad_view(slot)

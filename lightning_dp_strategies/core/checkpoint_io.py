@@ -31,7 +31,7 @@ from typing_extensions import override
 
 from lightning_dp_strategies.core.checkpoint_files import complete_or_newest
 
-__all__ = ["AtomicCheckpointIO", "atomic_write", "with_atomic_default"]
+__all__ = ["AtomicCheckpointIO", "atomic_write", "can_stream", "with_atomic_default"]
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -130,6 +130,13 @@ def atomic_write(path: _PATH, write: Callable[[IO[bytes]], None]) -> None:
             os.remove(temp)
         raise
     _fsync_folder(folder)
+
+
+def can_stream(checkpoint_io: CheckpointIO, path: _PATH, storage_options: Any | None) -> bool:
+    """Whether a checkpoint can be written as its tensors arrive (:func:`atomic_write` to a local path by the default
+    :class:`AtomicCheckpointIO`), rather than saved whole by ``checkpoint_io``."""
+    local = fsspec.utils.get_protocol(str(path)) == "file"
+    return type(checkpoint_io) is AtomicCheckpointIO and storage_options is None and local
 
 
 def _fsync_folder(folder: str) -> None:

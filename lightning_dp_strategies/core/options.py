@@ -176,11 +176,14 @@ class RingAllReduceConfig(BucketedConfig):
     log_comm_stats: bool = False
     two_level: bool | None = None
     """Reduce inside each node, then across nodes (``None``: when there are several nodes of several processes)."""
+    shard_optimizer_state: bool = False
+    """Each rank keeps and steps the optimizer state of its shard of the parameters only (ZeRO stage 1)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_flag("broadcast_buffers", self.broadcast_buffers)
         check_flag("log_comm_stats", self.log_comm_stats)
+        check_flag("shard_optimizer_state", self.shard_optimizer_state)
         if self.two_level is not None and not isinstance(self.two_level, bool):
             raise TypeError(
                 "`two_level` must be None (two levels when the job spans several nodes of several processes), True or "
@@ -220,3 +223,38 @@ class ReductionOptions:
     def make_reducer(self) -> Reducer:
         """The hook's reducer when a hook was given, else the ``reducer=`` option's (a new one each call)."""
         return make_reducer(self.reducer, self.comm_hook, self.ddp_comm_state)
+
+
+def check_sharding(config: RingAllReduceConfig, reduction: ReductionOptions) -> None:
+    """A clear error when ``shard_optimizer_state=True`` meets an option it cannot honour.
+
+    The shards are the ring's reduce-scatter chunks of each bucket, over one flat ring of every rank; a compression
+    wrapper, another reducer, a communication hook or the two-level reduction reduce the buckets otherwise.
+
+    Examples:
+        >>> check_sharding(RingAllReduceConfig(shard_optimizer_state=True), ReductionOptions())
+        >>> check_sharding(RingAllReduceConfig(shard_optimizer_state=True, two_level=True), ReductionOptions())
+        Traceback (most recent call last):
+        ...
+        ValueError: `shard_optimizer_state=True` cannot be combined with `two_level=True`: ...
+    """
+    if not config.shard_optimizer_state:
+        return
+    fix = "Leave that option out, or pass `shard_optimizer_state=False`."
+    shards = "the shards are the chunks a flat ring's reduce-scatter leaves on each rank"
+    if config.two_level:
+        raise ValueError(
+            f"`shard_optimizer_state=True` cannot be combined with `two_level=True`: {shards}, and a two-level "
+            f"reduction leaves whole shards per node instead. {fix}"
+        )
+    if reduction.reducer not in (None, "ring"):
+        raise ValueError(
+            f"`shard_optimizer_state=True` cannot be combined with `reducer={reduction.reducer!r}`: {shards}, which "
+            f"is how it reduces the buckets (lossless, over the ring). {fix}"
+        )
+    if reduction.ddp_comm_hook is not None or reduction.model_averaging_period is not None:
+        raise ValueError(
+            "`shard_optimizer_state=True` cannot be combined with `ddp_comm_hook` or `model_averaging_period`: "
+            f"{shards}, and a hook or model averaging needs whole buckets and whole optimizer state on every rank. "
+            f"{fix}"
+        )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from lightning.fabric.strategies import Strategy
@@ -31,10 +32,14 @@ class NonfiniteStep(Strategy):
     def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
         if self.nonfinite.mode is None or self._trained is None or not hasattr(optimizer, "param_groups"):
             return super().optimizer_step(optimizer, **kwargs)
-        named = list(self._trained.named_parameters())
+        named = list(self._guarded_parameters(self._trained))
         closure = kwargs.pop("closure", None)
         if closure is not None:
             kwargs["closure"] = self.nonfinite.wrap(closure, optimizer, named, self.root_device)  # type: ignore[arg-type]
         else:
             self.nonfinite.wrap(lambda: None, optimizer, named, self.root_device)()  # type: ignore[arg-type]
         return super().optimizer_step(optimizer, **kwargs)
+
+    def _guarded_parameters(self, module: nn.Module) -> Iterable[tuple[str, nn.Parameter]]:
+        """The names a non-finite gradient is reported under: the module's parameters by default."""
+        return module.named_parameters()

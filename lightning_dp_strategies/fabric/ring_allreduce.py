@@ -28,6 +28,7 @@ from lightning_dp_strategies.core.options import (
     ReductionOptions,
     RingAllReduceConfig,
     check_backend,
+    check_sharding,
     check_start_method,
     check_timeout,
     default_timeout,
@@ -35,13 +36,17 @@ from lightning_dp_strategies.core.options import (
 from lightning_dp_strategies.core.registry import register_name, register_with_launchers
 from lightning_dp_strategies.core.topology import check_two_level, layout_reducer
 from lightning_dp_strategies.fabric._elastic import RestartSafeGroups
+from lightning_dp_strategies.fabric._sharded import ShardedFabricSteps
 from lightning_dp_strategies.fabric._step import NonfiniteStep
-from lightning_dp_strategies.reducers import CommHook, Reducer
+from lightning_dp_strategies.reducers import CommHook, Reducer, ScatterReducer
+from lightning_dp_strategies.sharding import OptimizerSharding
 
 __all__ = ["FabricRingAllReduceStrategy"]
 
 
-class FabricRingAllReduceStrategy(AtomicCheckpoints, RestartSafeGroups, HoldsGradientSync, NonfiniteStep, DDPStrategy):
+class FabricRingAllReduceStrategy(
+    AtomicCheckpoints, RestartSafeGroups, HoldsGradientSync, NonfiniteStep, ShardedFabricSteps, DDPStrategy
+):
     """One process per device under Lightning Fabric; gradients averaged by the bucketed ring all-reduce.
 
     The Fabric counterpart of :class:`~lightning_dp_strategies.RingAllReduceStrategy`, on the same machinery
@@ -74,6 +79,10 @@ class FabricRingAllReduceStrategy(AtomicCheckpoints, RestartSafeGroups, HoldsGra
         two_level: reduce inside each node, then across nodes, then inside the node again; ``None`` (default): when
             the job spans several nodes of several processes each (as
             :class:`~lightning_dp_strategies.RingAllReduceStrategy`).
+        shard_optimizer_state: each rank keeps and steps the optimizer state of about 1/N of the parameters (ZeRO
+            stage 1, as :class:`~lightning_dp_strategies.RingAllReduceStrategy`): set up the module before (or
+            with) its optimizers; ``fabric.save`` writes the whole optimizer state, ``fabric.load`` takes this
+            rank's part of it.
 
     Examples:
         >>> import lightning as L
@@ -107,12 +116,20 @@ class FabricRingAllReduceStrategy(AtomicCheckpoints, RestartSafeGroups, HoldsGra
         ddp_comm_hook: CommHook | None = None,
         ddp_comm_wrapper: Callable[[CommHook], CommHook] | None = None,
         two_level: bool | None = None,
+        shard_optimizer_state: bool = False,
     ) -> None:
         check_start_method(start_method)
         # configuration (validated before Fabric does anything)
         self.reduction = ReductionOptions(reducer, ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper)
-        self.config = RingAllReduceConfig(bucket_cap_mb, first_bucket_cap_mb, broadcast_buffers, two_level=two_level)
+        self.config = RingAllReduceConfig(
+            bucket_cap_mb,
+            first_bucket_cap_mb,
+            broadcast_buffers,
+            two_level=two_level,
+            shard_optimizer_state=shard_optimizer_state,
+        )
         check_two_level(self.config.two_level, self.reduction)
+        check_sharding(self.config, self.reduction)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -125,6 +142,7 @@ class FabricRingAllReduceStrategy(AtomicCheckpoints, RestartSafeGroups, HoldsGra
         )
         # runtime state (groups, reducer, buckets, no-sync flag) and statistics (step_stats, comm_stats)
         self.grad_sync = GradientSync()
+        self.sharding = OptimizerSharding()
         self._init_nonfinite(nonfinite_grads)
         self._buffer_hook: Any = None
         self._backward_sync_control = _BucketSyncControl(self)
@@ -155,7 +173,9 @@ class FabricRingAllReduceStrategy(AtomicCheckpoints, RestartSafeGroups, HoldsGra
     def configure_reducer(self) -> Reducer:
         """The reducer of the gradient buckets, called once at setup: override it to reduce another way (default:
         the communication hook's when ``ddp_comm_hook`` was given, else the ``reducer=`` option's, wrapped in the
-        two-level reducer where the layout calls for it)."""
+        two-level reducer where the layout calls for it; with ``shard_optimizer_state`` the reduce-scattering ring)."""
+        if self.config.shard_optimizer_state:
+            return ScatterReducer()
         return layout_reducer(self.config.two_level, self.num_nodes, self.num_processes, self.reduction)
 
     @override
@@ -177,6 +197,7 @@ class FabricRingAllReduceStrategy(AtomicCheckpoints, RestartSafeGroups, HoldsGra
             cfg = self.config
             named = list(module.named_parameters())
             self.grad_sync.attach(named, cfg.bucket_cap_mb, cfg.first_bucket_cap_mb, timeout=self._timeout)
+            self._attach_sharding()
             self._trained = module
             if cfg.broadcast_buffers and any(True for _ in module.buffers()):
                 self._buffer_hook = module.register_forward_pre_hook(self._broadcast_buffers)
@@ -197,6 +218,7 @@ class FabricRingAllReduceStrategy(AtomicCheckpoints, RestartSafeGroups, HoldsGra
     def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
         """Arm the buckets (or count a skipped pass inside ``no_backward_sync``), run backward through the precision
         plugin, and wait until ``.grad`` holds the average over the ranks."""
+        self._before_synced_backward()
         self.grad_sync.arm_or_skip()
         try:
             super().backward(tensor, module, *args, **kwargs)
@@ -204,10 +226,12 @@ class FabricRingAllReduceStrategy(AtomicCheckpoints, RestartSafeGroups, HoldsGra
             self.grad_sync.abort()
             raise
         self.grad_sync.finish()
+        self._after_synced_backward()
 
     @override
     def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, **kwargs)
+        self._after_step(optimizer)
         self.grad_sync.record_step()
         return output
 
@@ -227,6 +251,7 @@ class FabricRingAllReduceStrategy(AtomicCheckpoints, RestartSafeGroups, HoldsGra
         if self._buffer_hook is not None:
             self._buffer_hook.remove()
             self._buffer_hook = None
+        self._close_sharding()
         self.grad_sync.close()
         self._trained = None
         super().teardown()
@@ -237,6 +262,7 @@ class FabricRingAllReduceStrategy(AtomicCheckpoints, RestartSafeGroups, HoldsGra
     first_bucket_cap_mb = ConfigOption[float]()
     broadcast_buffers = ConfigOption[bool]()
     two_level = ConfigOption[bool | None]()
+    shard_optimizer_state = ConfigOption[bool]()
     reducer = ConfigOption[str | Reducer | None]("reduction")
     ddp_comm_hook = ConfigOption[CommHook | None]("reduction")
     ddp_comm_state = ConfigOption[object]("reduction")

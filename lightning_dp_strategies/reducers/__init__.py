@@ -63,6 +63,7 @@ from lightning_dp_strategies.reducers.comm_hooks import (
     make_reducer,
 )
 from lightning_dp_strategies.reducers.powersgd import PowerSGD
+from lightning_dp_strategies.reducers.scatter import ScatterReducer
 from lightning_dp_strategies.reducers.thread import CommThread as CommThread
 from lightning_dp_strategies.reducers.two_level import TwoLevelReducer
 
@@ -83,6 +84,7 @@ __all__ = [
     "ReduceKind",
     "Reducer",
     "RingReducer",
+    "ScatterReducer",
     "StepTiming",
     "TwoLevelReducer",
     "bf16_compress",

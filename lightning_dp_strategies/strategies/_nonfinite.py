@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from lightning.pytorch.strategies import Strategy
+from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -22,7 +23,12 @@ class NonfiniteCheck(Strategy):
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        module = self.lightning_module
-        if module is not None:
-            closure = self.nonfinite.wrap(closure, optimizer, module.named_parameters(), self.root_device)
+        if self.lightning_module is not None:
+            closure = self.nonfinite.wrap(closure, optimizer, self._guarded_parameters(), self.root_device)
         return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+    def _guarded_parameters(self) -> Iterable[tuple[str, nn.Parameter]]:
+        """The names the guard reports a non-finite gradient under: the module's parameters by default."""
+        module = self.lightning_module
+        assert module is not None
+        return module.named_parameters()

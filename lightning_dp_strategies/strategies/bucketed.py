@@ -282,9 +282,13 @@ class BucketedDataParallel(
         **kwargs: Any,
     ) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._after_step(optimizer)
         self.grad_sync.record_step()
         self._log_step()
         return output
+
+    def _after_step(self, optimizer: Optimizer) -> None:
+        """Called after every optimizer step, before its statistics are recorded; the default does nothing."""
 
     def _log_step(self) -> None:
         """Called after every optimizer step; the default logs nothing."""

@@ -13,16 +13,16 @@ from lightning.pytorch.plugins.precision import Precision
 from typing_extensions import override
 
 from lightning_dp_strategies.core.module_state import broadcast_module_buffers
-from lightning_dp_strategies.core.options import ConfigOption, RingAllReduceConfig
+from lightning_dp_strategies.core.options import ConfigOption, RingAllReduceConfig, check_sharding
 from lightning_dp_strategies.core.registry import register_name
 from lightning_dp_strategies.core.topology import check_two_level, layout_reducer
-from lightning_dp_strategies.reducers import CommHook, Reducer
-from lightning_dp_strategies.strategies.bucketed import BucketedDataParallel
+from lightning_dp_strategies.reducers import CommHook, Reducer, ScatterReducer
+from lightning_dp_strategies.strategies._sharded import ShardedOptimizerSteps
 
 __all__ = ["RingAllReduceConfig", "RingAllReduceStrategy"]
 
 
-class RingAllReduceStrategy(BucketedDataParallel):
+class RingAllReduceStrategy(ShardedOptimizerSteps):
     """One process per device; gradients averaged by this package's bucketed ring all-reduce during backward.
 
     Lightning's launchers, cluster environments (torchrun, SLURM, ...) and process-group setup are reused from
@@ -63,6 +63,12 @@ class RingAllReduceStrategy(BucketedDataParallel):
             with ``ddp_comm_state=PostLocalSGDState(...)`` and ``ddp_comm_hook=post_localSGD_hook``, the parameters
             are averaged every this many optimizer steps after the state's ``start_localSGD_iter`` (see
             :class:`~lightning_dp_strategies.LocalSGDStrategy` for local SGD with an outer optimizer).
+        shard_optimizer_state: each rank keeps the optimizer state of, and steps, about 1/N of the parameters
+            (ZeRO stage 1): the buckets are reduce-scattered, the optimizer steps this rank's chunk, and the updated
+            parameters are all-gathered (the bytes of one all-reduce). Any element-wise optimizer (SGD, Adam,
+            AdamW, ...); checkpoints hold the whole optimizer state, loadable by any strategy and at any world size.
+            With the plain ring only (no other ``reducer``, hook, ``two_level=True`` or model averaging). See
+            :mod:`lightning_dp_strategies.sharding`.
 
     Examples:
         >>> import lightning as L
@@ -97,10 +103,16 @@ class RingAllReduceStrategy(BucketedDataParallel):
         ddp_comm_wrapper: Callable[[CommHook], CommHook] | None = None,
         two_level: bool | None = None,
         model_averaging_period: int | None = None,
+        shard_optimizer_state: bool = False,
     ) -> None:
         super().__init__(
             config=RingAllReduceConfig(
-                bucket_cap_mb, first_bucket_cap_mb, broadcast_buffers, log_comm_stats, two_level
+                bucket_cap_mb,
+                first_bucket_cap_mb,
+                broadcast_buffers,
+                log_comm_stats,
+                two_level,
+                shard_optimizer_state,
             ),
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -118,6 +130,7 @@ class RingAllReduceStrategy(BucketedDataParallel):
             model_averaging_period=model_averaging_period,
         )
         check_two_level(self.config.two_level, self.reduction)
+        check_sharding(self.config, self.reduction)
 
     @classmethod
     @override
@@ -133,7 +146,10 @@ class RingAllReduceStrategy(BucketedDataParallel):
     @override
     def configure_reducer(self) -> Reducer:
         """The ``reducer=`` option's reducer (or the hook's), wrapped in the two-level reducer where the layout calls
-        for it (see ``two_level``); override it to reduce another way."""
+        for it (see ``two_level``); with ``shard_optimizer_state`` the reduce-scattering ring. Override it to reduce
+        another way."""
+        if self.config.shard_optimizer_state:
+            return ScatterReducer()
         return layout_reducer(self.config.two_level, self.num_nodes, self.num_processes, self.reduction)
 
     @override
@@ -159,3 +175,4 @@ class RingAllReduceStrategy(BucketedDataParallel):
     broadcast_buffers = ConfigOption[bool]()
     log_comm_stats = ConfigOption[bool]()
     two_level = ConfigOption[bool | None]()
+    shard_optimizer_state = ConfigOption[bool]()

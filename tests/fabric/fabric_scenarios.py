@@ -220,8 +220,49 @@ def hook(out: Path) -> dict[str, Any]:
     return sgd(out, FabricRingAllReduceStrategy(ddp_comm_hook=allreduce_hook))
 
 
+def sharded_reference(steps: int, clip: float) -> dict[str, Tensor]:
+    """Single-process Adam with clipping by norm over the first ``steps`` global batches of epoch 0."""
+    model, (x, y) = make_model(), make_data().tensors
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for idx in global_batches(0)[:steps]:
+        F.cross_entropy(model(x[idx]), y[idx]).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+    return params(model)
+
+
+def sharded(out: Path) -> dict[str, Any]:
+    """``shard_optimizer_state=True``: Adam clipped by the global norm, saved after 3 steps, 3 more; loaded into the
+    same objects and the same 3 again."""
+    fabric = launch(FabricRingAllReduceStrategy(shard_optimizer_state=True))
+    model = make_model()
+    model, opt = fabric.setup(model, torch.optim.Adam(model.parameters(), lr=1e-2))
+    batches = list(fabric.setup_dataloaders(DataLoader(make_data(), batch_size=PER_RANK_BATCH)))
+
+    def train(steps: list[tuple[Tensor, Tensor]]) -> None:
+        for x, y in steps:
+            fabric.backward(F.cross_entropy(model(x), y))
+            fabric.clip_gradients(model, opt, max_norm=0.05)
+            opt.step()
+            opt.zero_grad()
+
+    train(batches[:3])
+    path = out / "sharded.ckpt"
+    fabric.save(path, {"model": model, "optimizer": opt})
+    train(batches[3:])
+    uninterrupted = params(model)
+    state_numel = sum(v.numel() for st in opt.state.values() for v in st.values() if v.dim() > 0)
+    fabric.load(path, {"model": model, "optimizer": opt})
+    train(batches[3:])
+    strategy = fabric.strategy
+    strategy.teardown()
+    return {"uninterrupted": uninterrupted, "resumed": params(model), "state_numel": state_numel, "steps": 6}
+
+
 SCENARIOS: dict[str, Callable[[Path], dict[str, Any]]] = {
     "sgd": sgd,
+    "sharded": sharded,
     "hook": hook,
     "auto": auto,
     "accumulate": accumulate,

@@ -19,7 +19,7 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY
 
 import lightning_dp_strategies
 from lightning_dp_strategies import FabricRingAllReduceStrategy
-from tests.fabric.fabric_scenarios import WORLD, make_model, reference_parameters
+from tests.fabric.fabric_scenarios import WORLD, make_model, reference_parameters, sharded_reference
 from tests.helpers.distributed import run_script
 
 NUMERICS = pytest.mark.numerics  # CI re-runs these under other CPU kernel paths and thread counts
@@ -118,6 +118,25 @@ def test_fabric_save_and_load_resume_the_same_parameters_and_optimizer_state(run
         assert result["step"] == 3  # plain values in the state come back too
         assert max_diff(result["resumed"], result["uninterrupted"]) <= 1e-7
         assert max_diff(result["resumed"], result["saved"]["params"]) > 1e-3  # the resumed steps did train
+
+
+@pytest.mark.timeout(240)
+def test_sharded_optimizer_state_clips_saves_and_loads_at_parity(runs: Path) -> None:
+    """Adam with ``shard_optimizer_state=True`` and ``fabric.clip_gradients`` (the global norm) equals single-process
+    Adam (2e-5) holding half the state per rank; ``fabric.save`` writes the whole state and ``fabric.load`` resumes
+    it exactly."""
+    reference = sharded_reference(steps=6, clip=0.05)
+    ranks = results(runs, "sharded")
+    full = 2 * sum(p.numel() for p in make_model().parameters())
+    assert sum(r["state_numel"] for r in ranks) == full
+    for result in ranks:
+        assert max_diff(result["uninterrupted"], reference) <= 2e-5
+        assert max_diff(result["resumed"], result["uninterrupted"]) <= 1e-7
+        assert result["state_numel"] <= 0.55 * full
+    whole = torch.load(runs / "sharded.ckpt", weights_only=True)["optimizer"]
+    optimizer = torch.optim.Adam(make_model().parameters(), lr=1e-2)
+    optimizer.load_state_dict(whole)  # the whole state, as a single-device optimizer holds it
+    assert [tuple(s["exp_avg"].shape) for s in whole["state"].values()] == [(32, 8), (32,), (3, 32), (3,)]
 
 
 @pytest.mark.timeout(240)

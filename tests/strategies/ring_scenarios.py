@@ -46,6 +46,8 @@ class Scenario:
     precision: str = "32-true"
     extra: dict[str, Any] = field(default_factory=dict)
     hook: str | None = None  # a torch DDP communication hook (see comm_hook_options)
+    save: bool = False  # save OUTDIR/{name}-{strategy}/last.ckpt after fit
+    resume_from: str | None = None  # resume from that scenario's last.ckpt (in the same OUTDIR, ring_allreduce)
 
 
 SCENARIOS = {
@@ -65,6 +67,28 @@ SCENARIOS = {
     "hook_unused": Scenario(unused=True, hook="allreduce"),
     "hook_fp16": Scenario(hook="fp16", accumulate=2),
     "hook_powersgd": Scenario(hook="powersgd"),
+    # sharded optimizer state (ZeRO-1)
+    "zero_adam": Scenario(optimizer="adam", save=True, extra={"shard_optimizer_state": True, "log_comm_stats": True}),
+    "adam_saved": Scenario(optimizer="adam", save=True),
+    "zero_manual": Scenario(optimizer="adam", manual=True, extra={"shard_optimizer_state": True}),
+    "zero_bf16": Scenario(optimizer="adam", precision="bf16-mixed", extra={"shard_optimizer_state": True}),
+    "zero_fp16": Scenario(optimizer="adam", precision="16-mixed", extra={"shard_optimizer_state": True}),
+    "adam_fp16": Scenario(optimizer="adam", precision="16-mixed"),
+    "zero3": Scenario(
+        world=3,
+        optimizer="adam",
+        epochs=3,
+        samples=45,
+        unused=True,
+        clip=0.05,
+        accumulate=2,
+        extra={"shard_optimizer_state": True},
+    ),
+    # the world-2 runs' checkpoints resumed by 3 processes for one more epoch, sharded or not
+    "zero_resume3": Scenario(
+        world=3, optimizer="adam", epochs=3, resume_from="zero_adam", extra={"shard_optimizer_state": True}
+    ),
+    "ring_resume3": Scenario(world=3, optimizer="adam", epochs=3, resume_from="zero_adam"),
 }
 
 
@@ -150,9 +174,18 @@ class Recorder(L.Callback):
         stats = getattr(trainer.strategy, "comm_stats", None)
         buckets = getattr(trainer.strategy, "buckets", None)
         decision = getattr(getattr(getattr(trainer.strategy, "grad_sync", None), "reducer", None), "decision", None)
+        sharding = getattr(trainer.strategy, "sharding", None)
+        state_numel = sum(
+            v.numel()
+            for state in trainer.optimizers[0].state.values()
+            for v in state.values()
+            if isinstance(v, Tensor) and v.dim() > 0
+        )
         torch.save(
             {
                 "params": {n: p.detach().clone() for n, p in module.named_parameters()},
+                "state_numel": state_numel,
+                "sharded": sharding is not None and sharding.attached,
                 "records": module.records,
                 "totals": stats.as_dict() if stats is not None else None,
                 "duplex_ranks": duplex_ranks(buckets),
@@ -210,7 +243,12 @@ def run(name: str, outdir: Path, strategy: str) -> None:
         callbacks=[Recorder(outdir)],
     )
     loader = DataLoader(make_data(scenario), batch_size=scenario.per_rank_batch, shuffle=False)
-    trainer.fit(model, loader)
+    resume = None
+    if scenario.resume_from is not None:
+        resume = outdir.parent / f"{scenario.resume_from}-ring_allreduce" / "last.ckpt"
+    trainer.fit(model, loader, ckpt_path=resume)
+    if scenario.save:
+        trainer.save_checkpoint(outdir / "last.ckpt")
 
 
 def rank_shards(scenario: Scenario, epoch: int) -> list[list[list[int]]]:

@@ -187,6 +187,10 @@ def test_notebook_form_trains_where_popen_is_refused(tmp_path: Path) -> None:
         ({"timeout": -1}, "`timeout` must be a datetime.timedelta or a positive number of seconds"),
         ({"reducer": "tree"}, r"Unknown reducer 'tree': use one of \['ring', 'native', 'per_tensor', 'auto'\]"),
         ({"reducer": 42}, r"`reducer` must be one of \['ring', 'native', 'per_tensor', 'auto'\] or a callable"),
+        ({"shard_optimizer_state": 1}, "`shard_optimizer_state` must be True or False"),
+        ({"shard_optimizer_state": True, "two_level": True}, "cannot be combined with `two_level=True`"),
+        ({"shard_optimizer_state": True, "reducer": "auto"}, "cannot be combined with `reducer='auto'`"),
+        ({"shard_optimizer_state": True, "model_averaging_period": 4}, "cannot be combined with `ddp_comm_hook`"),
     ],
 )
 def test_bad_options_fail_at_construction_naming_the_fix(options: dict[str, Any], fix: str) -> None:
