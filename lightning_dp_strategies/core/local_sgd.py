@@ -35,6 +35,7 @@ __all__ = [
     "LocalSGD",
     "LocalSGDConfig",
     "OuterOptimizerFactory",
+    "check_not_sharded",
     "check_single_optimizer",
     "diloco_outer_optimizer",
     "gather_to_zero",
@@ -309,6 +310,25 @@ def restore_local_record(local: LocalSGD, module: nn.Module, record: dict[str, A
     own = record["ranks"][rank]["module"]
     if own is not None:
         module.load_state_dict(own)
+
+
+def check_not_sharded(shard_optimizer_state: object) -> None:
+    """A clear error for ``shard_optimizer_state=True``: between averages every rank steps its whole model, so every
+    rank needs the whole optimizer state.
+
+    Examples:
+        >>> check_not_sharded(False)
+        >>> check_not_sharded(True)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: Local SGD cannot shard the optimizer state: ...
+    """
+    if shard_optimizer_state:
+        raise ValueError(
+            "Local SGD cannot shard the optimizer state: between averages every rank steps its whole model on its "
+            "own, so every rank needs the whole optimizer state. To save optimizer memory, train with "
+            "`RingAllReduceStrategy(shard_optimizer_state=True)`; to save traffic, keep local SGD unsharded."
+        )
 
 
 def check_single_optimizer(optimizers: Sequence[object], strategy: str) -> None:

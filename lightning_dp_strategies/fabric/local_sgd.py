@@ -21,6 +21,7 @@ from lightning_dp_strategies.core.local_sgd import (
     LocalSGD,
     LocalSGDConfig,
     OuterOptimizerFactory,
+    check_not_sharded,
     local_checkpoint_record,
     restore_local_record,
 )
@@ -54,6 +55,8 @@ class FabricLocalSGDStrategy(HoldsLocalSGD, FabricRingAllReduceStrategy):
         process_group_backend: ``"gloo"``, ``"nccl"``, ...; ``None`` picks by device.
         timeout: collective timeout (``timedelta`` or seconds); ``None`` is 5 minutes on gloo, 30 on NCCL.
         start_method: ``"popen"`` (scripts, the default), ``"spawn"``, ``"fork"`` (notebooks) or ``"forkserver"``.
+        shard_optimizer_state: refused (``True`` raises): between averages every rank steps its whole model, so
+            it needs the whole optimizer state; see ``RingAllReduceStrategy(shard_optimizer_state=True)``.
 
     Examples:
         >>> import lightning as L
@@ -83,7 +86,9 @@ class FabricLocalSGDStrategy(HoldsLocalSGD, FabricRingAllReduceStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        shard_optimizer_state: bool = False,
     ) -> None:
+        check_not_sharded(shard_optimizer_state)
         self.local_config = LocalSGDConfig(sync_every, outer_optimizer, warmup_steps, average_buffers)
         super().__init__(
             accelerator=accelerator,

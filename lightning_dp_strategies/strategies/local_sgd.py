@@ -22,6 +22,7 @@ from lightning_dp_strategies.core.local_sgd import (
     LocalSGD,
     LocalSGDConfig,
     OuterOptimizerFactory,
+    check_not_sharded,
     check_single_optimizer,
     local_checkpoint_record,
     restore_local_record,
@@ -68,6 +69,8 @@ class LocalSGDStrategy(HoldsLocalSGD, BucketedDataParallel):
         process_group_backend: ``"gloo"``, ``"nccl"``, ...; ``None`` picks by device.
         timeout: collective timeout (``timedelta`` or seconds); ``None`` is 5 minutes on gloo, 30 on NCCL.
         start_method: ``"popen"`` (scripts, the default), ``"spawn"``, ``"fork"`` (notebooks) or ``"forkserver"``.
+        shard_optimizer_state: refused (``True`` raises): between averages every rank steps its whole model, so
+            it needs the whole optimizer state; see ``RingAllReduceStrategy(shard_optimizer_state=True)``.
 
     Examples:
         >>> import lightning as L
@@ -101,7 +104,9 @@ class LocalSGDStrategy(HoldsLocalSGD, BucketedDataParallel):
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        shard_optimizer_state: bool = False,
     ) -> None:
+        check_not_sharded(shard_optimizer_state)
         local_config = LocalSGDConfig(sync_every, outer_optimizer, warmup_steps, average_buffers)
         super().__init__(
             config=BucketedConfig(bucket_cap_mb, first_bucket_cap_mb),

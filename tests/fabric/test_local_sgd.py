@@ -67,3 +67,5 @@ def test_the_fabric_name_resolves_and_bad_options_fail_when_made() -> None:
         FabricLocalSGDStrategy(sync_every=0)
     with pytest.raises(ValueError, match="`warmup_steps` must be an int >= 0"):
         FabricLocalSGDStrategy(warmup_steps=-2)
+    with pytest.raises(ValueError, match="every rank needs the whole optimizer state"):
+        FabricLocalSGDStrategy(shard_optimizer_state=True)

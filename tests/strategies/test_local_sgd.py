@@ -199,6 +199,7 @@ def test_compare_runs_it_and_reports_what_its_averages_send(tmp_path: Path) -> N
         ({"outer_optimizer": "sgd"}, TypeError, r"`outer_optimizer` must be a callable `factory\(params\)"),
         ({"average_buffers": "yes"}, TypeError, r"`average_buffers` must be True or False"),
         ({"reducer": "tree"}, ValueError, r"Unknown reducer 'tree'"),
+        ({"shard_optimizer_state": True}, ValueError, r"every rank needs the whole optimizer state"),
     ],
 )
 def test_bad_options_fail_when_the_strategy_is_made(options: dict[str, Any], error: type, fix: str) -> None:
