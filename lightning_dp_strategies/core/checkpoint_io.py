@@ -134,7 +134,14 @@ def atomic_write(path: _PATH, write: Callable[[IO[bytes]], None]) -> None:
 
 def can_stream(checkpoint_io: CheckpointIO, path: _PATH, storage_options: Any | None) -> bool:
     """Whether a checkpoint can be written as its tensors arrive (:func:`atomic_write` to a local path by the default
-    :class:`AtomicCheckpointIO`), rather than saved whole by ``checkpoint_io``."""
+    :class:`AtomicCheckpointIO`), rather than saved whole by ``checkpoint_io``.
+
+    Examples:
+        >>> can_stream(AtomicCheckpointIO(), "last.ckpt", None), can_stream(TorchCheckpointIO(), "last.ckpt", None)
+        (True, False)
+        >>> can_stream(AtomicCheckpointIO(), "s3://bucket/last.ckpt", None)
+        False
+    """
     local = fsspec.utils.get_protocol(str(path)) == "file"
     return type(checkpoint_io) is AtomicCheckpointIO and storage_options is None and local
 

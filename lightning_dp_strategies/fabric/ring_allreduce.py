@@ -154,6 +154,9 @@ class FabricRingAllReduceStrategy(
         register_with_launchers(strategy_registry, cls.registered_name, cls, cls.registered_description, where="Fabric")
         description = f"{cls.registered_description}, the reduction picked for the link (reducer='auto')"
         register_name(strategy_registry, f"{cls.registered_name}_auto", cls, description, "Fabric", reducer="auto")
+        description = f"{cls.registered_description}, each rank keeping a shard of the optimizer state (ZeRO-1)"
+        name = f"{cls.registered_name}_sharded"
+        register_name(strategy_registry, name, cls, description, "Fabric", shard_optimizer_state=True)
 
     @override
     def _configure_launcher(self) -> None:

@@ -135,12 +135,16 @@ class RingAllReduceStrategy(ShardedOptimizerSteps):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        """Register ``ring_allreduce`` (with its launcher variants) and ``ring_allreduce_auto``: the same strategy
-        with ``reducer="auto"``, so that ``Trainer(strategy=...)`` and the comparison can name it."""
+        """Register ``ring_allreduce`` (with its launcher variants), ``ring_allreduce_auto`` (the same strategy with
+        ``reducer="auto"``) and ``ring_allreduce_sharded`` (``shard_optimizer_state=True``), so that
+        ``Trainer(strategy=...)`` and the comparison can name them."""
         super().register_strategies(strategy_registry)
         if cls.registered_name is not None:
             description = f"{cls.registered_description}, the reduction picked for the link (reducer='auto')"
             register_name(strategy_registry, f"{cls.registered_name}_auto", cls, description, reducer="auto")
+            description = f"{cls.registered_description}, each rank keeping a shard of the optimizer state (ZeRO-1)"
+            name = f"{cls.registered_name}_sharded"
+            register_name(strategy_registry, name, cls, description, shard_optimizer_state=True)
 
     # ------------------------------------------------------------------ setup
     @override

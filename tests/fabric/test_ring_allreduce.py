@@ -184,6 +184,7 @@ def test_names_registered_with_fabric_idempotently_with_their_launchers() -> Non
         assert STRATEGY_REGISTRY[name]["strategy"] is FabricRingAllReduceStrategy
         assert STRATEGY_REGISTRY[name]["init_params"] == {"start_method": start_method}
     assert STRATEGY_REGISTRY["ring_allreduce_auto"]["init_params"] == {"reducer": "auto"}
+    assert STRATEGY_REGISTRY["ring_allreduce_sharded"]["init_params"] == {"shard_optimizer_state": True}
     assert STRATEGY_REGISTRY["dp"]["strategy"].__module__.startswith("lightning.fabric")  # Fabric keeps its own
     fabric = L.Fabric(strategy="ring_allreduce_spawn", accelerator="cpu", devices=2)
     strategy = fabric.strategy

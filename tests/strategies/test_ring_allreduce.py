@@ -273,6 +273,8 @@ def test_trainer_resolves_the_names() -> None:
     assert isinstance(trainer.strategy, lightning_dp_strategies.RingAllReduceStrategy)
     assert isinstance(trainer.strategy.launcher, _MultiProcessingLauncher)
     assert trainer.strategy.launcher.is_interactive_compatible
+    trainer = L.Trainer(strategy="ring_allreduce_sharded", accelerator="cpu", devices=2, logger=False)
+    assert trainer.strategy.shard_optimizer_state and not trainer.strategy.two_level
 
 
 @pytest.mark.timeout(300)
