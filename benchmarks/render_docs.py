@@ -1,5 +1,5 @@
-"""Regenerate the result tables of the docs (``docs/benchmarks.md``, ``docs/network.md``) from the stored runs in
-``benchmarks/results/*.json``.
+"""Regenerate the result tables of the docs (``docs/benchmarks.md``, ``docs/network.md``, ``docs/sharding.md``) from
+the stored runs in ``benchmarks/results/*.json``.
 
 Each table sits between markers named after its result file::
 
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = (ROOT / "docs" / "benchmarks.md", ROOT / "docs" / "network.md")
+PAGES = (ROOT / "docs" / "benchmarks.md", ROOT / "docs" / "network.md", ROOT / "docs" / "sharding.md")
 RESULTS = ROOT / "benchmarks" / "results"
 
 COMMANDS = {
@@ -43,6 +43,7 @@ COMMANDS = {
     "cluster": "python benchmarks/bench_cluster.py",
     "local_sgd": "python benchmarks/bench_local_sgd.py",
     "network_guide": "python benchmarks/cluster_model.py --guide",
+    "zero": "python benchmarks/bench_zero.py",
 }
 """The command that produces each result file (without ``--json``), shown where the file is missing."""
 
