@@ -14,8 +14,14 @@ class Topology:
     """``nodes`` machines of ``per_node`` processes each: an ``inter`` link between nodes, an ``intra`` one inside.
 
     ``inter`` is one node's network link (its bandwidth is shared by every stream that crosses it at once); ``intra``
-    is the link between two processes of one node (shared memory, NVLink, loopback), the ``inter`` link by default.
-    Measure both on the live job with :func:`lightning_dp_strategies.comm.probe_link`.
+    is the link between two processes of one node (shared memory, NVLink, loopback), the ``inter`` link by default;
+    ``flat`` is what a ring over every rank runs at (its slowest hop, with every rank in it), ``inter`` by default
+    (``intra`` on one node). Measure them on the live job with
+    :func:`~lightning_dp_strategies.comm.probe.probe_ring`, each with every rank busy as the reduction keeps them:
+    every node's link at once, every node inside at once, the whole ring. A probe's ``busy`` (the share of the ring's
+    time the process's CPU was busy) goes in ``inter_busy``, ``intra_busy``, ``flat_busy``: where the CPU sets the
+    pace, the phases of a two-level reduction take turns on it instead of overlapping (0, the default: the wire alone
+    sets it).
 
     Examples:
         >>> gbe = Link(latency_s=5e-5, bandwidth_bytes_per_s=1.25e8)
@@ -27,12 +33,21 @@ class Topology:
     per_node: int
     inter: Link
     intra: Link | None = None
+    flat: Link | None = None
+    inter_busy: float = 0.0
+    intra_busy: float = 0.0
+    flat_busy: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("nodes", "per_node"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Topology `{name}` must be an integer >= 1, got {value!r}.")
+        for name in ("inter_busy", "intra_busy", "flat_busy"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(
+                    f"Topology `{name}` is a share of a ring's time in [0, 1], got {getattr(self, name)!r}."
+                )
 
     @property
     def world_size(self) -> int:
@@ -44,13 +59,22 @@ class Topology:
         """The link between two processes of one node (``inter`` when none was given)."""
         return self.intra if self.intra is not None else self.inter
 
+    @property
+    def flat_link(self) -> Link:
+        """The link a ring over every rank runs at (``inter`` across nodes, ``intra_link`` on one, when not given)."""
+        if self.flat is not None:
+            return self.flat
+        return self.inter if self.nodes > 1 else self.intra_link
+
 
 @dataclass(frozen=True)
 class CpuCosts:
-    """Seconds per byte of the local work that gradient reduction adds to the wire time, on one process.
+    """Seconds per byte of the local work that gradient reduction adds to the ring's time, on one process.
 
     Measure them on the machine that trains (:func:`lightning_dp_strategies.reducers.calibrate_cpu` does, in a
-    second); the defaults are zero, which prices the wire alone.
+    second); the defaults are zero, which prices the ring alone. A link measured by
+    :func:`~lightning_dp_strategies.comm.probe.probe_link` already holds the ring's fp32 adds, so the step model
+    charges ``add`` only as the baseline a 16-bit ring's adds are priced against (``add_low - add`` a byte summed).
 
     Args:
         add: summing a received fp32 chunk into the bucket, per fp32 byte.

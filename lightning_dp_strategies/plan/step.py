@@ -12,9 +12,24 @@ order, and each phase serves one bucket at a time (its own thread, as the reduce
     finish(phase p, bucket i) = max(finish(p, i-1), finish(p-1, i)) + time(p, i),  finish(-1, i) = ready(i)
 
 The step is ``compute_seconds + max(0, last finish - backward_seconds)``: what backward does not hide is exposed.
+``compute_seconds`` and ``backward_seconds`` are the step's own as the strategy runs it (its hooks, its copies into
+the buckets, and on a CPU the cycles the overlapped reduction takes from backward), as ``reducer="auto"`` times them
+on its first steps.
+
 A ring over ``N`` ranks takes ``2(N-1)`` messages and sends ``2(N-1)/N`` of its bytes; between nodes the ``k``
 processes of a node that cross at once share the node's link (``bandwidth / k`` each), and a flat ring crosses each
-node's link with one stream. Local work is priced with :class:`~lightning_dp_strategies.plan.CpuCosts`.
+node's link with one stream. A :class:`~lightning_dp_strategies.plan.Link` is the ring's own throughput as
+:func:`~lightning_dp_strategies.comm.probe.probe_link` measures it, fp32 adds included; the rest of the local work is
+priced with :class:`~lightning_dp_strategies.plan.CpuCosts`: a 16-bit ring's casts and the extra cost of its adds,
+PowerSGD's factor work. The two-level reducer cuts a bucket into pieces also with one process a node (its hop across
+nodes then runs a ring per piece).
+
+The phases share the process's CPU: a phase keeps it busy for the probe's ``busy`` share of a ring's time (scaled to
+the largest share any probe saw, what the process gets of a core) plus all of its local work, and the CPU serves the
+pieces one after the other, so where the CPU sets the pace (``busy`` near that share: loopback inside a node, a fast
+link on a slow CPU) the phases of a two-level reduction take turns instead of overlapping::
+
+    cpu(i) = max(cpu(i-1), ready(i)) + the CPU seconds of its phases,    piece i ends at max(finish, cpu(i))
 """
 
 from __future__ import annotations
@@ -91,28 +106,48 @@ def _half_ring(nbytes: float, ranks: int, link: Link) -> float:
     return _ring(nbytes, ranks, link) / 2
 
 
+Phase = tuple[float, float]
+"""A phase of a bucket (or piece): (seconds, seconds of it the process's CPU is busy, at the CPU share it gets)."""
+
+
+def _on_ring(seconds: float, busy: float, share: float) -> Phase:
+    """A ring's phase: its CPU time is the probe's busy share of it, in seconds at the ``share`` the process gets."""
+    return seconds, (seconds * busy / share if share > 0 else 0.0)
+
+
+def _plus_local(phase: Phase, seconds: float) -> Phase:
+    """``phase`` followed by ``seconds`` of local work (all CPU)."""
+    return phase[0] + seconds, phase[1] + seconds
+
+
+def _compressed_ring(
+    nbytes: float, ranks: int, link: Link, busy: tuple[float, float], how: Reduction, cpu: CpuCosts, streams: int = 1
+) -> Phase:
+    """A ring all-reduce of ``nbytes`` fp32 bytes compressed as ``how`` says (not PowerSGD): the wire at the link's
+    rate, which holds the ring's own fp32 adds (see the module docstring), plus what a 16-bit ring adds to it: its
+    casts, and what its slower adds cost beyond fp32's on the bytes it sums. ``busy``: (the link's, the largest)."""
+    if how.compression not in ("bf16", "fp16"):
+        return _on_ring(_ring(nbytes, ranks, link, streams), *busy)
+    wire = nbytes / 2
+    extra = (ranks - 1) / ranks * wire * max(0.0, cpu.add_low - cpu.add) + cpu.cast * nbytes
+    return _plus_local(_on_ring(_ring(wire, ranks, link, streams), *busy), extra)
+
+
 def _phases(
     nbytes: float, matrix_bytes: float, payload: float, topology: Topology, how: Reduction, cpu: CpuCosts
-) -> list[float]:
-    """The seconds of each phase of one bucket of ``nbytes`` fp32 gradient bytes."""
-    low = how.compression in ("bf16", "fp16")
-    add = cpu.add_low / 2 if low else cpu.add  # per fp32 byte of gradient
-    n, m = topology.per_node, topology.nodes
+) -> list[Phase]:
+    """Each phase of one bucket (or piece) of ``nbytes`` fp32 gradient bytes."""
+    t, n, m = topology, topology.per_node, topology.nodes
+    share = max(t.inter_busy, t.intra_busy, t.flat_busy)
     if how.two_level and n > 1:
-        shard = nbytes / n
-        wire = shard / 2 if low else shard
-        across = (
-            _ring(wire, m, topology.inter, streams=n) + (m - 1) / m * shard * add + (cpu.cast * shard if low else 0)
-        )
-        inside = _half_ring(nbytes, n, topology.intra_link)
-        return [inside + (n - 1) / n * nbytes * cpu.add, across, inside]
-    world = topology.world_size
-    link = topology.inter if m > 1 else topology.intra_link
+        across = _compressed_ring(nbytes / n, m, t.inter, (t.inter_busy, share), how, cpu, streams=n)
+        inside = _on_ring(_half_ring(nbytes, n, t.intra_link), t.intra_busy if t.intra else t.inter_busy, share)
+        return [inside, across, inside]
+    busy = t.flat_busy if t.flat is not None else t.inter_busy if m > 1 or t.intra is None else t.intra_busy
     if how.compression == "powersgd":
-        local = cpu.powersgd * matrix_bytes
-        return [local + 2 * _ring(payload / 2, world, link) + (world - 1) / world * payload * cpu.add]
-    wire = nbytes / 2 if low else nbytes
-    return [_ring(wire, world, link) + (world - 1) / world * nbytes * add + (cpu.cast * nbytes if low else 0.0)]
+        ring = _on_ring(2 * _ring(payload / 2, t.world_size, t.flat_link), busy, share)
+        return [_plus_local(ring, cpu.powersgd * matrix_bytes)]
+    return [_compressed_ring(nbytes, t.world_size, t.flat_link, (busy, share), how, cpu)]
 
 
 def _payload(shapes: Sequence[Sequence[int]], rank: int) -> tuple[float, float]:
@@ -180,22 +215,23 @@ def buckets_step(
     cpu = cpu or CpuCosts()
     total = sum(nbytes for nbytes, _ in buckets) or 1.0
     first: float | None = None
-    finish = done = 0.0
+    finish = done = on_cpu = 0.0
     finishes: list[float] = []
     for nbytes, bucket_shapes in buckets:
         done += nbytes
         ready = backward_seconds * done / total
         first = ready if first is None else first
         matrices, payload = _payload(bucket_shapes, how.rank) if bucket_shapes else (nbytes, nbytes)
-        pieces = math.ceil(nbytes / (how.piece_mb * 2**20)) if how.two_level and topology.per_node > 1 else 1
+        pieces = math.ceil(nbytes / (how.piece_mb * 2**20)) if how.two_level else 1
         phases = _phases(nbytes / pieces, matrices, payload, topology, how, cpu)
         finishes += [0.0] * (len(phases) - len(finishes))
         for _ in range(pieces):
             previous = ready
-            for p, seconds in enumerate(phases):
+            for p, (seconds, _) in enumerate(phases):
                 finishes[p] = max(finishes[p], previous) + seconds
                 previous = finishes[p]
-        finish = previous
+            on_cpu = max(on_cpu, ready) + sum(busy for _, busy in phases)  # the phases' turns on the CPU
+        finish = max(previous, on_cpu)
     exposed = max(0.0, finish - backward_seconds)
     return StepTimes(
         comm_seconds=finish - (first or 0.0), exposed_seconds=exposed, step_seconds=compute_seconds + exposed

@@ -130,3 +130,57 @@ def test_measure_compute_times_a_copy_and_leaves_the_module_alone() -> None:
     assert times.total == pytest.approx(times.forward + times.backward + times.optimizer)
     assert all(torch.equal(a, b) for a, b in zip(before, net.parameters(), strict=True))
     assert all(p.grad is None for p in net.parameters())
+
+
+def test_a_probed_link_holds_the_rings_fp32_adds_so_they_are_not_priced_again() -> None:
+    cpu = CpuCosts(add=1e-9)  # would be 0.05 s more for 100 MB summed by 2 ranks, were it charged
+    t = buckets_step(one_bucket(100 * MB), 0.0, 0.0, Topology(2, 1, GBE), Reduction(), cpu)
+    assert t.comm_seconds == pytest.approx(100 * MB / (125 * MB))
+
+
+def test_bf16_pays_what_its_16_bit_adds_cost_beyond_fp32s() -> None:
+    cpu = CpuCosts(add=1e-10, add_low=5e-10)  # per byte summed: 4e-10 more for bf16
+    t = buckets_step(one_bucket(100 * MB), 0.0, 0.0, Topology(2, 1, GBE), Reduction("bf16"), cpu)
+    summed = 1 / 2 * 50 * MB  # (N - 1) / N of the 50 MB of bf16 on the wire
+    assert t.comm_seconds == pytest.approx(50 * MB / (125 * MB) + summed * 4e-10)
+
+
+def test_two_level_phases_take_turns_on_the_cpu_where_it_sets_the_pace() -> None:
+    # the case of test_pieces_let_the_phases_overlap_inside_one_bucket, with every ring keeping the CPU busy the
+    # whole time: the three phases of each piece run one after the other (0.04 + 0.08 + 0.04 s a piece, 10 pieces)
+    link = Link(0.0, 125 * MB)
+    how = Reduction(two_level=True, piece_mb=100 / 10.48576)
+    free = buckets_step(one_bucket(100 * MB), 0.0, 0.0, Topology(2, 2, link, intra=link), how)
+    busy = Topology(2, 2, link, intra=link, inter_busy=1.0, intra_busy=1.0)
+    turns = buckets_step(one_bucket(100 * MB), 0.0, 0.0, busy, how)
+    assert free.comm_seconds == pytest.approx(0.04 + 0.8 + 0.04)
+    assert turns.comm_seconds == pytest.approx(1.6)
+    # the hop across nodes busy half its time: 0.04 + 0.04 + 0.04 s of CPU a piece, 1.2 s for ten, still more than
+    # the 0.88 s pipeline; busy 5% of its time (0.84 s of CPU in all), the pipeline sets the pace again
+    half = Topology(2, 2, link, intra=link, inter_busy=0.5, intra_busy=1.0)
+    assert buckets_step(one_bucket(100 * MB), 0.0, 0.0, half, how).comm_seconds == pytest.approx(1.2)
+    light = Topology(2, 2, link, intra=link, inter_busy=0.05, intra_busy=1.0)
+    assert buckets_step(one_bucket(100 * MB), 0.0, 0.0, light, how).comm_seconds == pytest.approx(0.88)
+
+
+def test_the_flat_ring_runs_at_the_flat_link_where_one_was_measured() -> None:
+    flat = Link(0.0, 62.5 * MB)  # every rank in the ring: half of what one stream a node got
+    topology = Topology(2, 2, GBE, intra=FAST, flat=flat)
+    t = buckets_step(one_bucket(100 * MB), 0.0, 0.0, topology, Reduction())
+    assert t.comm_seconds == pytest.approx(1.5 * 100 * MB / (62.5 * MB))
+    assert Topology(2, 2, GBE).flat_link == GBE and Topology(1, 2, GBE, intra=FAST).flat_link == FAST
+
+
+def test_two_levels_with_one_process_a_node_run_a_ring_per_piece() -> None:
+    # the reducer cuts a bucket into pieces whatever the layout: 100 MB in 4 MiB pieces are 24 rings of 2 messages
+    link = Link(latency_s=1e-3, bandwidth_bytes_per_s=125 * MB)
+    topology = Topology(2, 1, link)
+    flat = buckets_step(one_bucket(100 * MB), 0.0, 0.0, topology, Reduction())
+    two = buckets_step(one_bucket(100 * MB), 0.0, 0.0, topology, Reduction(two_level=True, piece_mb=4.0))
+    assert flat.comm_seconds == pytest.approx(0.8 + 2e-3)
+    assert two.comm_seconds == pytest.approx(0.8 + 24 * 2e-3)
+
+
+def test_a_busy_share_outside_0_and_1_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"Topology `intra_busy` is a share of a ring's time in \[0, 1\], got 1.5"):
+        Topology(2, 2, GBE, intra_busy=1.5)
