@@ -2,13 +2,15 @@
 
 At setup :class:`AutoReducer` makes every candidate it may pick (the plain ring, bf16 on the wire, PowerSGD; flat,
 and two-level when the job spans several nodes of several processes) and probes the links
-(:func:`~lightning_dp_strategies.comm.probe_link`: between nodes, and inside a node). The first ``warmup_steps``
-optimizer steps are reduced losslessly by the layout's plain ring, and timed: one rank's compute is the step's time
-less what it waited for communication. Then every rank measures its CPU costs
-(:func:`~lightning_dp_strategies.reducers.calibrate_cpu`), the ranks take the slowest of every measurement, each
-candidate's step is predicted (:func:`~lightning_dp_strategies.plan.buckets_step`), and rank 0's choice (the same on
-every rank: the inputs are) reduces every later step. The decision and the predictions behind it are logged once, on
-rank 0, at INFO on the ``lightning_dp_strategies`` logger, and kept as :attr:`AutoReducer.decision`.
+(:func:`~lightning_dp_strategies.comm.probe.probe_ring`: the ring itself, timed as the reductions load the links). The
+first ``warmup_steps`` optimizer steps are reduced losslessly by the layout's plain ring, and timed: one rank's
+compute is the step's time less what it waited for communication (so the step's own overheads, its copies into the
+buckets, and on a CPU what the overlapped reduction takes from backward count as compute). Then every rank measures
+its CPU costs on buffers of its largest bucket's size (:func:`~lightning_dp_strategies.reducers.calibrate_cpu`), the
+ranks take the slowest of every measurement, each candidate's step is predicted
+(:func:`~lightning_dp_strategies.plan.buckets_step`), and rank 0's choice (the same on every rank: the inputs are)
+reduces every later step. The decision and the predictions behind it are logged once, on rank 0, at INFO on the
+``lightning_dp_strategies`` logger, and kept as :attr:`AutoReducer.decision`.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
-from lightning_dp_strategies.comm.probe import probe_link
+from lightning_dp_strategies.comm import new_duplex_group
+from lightning_dp_strategies.comm.probe import probe_ring
 from lightning_dp_strategies.plan import CpuCosts, Link, Reduction, Topology, buckets_step
 from lightning_dp_strategies.reducers.base import GradBucket, Reducer, close_reducer, setup_reducer
 from lightning_dp_strategies.reducers.builtin import RingReducer
@@ -181,7 +184,7 @@ class AutoReducer:
     def __init__(
         self,
         allow: str | Sequence[str] = "all",
-        warmup_steps: int = 4,
+        warmup_steps: int = 6,
         rank: int = 4,
         per_node: int = 1,
         two_level: bool | None = None,
@@ -233,23 +236,42 @@ class AutoReducer:
             self._run = _Runtime(group, candidates, candidates[plain][1], topology)
 
     def _probe(self, group: dist.ProcessGroup | None, ranks: list[int], nodes: int, backend: str | None) -> Topology:
-        """The links between nodes (one rank a node) and inside node 0, the same on every rank of ``ranks``."""
+        """The links as the reductions load them, the same on every rank of ``ranks``: every node's link at once (the
+        ranks of one local rank, one a node: the two-level hop across nodes), every node inside at once, and the
+        flat ring over all ranks."""
         n, me = self.per_node, dist.get_rank()
-        members = ([ranks[::n]] if nodes > 1 else []) + ([ranks[:n]] if n > 1 else [])
-        probes = [(m, dist.new_group(m, backend=backend)) for m in members]  # collective: every rank makes each
-        figures = torch.zeros(4, dtype=torch.float64)  # inter latency, 1 / bandwidth, intra latency, 1 / bandwidth
-        for m, made in probes:
-            if me in m:
-                link = probe_link(made)
-                at = 0 if m == ranks[::n] and nodes > 1 else 2
-                figures[at : at + 2] = torch.tensor([link.latency_s, 1 / link.bandwidth_bytes_per_s])
-                dist.destroy_process_group(made)
+        kinds = []  # (slot in the figures, the groups of ranks probed at once)
+        if nodes > 1:
+            kinds.append((0, [ranks[local::n] for local in range(n)]))
+        if n > 1:
+            kinds.append((1, [ranks[node * n : (node + 1) * n] for node in range(nodes)]))
+        if nodes > 1 and n > 1:
+            kinds.append((2, [ranks]))
+        figures = torch.zeros(9, dtype=torch.float64)  # per slot: latency, 1 / bandwidth, busy
+        for slot, members in kinds:
+            # collective: every rank makes each group (and, at two ranks on gloo, the ring's second connection)
+            made = [(m, dist.new_group(m, backend=backend), new_duplex_group(m, backend)) for m in members]
+            for m, probed, duplex in made:
+                if me in m:
+                    result = probe_ring(probed, duplex=duplex)
+                    link = result.link
+                    figures[3 * slot : 3 * slot + 3] = torch.tensor(
+                        [link.latency_s, 1 / link.bandwidth_bytes_per_s, result.busy]
+                    )
+                    for group_made in (probed, duplex):
+                        if isinstance(group_made, dist.ProcessGroup):
+                            dist.destroy_process_group(group_made)
         if me in ranks:
             dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=group)
-        inter, intra = (
-            Link(float(figures[i]), 1 / float(figures[i + 1])) if figures[i + 1] > 0 else None for i in (0, 2)
+        # the hop across nodes was measured with the node's n streams crossing at once: the node's link is n of them
+        inter, intra, flat = (
+            Link(float(figures[3 * i]), (n if i == 0 else 1) / float(figures[3 * i + 1]))
+            if figures[3 * i + 1] > 0
+            else None
+            for i in range(3)
         )
-        return Topology(nodes, n, inter or intra or Link(0.0, 1e12), intra)
+        busy = [float(figures[3 * i + 2]) for i in range(3)]
+        return Topology(nodes, n, inter or intra or Link(0.0, 1e12), intra, flat, *busy)
 
     # ------------------------------------------------------------------ each bucket and step
     def __call__(self, bucket: GradBucket) -> Future[Tensor]:
@@ -277,7 +299,10 @@ class AutoReducer:
         backward = statistics.median(t.backward for t in timed)
         matrices = [(s[0], math.prod(s[1:])) for _, shapes in run.buckets.values() for s in shapes if len(s) >= 2]
         rows, cols = max(matrices, key=math.prod, default=(256, 256))
-        cpu = calibrate_cpu(rank=self.rank, matrix=(min(rows, 2048), min(cols, 2048)), repeats=3)
+        largest = int(max((nbytes for nbytes, _ in run.buckets.values()), default=0))
+        nbytes = min(max(largest, 1 << 20), 256 << 20)  # the largest bucket's, as the reducers touch them
+        dist.barrier(group=run.group)  # every rank calibrates at once: they share the cores as they will in a step
+        cpu = calibrate_cpu(nbytes, rank=self.rank, matrix=(min(rows, 2048), min(cols, 2048)), repeats=3)
         figures = torch.tensor([compute, backward, cpu.add, cpu.add_low, cpu.cast, cpu.powersgd], dtype=torch.float64)
         dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=run.group)
         compute, backward, add, add_low, cast, powersgd = figures.tolist()

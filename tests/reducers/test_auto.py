@@ -102,3 +102,29 @@ def test_two_ranks_decide_alike_after_the_timed_steps_and_only_rank_0_logs(tmp_p
     run_distributed(_decide, 2, str(tmp_path))
     assert "reducer='auto' chose" in (tmp_path / "rank0.log").read_text()
     assert (tmp_path / "rank1.log").read_text() == ""
+
+
+def _decide_on_two_nodes(rank: int, world_size: int) -> None:
+    reducer = AutoReducer(warmup_steps=2, per_node=2)
+    setup_reducer(reducer, None, list(range(world_size)))
+    for step in range(3):
+        buffer = torch.full((4096,), float(rank + step))
+        reducer(GradBucket(buffer, shapes=[torch.Size([64, 64])], op="avg")).wait()
+        if step < 2:  # the warm-up steps go through the two-level plain ring: the exact average
+            assert torch.equal(buffer, torch.full_like(buffer, step + 1.5))
+        reducer.observe_step(StepTiming(interval=0.1, backward=0.05, exposed=0.01))
+    decision = reducer.decision
+    assert decision is not None
+    topology = decision.topology
+    # every link probed as the reductions load it: across nodes, inside them, and the flat ring over all four
+    assert topology.intra is not None and topology.flat is not None
+    assert all(0.0 <= b <= 1.0 for b in (topology.inter_busy, topology.intra_busy, topology.flat_busy))
+    everyone: list[object] = [None] * world_size
+    dist.all_gather_object(everyone, (decision.chosen, topology))
+    assert all(e == everyone[0] for e in everyone)
+    reducer.close()
+
+
+@pytest.mark.timeout(180)
+def test_two_nodes_of_two_processes_probe_every_link_and_decide_alike() -> None:
+    run_distributed(_decide_on_two_nodes, 4)
