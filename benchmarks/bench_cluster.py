@@ -11,13 +11,15 @@ flipped every launch), and each figure is the median over launches of the median
     two_level_bf16  the two-level reduction with bf16 on the hop across nodes
     powersgd        the flat ring with PowerSGD("ring", rank=4)
     torch_powersgd  the flat ring's buckets through torch's powerSGD_hook (rank 4, from the third step)
-    auto            RingAllReduceStrategy(reducer="auto"): it times 4 steps, then picks from the above
+    auto            RingAllReduceStrategy(reducer="auto"): it times 6 steps, then picks from the above
     hybrid_pipeline HybridPipelineStrategy(pipeline_stages=2, micro_batches=4): only activations cross between stages
 
 Each launch also saves rank 0's final parameters, and the table gives every variant's largest difference from
-``ddp``'s (the same seed, data and steps). The ``ring`` launches also measure, before training, what the step model
-needs (one rank's compute, the links between and inside nodes, the CPU's per-byte costs), and
-``benchmarks/cluster_model.py`` predicts every ring variant's step from them: the JSON holds both.
+``ddp``'s (the same seed, data and steps), and the package's variants record how long each step waited for
+communication after backward (``exposed_ms``). What the step model needs is what the ``auto`` launches measured at
+run time, before choosing (``auto_inputs``: the compute and backward of their warm-up steps as the strategy runs them,
+the ring probed between and inside nodes, the CPU's per-byte costs on bucket-sized buffers); a cell's ``inputs`` are
+their median, and ``benchmarks/cluster_model.py`` predicts every ring variant's step from them: the JSON holds both.
 Needs root (network namespaces): without it the script says so and exits with status 0. Always leaves the simulated
 cluster down.
 
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -87,15 +90,17 @@ def worker(args: argparse.Namespace) -> None:
     class Timer(L.Callback):
         def __init__(self) -> None:
             self.times: list[float] = []
-            self.auto_chose: str | None = None
+            self.exposed: list[float] = []
+            self.decision: Any = None
 
         def on_train_end(self, trainer: L.Trainer, *_: Any) -> None:  # before teardown closes the reducer
             reducer = getattr(getattr(trainer.strategy, "grad_sync", None), "reducer", None)
-            decision = getattr(reducer, "decision", None)
-            self.auto_chose = None if decision is None else decision.chosen
+            self.decision = getattr(reducer, "decision", None)
 
-        def on_train_batch_end(self, *_: Any) -> None:
+        def on_train_batch_end(self, trainer: L.Trainer, *_: Any) -> None:
             self.times.append(time.perf_counter())
+            stats = getattr(trainer.strategy, "step_stats", None)
+            self.exposed.append(stats.exposed_seconds if stats is not None else float("nan"))
 
     class MLP(L.LightningModule):
         pipeline_body = "net"  # what hybrid_pipeline splits into stages
@@ -124,12 +129,6 @@ def worker(args: argparse.Namespace) -> None:
         torch.randn(samples, args.width, generator=gen), torch.randint(0, 10, (samples,), generator=gen)
     )
     timer = Timer()
-    inputs = None
-    if args.worker == "ring":  # Lightning keeps a process group made before it (torchrun's environment)
-        import torch.distributed as dist
-
-        dist.init_process_group("gloo")
-        inputs = measure_inputs(model, data, args, dist.get_rank())
     trainer = L.Trainer(
         strategy=make_strategy(args.worker, args.bucket_cap_mb),
         accelerator="cpu",
@@ -144,43 +143,48 @@ def worker(args: argparse.Namespace) -> None:
     )
     trainer.fit(model, DataLoader(data, batch_size=args.batch))
     steps = [b - a for a, b in zip(timer.times, timer.times[1:], strict=False)][args.warmup :]
+    exposed = timer.exposed[1:][args.warmup :]
     result: dict[str, Any] = {"variant": args.worker, "step_ms": 1e3 * statistics.median(steps)}
-    if timer.auto_chose is not None:
-        result["auto_chose"] = timer.auto_chose
-    if inputs is not None:
-        result["inputs"] = inputs
+    if not any(map(math.isnan, exposed)):
+        result["exposed_ms"] = 1e3 * statistics.median(exposed)
+    if timer.decision is not None:
+        result["auto_chose"] = timer.decision.chosen
+        result["auto_inputs"] = decision_inputs(timer.decision)
     if trainer.global_rank == 0:
         out = Path(args.out)
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out.with_suffix(".pt"))
         out.write_text(json.dumps(result))
 
 
-def measure_inputs(model: Any, data: Any, args: argparse.Namespace, rank: int) -> dict[str, Any]:
-    """What the step model needs, measured on every rank at once before training (as they will share the cores):
-    one rank's compute, the CPU's per-byte costs, the links between nodes and inside node 0; the slowest rank's."""
-    import torch
-    import torch.distributed as dist
+INPUTS = ("compute_s", "backward_s", "add", "add_low", "cast", "powersgd")
+INPUTS += ("inter_latency_s", "inter_bytes_per_s", "intra_latency_s", "intra_bytes_per_s")
+INPUTS += ("flat_latency_s", "flat_bytes_per_s", "inter_busy", "intra_busy", "flat_busy")
+"""What the step model takes, as a cell's ``inputs`` holds it (the median over the ``auto`` launches)."""
 
-    from lightning_dp_strategies.comm.probe import probe_link
-    from lightning_dp_strategies.plan import measure_compute
-    from lightning_dp_strategies.reducers import calibrate_cpu
 
-    world, per_node = dist.get_world_size(), int(os.environ["LOCAL_WORLD_SIZE"])
-    x, y = data.tensors
-    dist.barrier()
-    compute = measure_compute(model, (x[: args.batch], y[: args.batch]), steps=5)
-    cpu = calibrate_cpu(rank=4, matrix=(args.width, args.width))
-    figures = torch.tensor([compute.total, compute.backward, cpu.add, cpu.add_low, cpu.cast, cpu.powersgd] + [0.0] * 4)
-    groups = [list(range(0, world, per_node)), list(range(per_node))]
-    for at, members in ((6, groups[0]), (8, groups[1])):
-        group = dist.new_group(members)
-        if len(members) > 1 and rank in members:
-            link = probe_link(group)
-            figures[at : at + 2] = torch.tensor([link.latency_s, link.bandwidth_bytes_per_s])
-    dist.all_reduce(figures, op=dist.ReduceOp.MAX)
-    names = ["compute_s", "backward_s", "add", "add_low", "cast", "powersgd"]
-    names += ["inter_latency_s", "inter_bytes_per_s", "intra_latency_s", "intra_bytes_per_s"]
-    return dict(zip(names, figures.tolist(), strict=True))
+def decision_inputs(decision: Any) -> dict[str, Any]:
+    """What ``reducer="auto"`` measured at run time (the compute and backward of its warm-up steps, its probes of the
+    links, its CPU calibration) under the keys of :data:`INPUTS`, and the step it predicted for each candidate (ms)."""
+    t, cpu = decision.topology, decision.cpu
+    intra, flat = t.intra, t.flat
+    return {
+        "compute_s": decision.compute_seconds,
+        "backward_s": decision.backward_seconds,
+        "add": cpu.add,
+        "add_low": cpu.add_low,
+        "cast": cpu.cast,
+        "powersgd": cpu.powersgd,
+        "inter_latency_s": t.inter.latency_s,
+        "inter_bytes_per_s": t.inter.bandwidth_bytes_per_s,
+        "intra_latency_s": intra.latency_s if intra is not None else 0.0,
+        "intra_bytes_per_s": intra.bandwidth_bytes_per_s if intra is not None else 0.0,
+        "flat_latency_s": flat.latency_s if flat is not None else 0.0,
+        "flat_bytes_per_s": flat.bandwidth_bytes_per_s if flat is not None else 0.0,
+        "inter_busy": t.inter_busy,
+        "intra_busy": t.intra_busy,
+        "flat_busy": t.flat_busy,
+        "predicted_ms": {label: 1e3 * s for label, s in decision.predicted_step_seconds.items()},
+    }
 
 
 def netsim(*argv: str, env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -212,7 +216,8 @@ def measure_cell(link: str, nodes: int, per_node: int, args: argparse.Namespace)
     try:
         bandwidth = netsim("bandwidth", check=False).stdout.strip()
         times: dict[str, list[float]] = {v: [] for v in args.variants}
-        inputs: list[dict[str, float]] = []
+        exposed: dict[str, list[float]] = {v: [] for v in args.variants}
+        auto_inputs: list[dict[str, Any]] = []
         chose: list[str] = []
         with tempfile.TemporaryDirectory(prefix="cluster-") as tmp:
             folder = Path(tmp)
@@ -221,7 +226,8 @@ def measure_cell(link: str, nodes: int, per_node: int, args: argparse.Namespace)
                 for variant in order:
                     result = launch(variant, per_node, args, folder, f"{variant}-{index}")
                     times[variant].append(result["step_ms"])
-                    inputs += [result["inputs"]] if "inputs" in result else []
+                    exposed[variant] += [result["exposed_ms"]] if "exposed_ms" in result else []
+                    auto_inputs += [result["auto_inputs"]] if "auto_inputs" in result else []
                     chose += [result["auto_chose"]] if "auto_chose" in result else []
                     print(f"  {link} {nodes}x{per_node} {variant:15s} launch {index}: {result['step_ms']:.0f} ms")
             reference = torch.load(folder / "ddp-0.pt") if "ddp" in times else None
@@ -241,8 +247,10 @@ def measure_cell(link: str, nodes: int, per_node: int, args: argparse.Namespace)
         "step_ms": step,
         "launches_ms": times,
         "max_param_diff_vs_ddp": diffs,
-        "inputs": {k: statistics.median(i[k] for i in inputs) for k in inputs[0]} if inputs else None,
+        "exposed_ms": {v: statistics.median(t) for v, t in exposed.items() if t},
+        "inputs": {k: statistics.median(i[k] for i in auto_inputs) for k in INPUTS} if auto_inputs else None,
         "auto_chose": chose,
+        "auto_inputs": auto_inputs,
     }
 
 

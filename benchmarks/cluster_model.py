@@ -52,7 +52,11 @@ def predict_ms(
     compression, two_level = REDUCTIONS[variant]
     inter = Link(x["inter_latency_s"], inter_bytes_per_s or x["inter_bytes_per_s"] or 1e12)
     intra = Link(x["intra_latency_s"], x["intra_bytes_per_s"]) if x["intra_bytes_per_s"] else None
-    topology = Topology(cell["nodes"], cell["per_node"], inter, intra)
+    flat = Link(x["flat_latency_s"], x["flat_bytes_per_s"]) if x.get("flat_bytes_per_s") else None
+    if flat is not None and inter_bytes_per_s:  # the flat ring's slowest hop crosses nodes: it scales with them
+        flat = Link(flat.latency_s, flat.bandwidth_bytes_per_s * inter_bytes_per_s / x["inter_bytes_per_s"])
+    busy = [x.get(k, 0.0) for k in ("inter_busy", "intra_busy", "flat_busy")]
+    topology = Topology(cell["nodes"], cell["per_node"], inter, intra, flat, *busy)
     cpu = CpuCosts(x["add"], x["add_low"], x["cast"], x["powersgd"], powersgd_rank=4)
     shapes = _shapes(settings)
     sizes = [4 * math.prod(s) for s in shapes]
@@ -128,7 +132,8 @@ def draw(data: dict[str, Any], path: Path = FIGURE) -> None:
         ax.set(xscale="log", yscale="log", title=title, xlabel="bandwidth between nodes, Gbit/s")
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].set_ylabel("step time, ms")
-    handles, labels = axes[0][-1].get_legend_handles_labels()
+    lines = dict(pair for ax in axes[0] for pair in zip(*reversed(ax.get_legend_handles_labels()), strict=True))
+    labels, handles = list(lines), list(lines.values())
     extra = [plt.Line2D([], [], color=colors[v], marker="x", ls="") for v in others]
     names = ["ddp, measured", "torch powerSGD_hook, measured", "reducer='auto', measured", "hybrid_pipeline, measured"]
     fig.legend([*handles, *extra], [*labels, *names], loc="center right", fontsize=8)
