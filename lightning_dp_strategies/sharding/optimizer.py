@@ -74,7 +74,7 @@ class ShardedOptimizer:
     pieces: list[list[Piece]]
     """Each group's pieces on this rank, in the order of the group's ``params`` now."""
     buckets: list[int] = field(default_factory=list)
-    """The buckets its parameters lie in, in order."""
+    """The buckets its parameters lie in, in order (the same on every rank)."""
 
 
 class ShardedParameters:
@@ -118,7 +118,10 @@ class ShardedParameters:
             state = held.get(id(self.layout.params[piece.param]))
             if state:
                 optimizer.state[self.views[piece]] = slice_state(state, self.layout.params[piece.param], piece)
-        bound = ShardedOptimizer(optimizer, groups, pieces, sorted({p.bucket for ps in pieces for p in ps}))
+        # every rank gathers the same buckets: those holding any of the optimizer's parameters, owned here or not
+        wanted = {i for params in groups for p in params if (i := self._index_of(p)) is not None}
+        buckets = [b for b, members in enumerate(self.layout.bucket_params) if wanted.intersection(members)]
+        bound = ShardedOptimizer(optimizer, groups, pieces, buckets)
         self.optimizers.append(bound)
         return bound
 

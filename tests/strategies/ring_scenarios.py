@@ -48,6 +48,7 @@ class Scenario:
     hook: str | None = None  # a torch DDP communication hook (see comm_hook_options)
     save: bool = False  # save OUTDIR/{name}-{strategy}/last.ckpt after fit
     resume_from: str | None = None  # resume from that scenario's last.ckpt (in the same OUTDIR, ring_allreduce)
+    two_optimizers: bool = False  # manual: Adam over the first layer, SGD with momentum over the rest
 
 
 SCENARIOS = {
@@ -72,6 +73,7 @@ SCENARIOS = {
     "adam_saved": Scenario(optimizer="adam", save=True),
     "zero_manual": Scenario(optimizer="adam", manual=True, extra={"shard_optimizer_state": True}),
     "zero_bf16": Scenario(optimizer="adam", precision="bf16-mixed", extra={"shard_optimizer_state": True}),
+    "zero_two_optimizers": Scenario(manual=True, two_optimizers=True, extra={"shard_optimizer_state": True}),
     "zero_fp16": Scenario(optimizer="adam", precision="16-mixed", extra={"shard_optimizer_state": True}),
     "adam_fp16": Scenario(optimizer="adam", precision="16-mixed"),
     "zero3": Scenario(
@@ -136,6 +138,12 @@ class ParityNet(L.LightningModule):
             loss = self.loss(x, y, self.global_rank)
             self.log("train_loss", loss)
             return loss
+        if self.scenario.two_optimizers:  # one backward, then each optimizer steps its own parameters
+            self.manual_backward(self.loss(x, y, self.global_rank))
+            for opt in self.optimizers():
+                opt.step()
+                opt.zero_grad()
+            return None
         # manual optimization: accumulate the first half locally (no_sync), synchronise on the second
         opt = self.optimizers()
         strategy = self.trainer.strategy
@@ -150,8 +158,17 @@ class ParityNet(L.LightningModule):
         opt.zero_grad()
         return None
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return make_optimizer(self.scenario, self.parameters())
+    def configure_optimizers(self) -> Any:
+        optimizers = make_optimizers(self.scenario, self)
+        return optimizers if len(optimizers) > 1 else optimizers[0]
+
+
+def make_optimizers(scenario: Scenario, model: ParityNet) -> list[torch.optim.Optimizer]:
+    if not scenario.two_optimizers:
+        return [make_optimizer(scenario, model.parameters())]
+    first = list(model.body[0].parameters())
+    rest = [p for p in model.parameters() if all(p is not q for q in first)]
+    return [torch.optim.Adam(first, lr=1e-2), torch.optim.SGD(rest, lr=0.1, momentum=0.9)]
 
 
 def make_optimizer(scenario: Scenario, params: Any) -> torch.optim.Optimizer:
@@ -219,7 +236,7 @@ def make_strategy(scenario: Scenario, strategy: str) -> Any:
     if strategy == "flat":
         return lightning_dp_strategies.RingAllReduceStrategy(two_level=False)
     if strategy == "auto":  # the lossless candidates only, so that parity holds whichever it picks
-        return lightning_dp_strategies.RingAllReduceStrategy(reducer=AutoReducer(allow="lossless"))
+        return lightning_dp_strategies.RingAllReduceStrategy(reducer=AutoReducer(allow="lossless", warmup_steps=4))
     return strategy
 
 
@@ -278,7 +295,7 @@ def reference_parameters(name: str, per_shard: bool = False) -> dict[str, Tensor
     scenario = SCENARIOS[name]
     model = ParityNet(scenario)
     x, y = make_data(scenario).tensors
-    opt = make_optimizer(scenario, model.parameters())
+    optimizers = make_optimizers(scenario, model)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=scenario.precision == "bf16-mixed")
     for epoch in range(scenario.epochs):
         batches = rank_shards(scenario, epoch)
@@ -297,8 +314,9 @@ def reference_parameters(name: str, per_shard: bool = False) -> dict[str, Tensor
             if (k + 1) % scenario.accumulate == 0 or last:
                 if scenario.clip is not None:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), scenario.clip)
-                opt.step()
-                opt.zero_grad()
+                for opt in optimizers:
+                    opt.step()
+                    opt.zero_grad()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 

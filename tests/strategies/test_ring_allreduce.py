@@ -312,8 +312,8 @@ def test_two_nodes_of_two_processes_reduce_in_two_levels_at_parity(tmp_path: Pat
     two_level, flat = results(tmp_path, "nodes2x2"), results(tmp_path, "nodes2x2", strategy="flat")
     assert_parity(two_level, "nodes2x2")
     assert_parity(flat, "nodes2x2")
-    # reducer="auto" restricted to lossless candidates: after 4 timed steps it picks flat or two-level, the same on
-    # every rank, and stays at parity
+    # reducer="auto" restricted to lossless candidates: after 4 warm-up steps (3 timed) it picks flat or two-level,
+    # the same on every rank, and stays at parity
     auto = results(tmp_path, "nodes2x2", strategy="auto")
     assert_parity(auto, "nodes2x2")
     choices = {auto[rank]["auto"][0] for rank in range(4)}

@@ -21,7 +21,7 @@ from tests.strategies.test_ring_allreduce import launch, max_diff, results
 
 NUMERICS = pytest.mark.numerics
 TOLERANCE = 2e-5
-WORLD_2 = ["zero_adam", "adam_saved", "zero_manual", "zero_bf16", "zero_fp16", "adam_fp16"]
+WORLD_2 = ["zero_adam", "adam_saved", "zero_manual", "zero_two_optimizers", "zero_bf16", "zero_fp16", "adam_fp16"]
 WORLD_3 = ["zero3", "zero_resume3", "ring_resume3"]
 
 
@@ -77,6 +77,16 @@ def test_three_processes_with_unused_parameters_clipping_and_accumulation(runs: 
 def test_manual_optimization_and_bf16_mixed(runs: Path) -> None:
     assert_sharded_parity(results(runs, "zero_manual"), "zero_manual", per_shard=False, most=0.55)
     assert_sharded_parity(results(runs, "zero_bf16"), "zero_bf16", per_shard=True, most=0.55)
+
+
+@NUMERICS
+@pytest.mark.timeout(900)
+def test_two_optimizers_each_step_their_own_shard(runs: Path) -> None:
+    """Manual optimization with Adam over the first layer and SGD with momentum over the rest: each optimizer steps
+    its pieces and all-gathers its own buckets."""
+    reference = reference_parameters("zero_two_optimizers")
+    for result in results(runs, "zero_two_optimizers"):
+        assert result["sharded"] and max_diff(result["params"], reference) <= TOLERANCE
 
 
 @NUMERICS
