@@ -78,6 +78,7 @@ def point_to_point_log() -> Iterator[list[tuple[str, dist.ProcessGroup, int]]]:
     in call order."""
     calls: list[tuple[str, dist.ProcessGroup, int]] = []
     originals = {name: getattr(dist.ProcessGroup, name) for name in ("send", "recv")}
+    descriptors = {name: vars(dist.ProcessGroup)[name] for name in originals}  # what the class holds, restored as is
 
     def spy(name: str) -> Callable[..., Any]:
         def call(self: dist.ProcessGroup, tensors: Any, peer: int, tag: int) -> Any:
@@ -91,8 +92,8 @@ def point_to_point_log() -> Iterator[list[tuple[str, dist.ProcessGroup, int]]]:
             setattr(dist.ProcessGroup, name, spy(name))
         yield calls
     finally:
-        for name, original in originals.items():
-            setattr(dist.ProcessGroup, name, original)
+        for name, descriptor in descriptors.items():
+            setattr(dist.ProcessGroup, name, descriptor)
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0) -> None:
