@@ -97,3 +97,35 @@ def test_cluster_benchmark_builds_every_variant_without_a_cluster() -> None:
     assert strategies["two_level"].two_level and strategies["ring"].two_level is False
     assert strategies["auto"].reducer == "auto" and strategies["torch_powersgd"].ddp_comm_hook is not None
     assert "--links" in _run("bench_cluster.py", "--help")
+
+
+def test_zero_benchmark_builds_its_variants_and_tables_without_launching() -> None:
+    """The ZeRO benchmark launches torchrun (and netsim) for minutes, so only its variants and its tables over a
+    made-up cell are checked here."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import bench_zero
+
+    from lightning_dp_strategies import RingAllReduceStrategy
+
+    ring, zero = bench_zero.make_strategy("ring"), bench_zero.make_strategy("zero")
+    assert bench_zero.make_strategy("ddp") == "ddp"
+    assert isinstance(ring, RingAllReduceStrategy) and isinstance(zero, RingAllReduceStrategy)
+    assert zero.shard_optimizer_state and not ring.shard_optimizer_state and ring.two_level is zero.two_level is False
+
+    def run(variant: str, ms: float, state: list[int]) -> dict[str, object]:
+        ranks = [{"state_bytes": s, "param_bytes": 100, "step_ms": ms, "peak_rss_mb": 300.0} for s in state]
+        for rank in ranks:
+            rank.update(dict.fromkeys(bench_zero.PHASES, 1.0), bytes_sent_per_step=1e6, comm_ms_per_step=5.0)
+        return {"ranks": ranks, "step_ms": ms, "max_param_diff_vs_ring": 0.0}
+
+    runs = {"ring": [run("ring", 100.0, [800, 800])], "zero": [run("zero", 104.0, [404, 396])]}
+    cell = {
+        "link": "1gbit",
+        "nodes": 2,
+        "per_node": 1,
+        "summary": {v: bench_zero.summarize(r) for v, r in runs.items()},
+    }
+    rows = bench_zero.memory_and_time_rows([cell])
+    assert rows[1][:8] == ["1gbit", "2 x 1", "zero", "0.0", "0.505", 104, "1.04", "1.04-1.04"], rows
+    assert len(bench_zero.phase_rows([cell])[1]) == len(bench_zero.PHASE_COLUMNS)
+    assert "--layouts" in _run("bench_zero.py", "--help")
