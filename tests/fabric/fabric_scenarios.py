@@ -8,6 +8,7 @@ two processes (a launch costs seconds of imports, a scenario does not). Every ra
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -179,15 +180,21 @@ def refusals(out: Path) -> dict[str, Any]:
     return errors
 
 
-def nonfinite(out: Path) -> dict[str, Any]:
+def nonfinite(out: Path, shard_optimizer_state: bool = False) -> dict[str, Any]:
     """``nonfinite_grads="skip"``: an Inf on rank 1 only skips that step on both ranks."""
-    fabric = launch(FabricRingAllReduceStrategy(nonfinite_grads="skip"))
+    strategy = FabricRingAllReduceStrategy(nonfinite_grads="skip", shard_optimizer_state=shard_optimizer_state)
+    fabric = launch(strategy)
     model = make_model()
     model, opt = fabric.setup(model, make_optimizer(model))
     x, y = make_data().tensors
     before = params(model)
-    loss = F.cross_entropy(model(x[:4]), y[:4]) * (float("inf") if fabric.global_rank == 1 else 1.0)
-    fabric.backward(loss)
+    if shard_optimizer_state:  # an Inf in the first layer's bias only: in rank 1's pieces, none of rank 0's
+        hook = model.module[0].bias.register_hook(lambda g: g + float("inf") * (fabric.global_rank == 1))
+        fabric.backward(F.cross_entropy(model(x[:4]), y[:4]))
+        hook.remove()
+    else:
+        loss = F.cross_entropy(model(x[:4]), y[:4]) * (float("inf") if fabric.global_rank == 1 else 1.0)
+        fabric.backward(loss)
     opt.step()
     opt.zero_grad()
     skipped_unchanged = all(torch.equal(before[n], p) for n, p in params(model).items())
@@ -269,6 +276,8 @@ SCENARIOS: dict[str, Callable[[Path], dict[str, Any]]] = {
     "resume": resume,
     "refusals": refusals,
     "nonfinite": nonfinite,
+    # sharded: the Inf lands in some ranks' pieces only, and every rank still skips
+    "nonfinite_sharded": functools.partial(nonfinite, shard_optimizer_state=True),
 }
 
 

@@ -148,8 +148,9 @@ def test_ranks_that_disagree_fail_together_and_a_second_trainable_module_is_refu
 
 @pytest.mark.timeout(240)
 def test_nonfinite_skip_skips_the_step_on_every_rank(runs: Path) -> None:
-    for result in results(runs, "nonfinite"):
-        assert result == {"skipped": 1, "unchanged": True, "moved": True}
+    for name in ("nonfinite", "nonfinite_sharded"):
+        for result in results(runs, name):
+            assert result == {"skipped": 1, "unchanged": True, "moved": True}, name
 
 
 # ---------------------------------------------------------------------------------------------------- in-process
