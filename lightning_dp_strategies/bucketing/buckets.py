@@ -344,7 +344,7 @@ class GradientBuckets:
         self.flush()
         self._armed = False
         self._wait()
-        for bucket, flags in zip(self.buckets, self._reduced_flags(), strict=True):
+        for bucket, flags in zip(self.buckets, self.reduced_flags(), strict=True):
             for slot, param in enumerate(bucket.params):
                 if self._scatters:  # only this rank's chunk is reduced: the sharded optimizer steps it from there
                     param.grad = None
@@ -369,7 +369,7 @@ class GradientBuckets:
             f"over {len(members)} ranks failed on rank {rank} (its peers: ranks {peers}): {what}\n{hint}"
         )
 
-    def _reduced_flags(self) -> list[list[float]]:
+    def reduced_flags(self) -> list[list[float]]:
         """Every bucket's reduced presence flags, in one device-to-host transfer when the buckets share a device."""
         if not self.buckets:
             return []

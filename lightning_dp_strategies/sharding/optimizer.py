@@ -97,6 +97,7 @@ class ShardedParameters:
                     "cannot step it in pieces. Make it contiguous before training (`p.data = p.data.contiguous()`)."
                 )
             self.views[piece] = Parameter(param.detach().view(-1)[piece.start : piece.stop])
+        self._view_ids = {id(view) for view in self.views.values()}
         self.optimizers: list[ShardedOptimizer] = []
         self._taken: dict[Piece, Tensor] = {}  # the bucket slices the pieces' .grad still are
 
@@ -106,10 +107,8 @@ class ShardedParameters:
         check_elementwise(optimizer)
         mine = {piece.param: piece for piece in self.layout.pieces_of_rank(self.rank)}
         groups: list[list[Parameter]] = [list(group["params"]) for group in optimizer.param_groups]
-        pieces: list[list[Piece]] = []
-        for params in groups:
-            indices = [self._index_of(p) for p in params]
-            pieces.append([mine[i] for i in indices if i is not None and i in mine])
+        indices = [[i for p in params if (i := self._index_of(p)) is not None] for params in groups]
+        pieces = [[mine[i] for i in group if i in mine] for group in indices]
         held = {id(p): optimizer.state[p] for params in groups for p in params if p in optimizer.state}
         for group, group_pieces in zip(optimizer.param_groups, pieces, strict=True):
             group["params"] = [self.views[piece] for piece in group_pieces]
@@ -119,7 +118,7 @@ class ShardedParameters:
             if state:
                 optimizer.state[self.views[piece]] = slice_state(state, self.layout.params[piece.param], piece)
         # every rank gathers the same buckets: those holding any of the optimizer's parameters, owned here or not
-        wanted = {i for params in groups for p in params if (i := self._index_of(p)) is not None}
+        wanted = {i for group in indices for i in group}
         buckets = [b for b, members in enumerate(self.layout.bucket_params) if wanted.intersection(members)]
         bound = ShardedOptimizer(optimizer, groups, pieces, buckets)
         self.optimizers.append(bound)
@@ -148,8 +147,7 @@ class ShardedParameters:
         """A clear error if a bound optimizer got parameters of its own since (``add_param_group``): they would
         never be stepped."""
         for bound in self.optimizers:
-            views = {id(v) for v in self.views.values()}
-            foreign = [p for g in bound.optimizer.param_groups for p in g["params"] if id(p) not in views]
+            foreign = [p for g in bound.optimizer.param_groups for p in g["params"] if id(p) not in self._view_ids]
             if foreign:
                 raise RuntimeError(
                     f"{type(bound.optimizer).__name__} holds {len(foreign)} parameter(s) added after setup (e.g. by "

@@ -93,8 +93,7 @@ class OptimizerSharding:
         if buckets is None or shards is None or buckets.totals.synced_backwards == self._synced:
             return
         self._synced = buckets.totals.synced_backwards
-        buffers = [b.buffer for b in buckets.buckets]
-        shards.take_gradients(buffers, [b.flags.tolist() for b in buckets.buckets])
+        shards.take_gradients([b.buffer for b in buckets.buckets], buckets.reduced_flags())
 
     def after_step(self, optimizer: Optimizer) -> None:
         """After ``optimizer`` stepped this rank's pieces: all-gather its buckets' parameters (counted in the
