@@ -206,6 +206,9 @@ def _check_own_group_reducer(rank: int, world_size: int) -> None:
     if rank in (0, 1):
         bucket = GradBucket(torch.full((4,), float(rank + 1)), groups[0], op="avg")
         assert torch.equal(reducer(bucket).wait(), torch.full((4,), 1.5))  # (1 + 2) / 2: exact
+    # new_group has no barrier of its own: rank 2, done with [1, 2] on its side, must not exit and close the connection
+    # while rank 1 is still completing the same group's handshake
+    dist.barrier()
     reducer.close()
 
 
