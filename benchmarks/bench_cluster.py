@@ -156,7 +156,7 @@ def worker(args: argparse.Namespace) -> None:
         out.write_text(json.dumps(result))
 
 
-INPUTS = ("compute_s", "backward_s", "add", "add_low", "cast", "powersgd")
+INPUTS = ("compute_s", "backward_s", "add", "add_low", "cast", "powersgd", "overlap")
 INPUTS += ("inter_latency_s", "inter_bytes_per_s", "intra_latency_s", "intra_bytes_per_s")
 INPUTS += ("flat_latency_s", "flat_bytes_per_s", "inter_busy", "intra_busy", "flat_busy")
 """What the step model takes, as a cell's ``inputs`` holds it (the median over the ``auto`` launches)."""
@@ -174,6 +174,7 @@ def decision_inputs(decision: Any) -> dict[str, Any]:
         "add_low": cpu.add_low,
         "cast": cpu.cast,
         "powersgd": cpu.powersgd,
+        "overlap": cpu.overlap,
         "inter_latency_s": t.inter.latency_s,
         "inter_bytes_per_s": t.inter.bandwidth_bytes_per_s,
         "intra_latency_s": intra.latency_s if intra is not None else 0.0,

@@ -57,7 +57,7 @@ def predict_ms(
         flat = Link(flat.latency_s, flat.bandwidth_bytes_per_s * inter_bytes_per_s / x["inter_bytes_per_s"])
     busy = [x.get(k, 0.0) for k in ("inter_busy", "intra_busy", "flat_busy")]
     topology = Topology(cell["nodes"], cell["per_node"], inter, intra, flat, *busy)
-    cpu = CpuCosts(x["add"], x["add_low"], x["cast"], x["powersgd"], powersgd_rank=4)
+    cpu = CpuCosts(x["add"], x["add_low"], x["cast"], x["powersgd"], powersgd_rank=4, overlap=x.get("overlap", 1.0))
     shapes = _shapes(settings)
     sizes = [4 * math.prod(s) for s in shapes]
     how = Reduction(compression, rank=4, two_level=two_level)

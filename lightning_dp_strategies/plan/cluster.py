@@ -83,6 +83,9 @@ class CpuCosts:
         powersgd: PowerSGD's local work (error feedback, the three factor products, orthogonalisation), per byte of
             the fp32 matrices it compresses, at rank ``powersgd_rank``.
         powersgd_rank: the rank ``powersgd`` was measured at.
+        overlap: how much of that work runs beside the process's compute rather than taking turns with it: 1 where
+            the process has a core to spare for its communication thread (the default), 0 where its threads share
+            one (more processes than cores); measured as the second thread's gain in throughput.
 
     Examples:
         >>> CpuCosts(add=2e-10).add * 4e6  # summing 1 M fp32 values
@@ -94,9 +97,12 @@ class CpuCosts:
     cast: float = 0.0
     powersgd: float = 0.0
     powersgd_rank: int = 4
+    overlap: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("add", "add_low", "cast", "powersgd"):
             value = getattr(self, name)
             if not value >= 0:
                 raise ValueError(f"CpuCosts `{name}` must be >= 0 seconds per byte, got {value!r}.")
+        if not 0 <= self.overlap <= 1:
+            raise ValueError(f"CpuCosts `overlap` is a share in [0, 1], got {self.overlap!r}.")

@@ -30,6 +30,12 @@ pieces one after the other, so where the CPU sets the pace (``busy`` near that s
 link on a slow CPU) the phases of a two-level reduction take turns instead of overlapping::
 
     cpu(i) = max(cpu(i-1), ready(i)) + the CPU seconds of its phases,    piece i ends at max(finish, cpu(i))
+
+Local work (casts, PowerSGD's factor products) that runs while backward still runs takes the CPU from backward where
+the process has no core to spare for it (:attr:`CpuCosts.overlap` below 1: processes that outnumber the cores): a
+piece whose local work starts at ``s`` delays backward, and every later bucket's hand-over, by
+``(1 - overlap) * min(local, backward's end - s)``, and the step by as much. The ring's own CPU share is in
+``compute_seconds`` already (measured with a ring running).
 """
 
 from __future__ import annotations
@@ -106,18 +112,19 @@ def _half_ring(nbytes: float, ranks: int, link: Link) -> float:
     return _ring(nbytes, ranks, link) / 2
 
 
-Phase = tuple[float, float]
-"""A phase of a bucket (or piece): (seconds, seconds of it the process's CPU is busy, at the CPU share it gets)."""
+Phase = tuple[float, float, float]
+"""A phase of a bucket (or piece): (seconds, seconds of it the process's CPU is busy, at the CPU share it gets,
+seconds of it that are local work besides the ring: casts, PowerSGD's products)."""
 
 
 def _on_ring(seconds: float, busy: float, share: float) -> Phase:
     """A ring's phase: its CPU time is the probe's busy share of it, in seconds at the ``share`` the process gets."""
-    return seconds, (seconds * busy / share if share > 0 else 0.0)
+    return seconds, (seconds * busy / share if share > 0 else 0.0), 0.0
 
 
 def _plus_local(phase: Phase, seconds: float) -> Phase:
     """``phase`` followed by ``seconds`` of local work (all CPU)."""
-    return phase[0] + seconds, phase[1] + seconds
+    return phase[0] + seconds, phase[1] + seconds, phase[2] + seconds
 
 
 def _compressed_ring(
@@ -215,11 +222,11 @@ def buckets_step(
     cpu = cpu or CpuCosts()
     total = sum(nbytes for nbytes, _ in buckets) or 1.0
     first: float | None = None
-    finish = done = on_cpu = 0.0
+    finish = done = on_cpu = stolen = 0.0
     finishes: list[float] = []
     for nbytes, bucket_shapes in buckets:
         done += nbytes
-        ready = backward_seconds * done / total
+        ready = backward_seconds * done / total + stolen  # backward slowed by the local work that ran beside it
         first = ready if first is None else first
         matrices, payload = _payload(bucket_shapes, how.rank) if bucket_shapes else (nbytes, nbytes)
         pieces = math.ceil(nbytes / (how.piece_mb * 2**20)) if how.two_level else 1
@@ -227,12 +234,15 @@ def buckets_step(
         finishes += [0.0] * (len(phases) - len(finishes))
         for _ in range(pieces):
             previous = ready
-            for p, (seconds, _) in enumerate(phases):
+            for p, (seconds, _, _) in enumerate(phases):
                 finishes[p] = max(finishes[p], previous) + seconds
                 previous = finishes[p]
-            on_cpu = max(on_cpu, ready) + sum(busy for _, busy in phases)  # the phases' turns on the CPU
+            start = max(on_cpu, ready)
+            on_cpu = start + sum(busy for _, busy, _ in phases)  # the phases' turns on the CPU
+            local = sum(work for _, _, work in phases)
+            stolen += (1 - cpu.overlap) * min(local, max(0.0, backward_seconds + stolen - start))
         finish = max(previous, on_cpu)
-    exposed = max(0.0, finish - backward_seconds)
+    exposed = max(0.0, finish - backward_seconds - stolen)
     return StepTimes(
-        comm_seconds=finish - (first or 0.0), exposed_seconds=exposed, step_seconds=compute_seconds + exposed
+        comm_seconds=finish - (first or 0.0), exposed_seconds=exposed, step_seconds=compute_seconds + stolen + exposed
     )

@@ -302,11 +302,12 @@ class AutoReducer:
         largest = int(max((nbytes for nbytes, _ in run.buckets.values()), default=0))
         nbytes = min(max(largest, 1 << 20), 256 << 20)  # the largest bucket's, as the reducers touch them
         dist.barrier(group=run.group)  # every rank calibrates at once: they share the cores as they will in a step
-        cpu = calibrate_cpu(nbytes, rank=self.rank, matrix=(min(rows, 2048), min(cols, 2048)), repeats=3)
-        figures = torch.tensor([compute, backward, cpu.add, cpu.add_low, cpu.cast, cpu.powersgd], dtype=torch.float64)
-        dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=run.group)
-        compute, backward, add, add_low, cast, powersgd = figures.tolist()
-        cpu = CpuCosts(add, add_low, cast, powersgd, powersgd_rank=self.rank)
+        cpu = calibrate_cpu(nbytes, rank=self.rank, matrix=(min(rows, 2048), min(cols, 2048)))
+        figures = [compute, backward, cpu.add, cpu.add_low, cpu.cast, cpu.powersgd, 1 - cpu.overlap]
+        slowest = torch.tensor(figures, dtype=torch.float64)  # the least overlap: the most of it taken from compute
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=run.group)
+        compute, backward, add, add_low, cast, powersgd, shared = slowest.tolist()
+        cpu = CpuCosts(add, add_low, cast, powersgd, powersgd_rank=self.rank, overlap=1 - shared)
         buckets = [run.buckets[i] for i in sorted(run.buckets)]
         options = {label: how for label, (how, _) in run.candidates.items()}
         best, predicted = choose(options, buckets, compute, backward, run.topology, cpu)

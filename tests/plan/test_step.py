@@ -79,6 +79,29 @@ def test_backward_hides_what_ends_before_it() -> None:
     assert t.step_seconds == pytest.approx(2.08)
 
 
+def test_local_work_beside_backward_takes_its_cpu_where_the_process_has_no_core_to_spare() -> None:
+    # two buckets of one 5000 x 2500 matrix (50 MB, 0.05 s of PowerSGD work each) over a free wire; backward 0.1 s
+    # hands the first over at 0.05 s and the second at its end. With a core to spare (overlap 1) the first bucket's
+    # work hides behind backward; with none (overlap 0) it takes 0.05 s from backward, which ends (and hands over
+    # the second bucket) that much later; half of it at overlap 0.5. The second bucket's work starts when backward
+    # is done: it takes nothing from it either way.
+    buckets = [(50 * MB, [(5000, 2500)])] * 2
+    topology, how = Topology(2, 1, FAST), Reduction("powersgd", rank=1)
+    steps = {
+        overlap: buckets_step(buckets, 0.2, 0.1, topology, how, CpuCosts(powersgd=1e-9, overlap=overlap))
+        for overlap in (1.0, 0.5, 0.0)
+    }
+    assert steps[1.0].step_seconds == pytest.approx(0.25, abs=1e-6)  # the second bucket's 0.05 s after backward
+    assert steps[0.5].step_seconds == pytest.approx(0.275, abs=1e-6)
+    assert steps[0.0].step_seconds == pytest.approx(0.30, abs=1e-6)
+    assert steps[0.0].exposed_seconds == pytest.approx(0.05, abs=1e-6)  # measured from backward's later end
+    last_only = [(50 * MB, [(5000, 2500)])]  # one bucket, handed over as backward ends
+    alone = [buckets_step(last_only, 0.2, 0.1, topology, how, CpuCosts(powersgd=1e-9, overlap=o)) for o in (0, 1)]
+    assert alone[0].step_seconds == pytest.approx(alone[1].step_seconds)
+    with pytest.raises(ValueError, match="`overlap` is a share in"):
+        CpuCosts(overlap=1.5)
+
+
 def test_ring_step_cuts_buckets_as_the_strategies_do() -> None:
     sizes = [4 * 2**20] * 12
     t = ring_step(sizes, [(1024, 1024)] * 12, 0.0, 0.0, Topology(2, 1, GBE), Reduction(), caps=(25.0, 1.0))
