@@ -53,6 +53,8 @@ def _ring_seconds(
     dist.barrier(group=group)
     start, cpu = time.perf_counter(), time.process_time()
     ring_all_reduce(tensor, "sum", group, workspace=workspace, duplex=duplex)
+    if tensor.device.type == "cuda":
+        torch.cuda.synchronize(tensor.device)
     return time.perf_counter() - start, time.process_time() - cpu
 
 
@@ -61,6 +63,7 @@ def probe_ring(
     sizes: Sequence[int] = PROBE_SIZES,
     repeats: int = 3,
     duplex: dist.ProcessGroup | None = None,
+    device: torch.device | str | None = None,
 ) -> RingProbe:
     """Time a ring all-reduce of each of ``sizes`` bytes over ``group`` (``repeats`` runs after one untimed run that
     opens the connections) and fit the :class:`~lightning_dp_strategies.plan.Link` to the slowest rank's medians;
@@ -77,17 +80,17 @@ def probe_ring(
             f"Probing a link needs two or more different sizes to fit a latency and a bandwidth, got {sizes}."
         )
     numels = [max(1, n // 4) for n in sorted(sizes)]
-    workspace = torch.empty(ring_workspace_numel(max(numels), size))
-    tensors = [torch.zeros(n) for n in numels]
+    workspace = torch.empty(ring_workspace_numel(max(numels), size), device=device)
+    tensors = [torch.zeros(n, device=device) for n in numels]
     _ring_seconds(tensors[0], group, workspace, duplex)  # the first message pays the handshake
     runs = [[_ring_seconds(t, group, workspace, duplex) for _ in range(repeats)] for t in tensors]
     medians = [statistics.median(wall for wall, _ in run) for run in runs]
     busy = sum(cpu for _, cpu in runs[-1]) / sum(wall for wall, _ in runs[-1])
-    slowest = torch.tensor([*medians, busy], dtype=torch.float64)
+    slowest = torch.tensor([*medians, busy], dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
     messages = 2 * (size - 1)
     samples = [(messages, messages / size * 4 * n, t) for n, t in zip(numels, slowest.tolist(), strict=False)]
-    return RingProbe(Link.fit(samples), busy=min(1.0, float(slowest[-1])))
+    return RingProbe(Link.fit(samples), busy=min(1.0, float(slowest[-1].item())))
 
 
 def probe_link(
@@ -95,6 +98,7 @@ def probe_link(
     sizes: Sequence[int] = PROBE_SIZES,
     repeats: int = 3,
     duplex: dist.ProcessGroup | None = None,
+    device: torch.device | str | None = None,
 ) -> Link:
     """The :class:`~lightning_dp_strategies.plan.Link` a ring over ``group`` (default: the world) runs on.
 
@@ -109,6 +113,7 @@ def probe_link(
             (:func:`~lightning_dp_strategies.comm.new_duplex_group` over the same ranks, made on every rank of the
             world), as the ring reducer uses one. Without it two ranks share one connection both ways, and the probe
             measures less than the reducer gets.
+        device: where the probed tensors live: the gradients' device (``"cuda"`` on NCCL); default the CPU.
 
     Examples:
         >>> import torch.distributed as dist
@@ -116,4 +121,4 @@ def probe_link(
         >>> link.bandwidth_bytes_per_s / 1e6  # doctest: +SKIP
         118.7
     """
-    return probe_ring(group, sizes, repeats, duplex).link
+    return probe_ring(group, sizes, repeats, duplex, device).link

@@ -6,8 +6,9 @@ and two-level when the job spans several nodes of several processes) and probes 
 first ``warmup_steps`` optimizer steps are reduced losslessly by the layout's plain ring, and timed: one rank's
 compute is the step's time less what it waited for communication (so the step's own overheads, its copies into the
 buckets, and on a CPU what the overlapped reduction takes from backward count as compute). Then every rank measures
-its CPU costs on buffers of its largest bucket's size (:func:`~lightning_dp_strategies.reducers.calibrate_cpu`), the
-ranks take the slowest of every measurement, each candidate's step is predicted
+at once what reducing costs on buffers of its largest bucket's size, on the buckets' device
+(:func:`~lightning_dp_strategies.reducers.calibrate_cpu`); the ranks take the slowest rank's compute and the median
+rank's costs (the machine's, as most ranks measured them), each candidate's step is predicted
 (:func:`~lightning_dp_strategies.plan.buckets_step`), and rank 0's choice (the same on every rank: the inputs are)
 reduces every later step. The decision and the predictions behind it are logged once, on rank 0, at INFO on the
 ``lightning_dp_strategies`` logger, and kept as :attr:`AutoReducer.decision`.
@@ -157,6 +158,15 @@ class _Runtime:
     topology: Topology | None = None
     buckets: dict[int, tuple[float, list[tuple[int, ...]]]] = field(default_factory=dict)
     timings: list[StepTiming] = field(default_factory=list)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    """Where the buckets live: the probes' and the calibration's tensors go there too."""
+
+
+def _device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where a collective over ``group`` takes its tensors: the current CUDA device on NCCL, else the CPU."""
+    if "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 class AutoReducer:
@@ -233,7 +243,7 @@ class AutoReducer:
         topology = self._probe(group, list(ranks), nodes, backend)
         if dist.get_rank() in ranks:
             plain = next(label for label, (how, _) in candidates.items() if how.compression == "none")
-            self._run = _Runtime(group, candidates, candidates[plain][1], topology)
+            self._run = _Runtime(group, candidates, candidates[plain][1], topology, device=_device(group))
 
     def _probe(self, group: dist.ProcessGroup | None, ranks: list[int], nodes: int, backend: str | None) -> Topology:
         """The links as the reductions load them, the same on every rank of ``ranks``: every node's link at once (the
@@ -253,7 +263,7 @@ class AutoReducer:
             made = [(m, dist.new_group(m, backend=backend), new_duplex_group(m, backend)) for m in members]
             for m, probed, duplex in made:
                 if me in m:
-                    result = probe_ring(probed, duplex=duplex)
+                    result = probe_ring(probed, duplex=duplex, device=_device(probed))
                     link = result.link
                     figures[3 * slot : 3 * slot + 3] = torch.tensor(
                         [link.latency_s, 1 / link.bandwidth_bytes_per_s, result.busy]
@@ -262,7 +272,9 @@ class AutoReducer:
                         if isinstance(group_made, dist.ProcessGroup):
                             dist.destroy_process_group(group_made)
         if me in ranks:
-            dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=group)
+            slowest = figures.to(_device(group))
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+            figures = slowest.cpu()
         # the hop across nodes was measured with the node's n streams crossing at once: the node's link is n of them
         inter, intra, flat = (
             Link(float(figures[3 * i]), (n if i == 0 else 1) / float(figures[3 * i + 1]))
@@ -281,6 +293,7 @@ class AutoReducer:
         if self.decision is None and bucket.index not in run.buckets:
             shapes = [tuple(s) for s in bucket.shapes]
             run.buckets[bucket.index] = (float(bucket.buffer.numel() * bucket.buffer.element_size()), shapes)
+            run.device = bucket.buffer.device
         return run.active(bucket)
 
     def observe_step(self, timing: StepTiming) -> None:
@@ -302,19 +315,27 @@ class AutoReducer:
         largest = int(max((nbytes for nbytes, _ in run.buckets.values()), default=0))
         nbytes = min(max(largest, 1 << 20), 256 << 20)  # the largest bucket's, as the reducers touch them
         dist.barrier(group=run.group)  # every rank calibrates at once: they share the cores as they will in a step
-        cpu = calibrate_cpu(nbytes, rank=self.rank, matrix=(min(rows, 2048), min(cols, 2048)))
-        figures = [compute, backward, cpu.add, cpu.add_low, cpu.cast, cpu.powersgd, 1 - cpu.overlap]
-        slowest = torch.tensor(figures, dtype=torch.float64)  # the least overlap: the most of it taken from compute
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=run.group)
-        compute, backward, add, add_low, cast, powersgd, shared = slowest.tolist()
-        cpu = CpuCosts(add, add_low, cast, powersgd, powersgd_rank=self.rank, overlap=1 - shared)
+        cpu = calibrate_cpu(nbytes, rank=self.rank, matrix=(min(rows, 2048), min(cols, 2048)), device=run.device)
+        mine = torch.tensor(
+            [compute, backward, cpu.add, cpu.add_low, cpu.cast, cpu.powersgd, cpu.overlap],
+            dtype=torch.float64,
+            device=_device(run.group),
+        )
+        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(run.group))]
+        dist.all_gather(everyone, mine, group=run.group)
+        figures = torch.stack(everyone).cpu()
+        # the slowest rank's step; the machine's costs as most ranks measured them (a rank whose process lost its
+        # core for a while during the calibration does not set them)
+        compute, backward = figures[:, :2].max(dim=0).values.tolist()
+        add, add_low, cast, powersgd, overlap = figures[:, 2:].quantile(0.5, dim=0).tolist()
+        cpu = CpuCosts(add, add_low, cast, powersgd, powersgd_rank=self.rank, overlap=overlap)
         buckets = [run.buckets[i] for i in sorted(run.buckets)]
         options = {label: how for label, (how, _) in run.candidates.items()}
         best, predicted = choose(options, buckets, compute, backward, run.topology, cpu)
         labels = list(run.candidates)
-        choice = torch.tensor([labels.index(best)])
+        choice = torch.tensor([labels.index(best)], device=_device(run.group))
         dist.broadcast(choice, src=dist.get_global_rank(run.group, 0) if run.group else 0, group=run.group)
-        chosen = labels[int(choice)]
+        chosen = labels[int(choice.item())]
         how, reducer = run.candidates[chosen]
         run.active = PowerSGD(reducer, rank=self.rank) if how.compression == "powersgd" else reducer
         self.decision = AutoDecision(chosen, predicted, compute, backward, run.topology, cpu)

@@ -1,17 +1,20 @@
-"""Measure what reducing and compressing cost the CPU on this machine: the
-:class:`~lightning_dp_strategies.plan.CpuCosts` the step model prices local work with.
+"""Measure what reducing and compressing cost on this machine: the :class:`~lightning_dp_strategies.plan.CpuCosts` the
+step model prices local work with.
 
-Each figure is the mean over a stretch of runs back to back of the operation the reducers run, on buffers the size of a
-gradient bucket (32 MiB by default: out of the cores' own caches, as a bucket is; buffers of a few MiB stay in cache
-and cost about half as much a byte): summing a received chunk into the bucket (fp32 and bf16), the bf16 cast of a
-compression wrapper there and back, and :class:`~lightning_dp_strategies.reducers.PowerSGD`'s own work on a bucket of
-matrices (with an inner reducer that sends nothing); and how much a second thread adds to the process's throughput of
+It times the operations the reducers run, each over a stretch of runs back to back, on buffers the size of a gradient
+bucket (32 MiB by default: out of the cores' own caches, as a bucket is; buffers of a few MiB stay in cache and cost
+about half as much a byte): summing a received chunk into the bucket (fp32 and bf16), the bf16 cast of a compression
+wrapper there and back, and :class:`~lightning_dp_strategies.reducers.PowerSGD`'s own work on a bucket of matrices
+(with an inner reducer that sends nothing); and how much a second thread adds to the process's throughput of
 compute-bound work (``overlap``: whether the reduction's own thread gets a core beside the training's).
 
-Run it in the process that trains, with the thread count it trains with, at the same time as the other processes of
-the machine (started together, after a barrier), so that they share the cores as they will. Each operation is timed
-for at least ``seconds``, the same stretch on every process, so that processes started together time the same
-operation at the same time, and a stretch spans many of the scheduler's turns where processes outnumber cores.
+On the CPU a figure is the CPU time of a run divided by the share of the cores the process got over the whole
+calibration. Run it in the process that trains, with the thread count it trains with, at the same time as the other
+processes of the machine (started together, after a barrier): they share the cores as their steps will, and the share
+says so. CPU time keeps a stretch in which the process lost its core for a while (the scheduler's doing, not the
+operation's) from pricing that operation; the share counts such stretches once, spread over every operation. On a GPU
+a figure is the device's time, to the end of the work queued. Each operation is timed for at least ``seconds``, the
+same on every process, so that processes started together time the same operation at the same time.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -31,44 +35,76 @@ from lightning_dp_strategies.reducers.powersgd import PowerSGD
 __all__ = ["calibrate_cpu"]
 
 
-def _seconds(work: Callable[[], object], repeats: int, seconds: float = 0.0) -> float:
-    """Mean seconds of ``work`` over runs back to back, at least ``repeats`` of them and at least ``seconds`` in all,
-    after one untimed run (allocation, page faults).
+@dataclass(frozen=True)
+class _Stretch:
+    """Runs of an operation back to back: their wall seconds and the process's CPU seconds (all its threads)."""
+
+    runs: int
+    wall: float
+    cpu: float
+
+
+def _stretch(
+    work: Callable[[], object], repeats: int, seconds: float = 0.0, sync: Callable[[], object] = lambda: None
+) -> _Stretch:
+    """Run ``work`` back to back, in rounds of ``repeats`` until at least ``seconds`` have passed, after one untimed
+    run (allocation, page faults); ``sync()`` waits for queued device work before each look at the clock."""
+    work()
+    sync()
+    runs, start, cpu = 0, time.perf_counter(), time.process_time()
+    while True:
+        for _ in range(max(1, repeats)):
+            work()
+        runs += max(1, repeats)
+        sync()
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds:
+            return _Stretch(runs, elapsed, time.process_time() - cpu)
+
+
+def _seconds(
+    work: Callable[[], object], repeats: int, seconds: float = 0.0, sync: Callable[[], object] = lambda: None
+) -> float:
+    """Mean wall seconds of ``work`` over a :func:`_stretch`.
 
     A mean over the whole stretch, not a median of single runs: where processes share a core, the scheduler gives
     each turns of a few milliseconds, and a short run that fits in one turn would price the work at the whole core.
     """
-    work()
-    runs, start = 0, time.perf_counter()
-    while True:
-        work()
-        runs += 1
-        elapsed = time.perf_counter() - start
-        if runs >= repeats and elapsed >= seconds:
-            return elapsed / runs
+    stretch = _stretch(work, repeats, seconds, sync)
+    return stretch.wall / stretch.runs
 
 
 def _nothing_sent(bucket: GradBucket) -> Future[Tensor]:
     return completed(bucket.buffer)
 
 
-def _powersgd_seconds(rank: int, shape: tuple[int, int], count: int, repeats: int, seconds: float = 0.0) -> float:
-    """Seconds of PowerSGD's local work on a bucket of ``count`` ``shape`` fp32 matrices, error feedback included."""
-    reducer = PowerSGD(_nothing_sent, rank=rank)
-    gen = torch.Generator().manual_seed(0)
-    template = torch.randn(count * shape[0] * shape[1], generator=gen)
-    buffer = template.clone()
+class _PowerSGDWork:
+    """PowerSGD's local work on a bucket of ``count`` ``shape`` fp32 matrices (error feedback included), and the copy
+    that refills the bucket before each run: ``reduce()`` less ``copy()`` is PowerSGD's own."""
 
-    def reduce() -> None:
-        buffer.copy_(template)
-        reducer(GradBucket(buffer, shapes=[torch.Size(shape)] * count)).wait()
+    def __init__(self, rank: int, shape: tuple[int, int], count: int, device: torch.device) -> None:
+        self.reducer = PowerSGD(_nothing_sent, rank=rank)
+        gen = torch.Generator().manual_seed(0)
+        self.template = torch.randn(count * shape[0] * shape[1], generator=gen).to(device)
+        self.buffer = self.template.clone()
+        self.shapes = [torch.Size(shape)] * count
+        self.sync = _sync(device)
+        self.reduce()  # the first call has no error feedback yet
 
-    try:
-        reduce()  # the first call has no error feedback yet
-        copy = _seconds(lambda: buffer.copy_(template), repeats, seconds / 4)
-        return max(0.0, _seconds(reduce, repeats, seconds) - copy)
-    finally:
-        reducer.close()
+    def copy(self) -> None:
+        self.buffer.copy_(self.template)
+
+    def reduce(self) -> None:
+        self.copy()
+        self.reducer(GradBucket(self.buffer, shapes=self.shapes)).wait()
+        self.sync()  # PowerSGD's thread queues its device work: the next bucket starts once it is done
+
+
+def _sync(device: torch.device) -> Callable[[], object]:
+    """What waits for ``device``'s queued work (nothing on the CPU)."""
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
 
 
 def _products() -> tuple[Callable[[], object], Callable[[], object]]:
@@ -116,9 +152,11 @@ def calibrate_cpu(
     matrix: tuple[int, int] = (1024, 1024),
     repeats: int = 3,
     seconds: float = 0.2,
+    device: torch.device | str | None = None,
+    rounds: int = 2,
 ) -> CpuCosts:
-    """Measure this process's :class:`~lightning_dp_strategies.plan.CpuCosts` (about a second and a half: seven
-    stretches of at least ``seconds`` each).
+    """Measure this process's :class:`~lightning_dp_strategies.plan.CpuCosts` (about a second and a half a round:
+    seven stretches of at least ``seconds`` each) on ``device``, where the reducers will do the work.
 
     Args:
         nbytes: fp32 bytes of the buffers the element-wise costs are timed on: the largest bucket's, ideally.
@@ -128,20 +166,50 @@ def calibrate_cpu(
         repeats: timed runs of each operation, at least (their mean counts).
         seconds: how long each operation is timed, at least: long enough to span many of the scheduler's turns where
             processes share cores, the same on every process that calibrates at the same time.
+        device: where the gradient buckets live (default the CPU). On a GPU the operations run on it, timed to their
+            end, and ``overlap`` is taken as 1: the reduction's kernels are queued beside backward's, not on a core
+            that backward needs.
+        rounds: how many times every operation is timed, in turn (all of them once, then again): each figure is the
+            lowest of its rounds, ``overlap`` too.
 
     Examples:
         >>> costs = calibrate_cpu(nbytes=1 << 20, matrix=(256, 256), repeats=2, seconds=0.0)
         >>> costs.add > 0 and costs.powersgd > 0 and 0 <= costs.overlap <= 1 and costs.powersgd_rank
         4
     """
+    where = torch.device(device) if device is not None else torch.device("cpu")
+    sync = _sync(where)
     numel = nbytes // 4
     gen = torch.Generator().manual_seed(0)
-    a, b = torch.randn(numel, generator=gen), torch.randn(numel, generator=gen)
+    a, b = torch.randn(numel, generator=gen).to(where), torch.randn(numel, generator=gen).to(where)
     low_a, low_b = a.to(torch.bfloat16), b.to(torch.bfloat16)
-    add = _seconds(lambda: a.add_(b), repeats, seconds) / nbytes
-    add_low = _seconds(lambda: low_a.add_(low_b), repeats, seconds) / (2 * numel)
-    cast = _seconds(lambda: a.copy_(b.to(torch.bfloat16)), repeats, seconds) / nbytes
     count = max(1, nbytes // (4 * matrix[0] * matrix[1]))  # as many as fill a bucket of nbytes
-    powersgd = _powersgd_seconds(rank, matrix, count, repeats, seconds) / (4 * count * matrix[0] * matrix[1])
-    overlap = _overlap(repeats, seconds, _products())
+    powersgd_work = _PowerSGDWork(rank, matrix, count, where)
+    operations: dict[str, tuple[Callable[[], object], float]] = {  # what is timed, and for how long at least
+        "add": (lambda: a.add_(b), seconds),
+        "add_low": (lambda: low_a.add_(low_b), seconds),
+        "cast": (lambda: a.copy_(b.to(torch.bfloat16)), seconds),
+        "copy": (powersgd_work.copy, seconds / 4),
+        "powersgd": (powersgd_work.reduce, seconds),
+    }
+    stretches: dict[str, list[_Stretch]] = {name: [] for name in operations}
+    overlap = 1.0
+    try:
+        for _ in range(max(1, rounds)):  # every operation in turn, then again
+            for name, (work, at_least) in operations.items():
+                stretches[name].append(_stretch(work, repeats, at_least, sync))
+            if where.type == "cpu":
+                overlap = min(overlap, _overlap(repeats, seconds, _products()))
+    finally:
+        powersgd_work.reducer.close()
+    every = [stretch for timed in stretches.values() for stretch in timed]
+    if where.type == "cpu":  # CPU seconds a run, at the share of the cores the process got while it calibrated
+        share = max(1e-3, sum(t.cpu for t in every) / sum(t.wall for t in every))
+        best = {name: min(t.cpu / t.runs for t in timed) / share for name, timed in stretches.items()}
+    else:  # the device's time, to the end of its queued work
+        best = {name: min(t.wall / t.runs for t in timed) for name, timed in stretches.items()}
+    add = best["add"] / nbytes
+    add_low = best["add_low"] / (2 * numel)
+    cast = best["cast"] / nbytes
+    powersgd = max(0.0, best["powersgd"] - best["copy"]) / (4 * count * matrix[0] * matrix[1])
     return CpuCosts(add=add, add_low=add_low, cast=cast, powersgd=powersgd, powersgd_rank=rank, overlap=overlap)

@@ -56,6 +56,23 @@ def test_a_tie_keeps_the_first_listed_candidate() -> None:
     assert choose(same, BUCKETS, 0.1, 0.06, Topology(2, 1, GBE), CPU)[0] == "first"
 
 
+def test_the_probes_and_the_shared_figures_go_where_a_collective_over_the_group_takes_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """NCCL takes CUDA tensors only: on it the probes, the calibration and the figures the ranks share live on the
+    current device; on gloo, on the CPU."""
+    import lightning_dp_strategies.reducers.auto as auto
+
+    monkeypatch.setattr(auto.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(auto.torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(auto.dist, "get_backend", lambda group=None: "nccl")
+    assert auto._device(None) == torch.device("cuda", 3)
+    monkeypatch.setattr(auto.dist, "get_backend", lambda group=None: "cpu:gloo,cuda:nccl")
+    assert auto._device(None) == torch.device("cuda", 3)
+    monkeypatch.setattr(auto.dist, "get_backend", lambda group=None: "gloo")
+    assert auto._device(None) == torch.device("cpu")
+
+
 def test_the_gradient_sync_tells_the_reducer_how_each_step_went() -> None:
     seen: list[StepTiming] = []
 
