@@ -71,8 +71,8 @@ class Topology:
 class CpuCosts:
     """Seconds per byte of the local work that gradient reduction adds to the ring's time, on one process.
 
-    Measure them on the machine that trains (:func:`lightning_dp_strategies.reducers.calibrate_cpu` does, in a
-    second); the defaults are zero, which prices the ring alone. A link measured by
+    Measure them on the machine that trains (:func:`lightning_dp_strategies.reducers.calibrate_cpu` does, in a few
+    seconds); the defaults are zero, which prices the ring alone. A link measured by
     :func:`~lightning_dp_strategies.comm.probe.probe_link` already holds the ring's fp32 adds, so the step model
     charges ``add`` only as the baseline a 16-bit ring's adds are priced against (``add_low - add`` a byte summed).
 

@@ -146,6 +146,16 @@ def _overlap(repeats: int, seconds: float, work: tuple[Callable[[], object], Cal
     return min(1.0, max(0.0, together * alone - 1))  # runs a second with two threads, against one's, less one
 
 
+def _per_run(stretches: dict[str, list[_Stretch]], device: torch.device) -> dict[str, float]:
+    """Each operation's seconds a run, the lowest of its stretches: on the CPU its CPU time, at the share of the cores
+    the process got over all the stretches; on a device, the time to the end of its queued work."""
+    if device.type != "cpu":
+        return {name: min(t.wall / t.runs for t in timed) for name, timed in stretches.items()}
+    every = [stretch for timed in stretches.values() for stretch in timed]
+    share = max(1e-3, sum(t.cpu for t in every) / sum(t.wall for t in every))
+    return {name: min(t.cpu / t.runs for t in timed) / share for name, timed in stretches.items()}
+
+
 def calibrate_cpu(
     nbytes: int = 32 * 1024 * 1024,
     rank: int = 4,
@@ -166,11 +176,9 @@ def calibrate_cpu(
         repeats: timed runs of each operation, at least (their mean counts).
         seconds: how long each operation is timed, at least: long enough to span many of the scheduler's turns where
             processes share cores, the same on every process that calibrates at the same time.
-        device: where the gradient buckets live (default the CPU). On a GPU the operations run on it, timed to their
-            end, and ``overlap`` is taken as 1: the reduction's kernels are queued beside backward's, not on a core
-            that backward needs.
-        rounds: how many times every operation is timed, in turn (all of them once, then again): each figure is the
-            lowest of its rounds, ``overlap`` too.
+        device: where the gradient buckets live (default the CPU). On a GPU the operations run there, timed to their
+            end, and ``overlap`` is 1: the reduction's kernels are queued beside backward's, on no core it needs.
+        rounds: how often every operation is timed, in turn; each figure is the lowest of its rounds, ``overlap`` too.
 
     Examples:
         >>> costs = calibrate_cpu(nbytes=1 << 20, matrix=(256, 256), repeats=2, seconds=0.0)
@@ -202,12 +210,7 @@ def calibrate_cpu(
                 overlap = min(overlap, _overlap(repeats, seconds, _products()))
     finally:
         powersgd_work.reducer.close()
-    every = [stretch for timed in stretches.values() for stretch in timed]
-    if where.type == "cpu":  # CPU seconds a run, at the share of the cores the process got while it calibrated
-        share = max(1e-3, sum(t.cpu for t in every) / sum(t.wall for t in every))
-        best = {name: min(t.cpu / t.runs for t in timed) / share for name, timed in stretches.items()}
-    else:  # the device's time, to the end of its queued work
-        best = {name: min(t.wall / t.runs for t in timed) for name, timed in stretches.items()}
+    best = _per_run(stretches, where)
     add = best["add"] / nbytes
     add_low = best["add_low"] / (2 * numel)
     cast = best["cast"] / nbytes
