@@ -319,6 +319,7 @@ def main() -> None:
         kept = json.loads(args.json.read_text())
         key = lambda c: (c["link"], c["nodes"], c["per_node"])  # noqa: E731
         cells = sorted([c for c in kept["cells"] if key(c) not in {key(n) for n in cells}] + cells, key=key)
+        report.data["notes"] = kept.get("notes", [])  # how the kept cells were run
         report.data["settings"]["links"] = sorted({c["link"] for c in cells})
         report.data["settings"]["layouts"] = sorted({f"{c['nodes']}x{c['per_node']}" for c in cells})
     report.data["cells"] = cells
