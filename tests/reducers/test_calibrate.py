@@ -85,16 +85,18 @@ def test_a_figure_is_cpu_time_a_run_at_the_share_of_the_cores_the_process_got(
 
 def test_overlap_is_what_a_second_thread_adds_to_the_throughput() -> None:
     """A second thread that runs beside the first doubles the runs a second (overlap 1: the reduction's thread gets a
-    core of its own); one that must take turns with it adds nothing (overlap 0: processes outnumber the cores)."""
+    core of its own); one that must take turns with it adds nothing (overlap 0: processes outnumber the cores). Each
+    case keeps the clearest of three measurements, so that a busy test machine that delays one stretch (a sleeper
+    woken late) cannot decide it."""
     nap = lambda: time.sleep(0.004)  # noqa: E731  (sleeping threads do not contend)
-    assert calibrate_module._overlap(3, 0.1, (nap, nap)) > 0.7
+    assert max(calibrate_module._overlap(3, 0.1, (nap, nap)) for _ in range(3)) > 0.7
     turns = threading.Lock()
 
     def take_turns() -> None:
         with turns:
             time.sleep(0.004)
 
-    assert calibrate_module._overlap(3, 0.1, (take_turns, take_turns)) < 0.3
+    assert min(calibrate_module._overlap(3, 0.1, (take_turns, take_turns)) for _ in range(3)) < 0.3
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
