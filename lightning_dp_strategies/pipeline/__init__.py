@@ -11,7 +11,8 @@ together with the data-parallel gradient buckets.
 - :mod:`.clock`: the clock-table model of the schedules: one step tick by tick, its bubble and activations held.
 - :mod:`.runner`: one rank's side of a pipeline step, with the measured bubble.
 - :mod:`.memory`: activation memory measured with saved-tensor hooks (any device).
-- :mod:`.clipping`: gradient clipping by the global norm across stages.
+- :func:`clip_grad_norm_across` (from :mod:`~lightning_dp_strategies.comm.clipping`): gradient clipping by the global
+  norm across stages.
 - :mod:`.layout`: where a rank sits in the stages x replicas mesh, what it owns, and its stage's blocks.
 - :mod:`.state`: optimizer state of the stages <-> one state dict of the whole model.
 - :mod:`.checkpoint`: the whole model's checkpoint from the stages' parts, and each stage's part of one.
@@ -23,7 +24,7 @@ together with the data-parallel gradient buckets.
 - :mod:`.streamed`: a whole-model checkpoint written by one rank while the others send their tensors one at a time.
 """
 
-from lightning_dp_strategies.pipeline.clipping import clip_grad_norm_across
+from lightning_dp_strategies.comm.clipping import clip_grad_norm_across
 from lightning_dp_strategies.pipeline.materialize import has_meta, materialize
 from lightning_dp_strategies.pipeline.memory import ActivationMeter
 from lightning_dp_strategies.pipeline.microbatch import check_micro_batches, effective_micro_batches

@@ -7,8 +7,12 @@ parameters.
 - :mod:`.checkpoint`: the whole optimizer state streamed to one writer; a rank's pieces cut from a whole state.
 - :mod:`.scaler`: a 16-mixed gradient scaler that skips a step on every rank alike.
 - :mod:`.state`: all of it as one object a strategy holds.
+
+Clipping by the 2-norm over every rank's pieces is :func:`clip_grad_norm_across` with ``group=None``; it lives in
+:mod:`~lightning_dp_strategies.comm.clipping`, below both this package and the pipeline that clips across stages.
 """
 
+from lightning_dp_strategies.comm.clipping import clip_grad_norm_across
 from lightning_dp_strategies.sharding.layout import Piece, ShardLayout
 from lightning_dp_strategies.sharding.optimizer import ELEMENTWISE_OPTIMIZERS, ShardedParameters, check_elementwise
 from lightning_dp_strategies.sharding.scaler import agree_on_nonfinite, restore_scaler
@@ -22,5 +26,6 @@ __all__ = [
     "ShardedParameters",
     "agree_on_nonfinite",
     "check_elementwise",
+    "clip_grad_norm_across",
     "restore_scaler",
 ]

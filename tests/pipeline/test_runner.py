@@ -12,12 +12,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_dp_strategies.comm import clip_grad_norm_across
 from lightning_dp_strategies.pipeline import (
     LOOPED,
     V_SHAPED,
     PipelineRunner,
     chunk_ranks,
-    clip_grad_norm_across,
     effective_schedule,
     rank_order,
     stage_order,
