@@ -28,6 +28,7 @@ LAYERS = {
     "sharding": 5,
     "data_parallel": 4,
     "pipeline": 4,
+    "local_sgd": 4,
     "core": 5,
     "strategies": 6,
     "fabric": 6,

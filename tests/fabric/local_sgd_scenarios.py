@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from lightning_dp_strategies import FabricLocalSGDStrategy
-from lightning_dp_strategies.core.local_sgd import diloco_outer_optimizer
+from lightning_dp_strategies.local_sgd import diloco_outer_optimizer
 from tests.fabric.fabric_scenarios import EPOCHS, PER_RANK_BATCH, WORLD, make_data, make_model, make_optimizer, params
 
 

@@ -22,7 +22,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostL
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_dp_strategies import LocalSGDStrategy, RingAllReduceStrategy, bf16_compress
-from lightning_dp_strategies.core.local_sgd import diloco_outer_optimizer
+from lightning_dp_strategies.local_sgd import diloco_outer_optimizer
 
 WORLD = 2
 SAMPLES = 44  # 22 per rank: batches of 4,4,4,4,4,2 (an uneven final batch), 6 steps per epoch

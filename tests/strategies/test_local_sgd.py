@@ -210,8 +210,7 @@ def test_bad_options_fail_when_the_strategy_is_made(options: dict[str, Any], err
 
 
 def test_an_outer_factory_that_returns_no_optimizer_over_its_parameters_is_refused_at_setup() -> None:
-    from lightning_dp_strategies.core.averaging import FlatAverager
-    from lightning_dp_strategies.core.local_sgd import LocalSGD, LocalSGDConfig
+    from lightning_dp_strategies.local_sgd import FlatAverager, LocalSGD, LocalSGDConfig
     from lightning_dp_strategies.reducers import NativeReducer
 
     model = torch.nn.Linear(2, 2)

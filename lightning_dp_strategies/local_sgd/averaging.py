@@ -1,0 +1,116 @@
+"""Averaging tensors across ranks in one flat all-reduce through any reducer, and torch's periodic model averaging.
+
+Local SGD, DiLoCo and post-local SGD all average a set of tensors (parameter changes, parameters, buffers) now and
+then, outside backward. :class:`FlatAverager` packs them into one flat fp32 buffer, hands it to a reducer as a
+:class:`~lightning_dp_strategies.reducers.GradBucket` (so ``bf16_compress("ring")`` halves what is sent) and unpacks
+the average; :class:`PeriodicAverager` is torch's ``PeriodicModelAverager`` schedule on top of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_dp_strategies.comm import CommCounter
+from lightning_dp_strategies.reducers import GradBucket, Reducer, close_reducer, setup_reducer
+
+__all__ = ["FlatAverager", "PeriodicAverager", "averageable"]
+
+
+def averageable(tensor: Tensor) -> bool:
+    """Whether a buffer is averaged: floating point (``num_batches_tracked`` and other counters are not)."""
+    return tensor.is_floating_point() or tensor.is_complex()
+
+
+class FlatAverager:
+    """Averages lists of tensors over a process group in one reduction of one flat fp32 buffer.
+
+    Configuration: the reducer and the group (:meth:`setup`). Runtime state: the flat buffer, kept between calls while
+    the sizes stay the same. Statistics: ``counter`` (what the reducer sent) and ``reductions``.
+
+    Examples:
+        >>> from lightning_dp_strategies.reducers import NativeReducer
+        >>> averager = FlatAverager(NativeReducer())
+        >>> a, b = torch.ones(2, 2), torch.arange(3.0)
+        >>> averager.average([a, b])  # one process: the average is the tensors themselves
+        >>> b.tolist(), averager.reductions
+        ([0.0, 1.0, 2.0], 1)
+    """
+
+    def __init__(self, reducer: Reducer) -> None:
+        self.reducer = reducer
+        self.group: dist.ProcessGroup | None = None
+        self.counter = CommCounter()
+        self.reductions = 0
+        self._buffer: Tensor | None = None
+
+    def setup(self, group: dist.ProcessGroup | None, ranks: Sequence[int], backend: str | None = None) -> None:
+        """Average over ``group`` (global ``ranks``); runs the reducer's own setup step. Collective: every rank."""
+        self.group = group
+        setup_reducer(self.reducer, group, ranks, backend)
+
+    def close(self) -> None:
+        close_reducer(self.reducer)
+        self._buffer = None
+
+    @property
+    def world_size(self) -> int:
+        if not (dist.is_available() and dist.is_initialized()):
+            return 1
+        return dist.get_world_size(self.group)
+
+    def average(self, tensors: Sequence[Tensor]) -> None:
+        """Replace every tensor of ``tensors`` by its average over the group, in one reduction (collective)."""
+        tensors = list(tensors)
+        total = sum(t.numel() for t in tensors)
+        device = tensors[0].device if tensors else torch.device("cpu")
+        if self._buffer is None or self._buffer.numel() != total or self._buffer.device != device:
+            self._buffer = torch.empty(total, dtype=torch.float32, device=device)
+        buffer = self._buffer
+        if tensors:
+            torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors], out=buffer)
+        bucket = GradBucket(buffer, self.group, self.counter, shapes=[t.shape for t in tensors], op="avg", last=True)
+        if self.world_size > 1:
+            result = self.reducer(bucket).wait()
+            if isinstance(result, (list, tuple)) and len(result) == 1:
+                result = result[0]
+            if isinstance(result, Tensor) and result.data_ptr() != buffer.data_ptr():
+                buffer.copy_(result.view(-1))
+        start = 0
+        for tensor in tensors:
+            n = tensor.numel()
+            tensor.detach().copy_(buffer[start : start + n].view_as(tensor))
+            start += n
+        self.reductions += 1
+
+
+class PeriodicAverager:
+    """torch's ``PeriodicModelAverager`` schedule on a :class:`FlatAverager`: after optimizer step ``k`` (counted from
+    0), the parameters are averaged when ``k >= warmup_steps`` and ``(k - warmup_steps) % period == 0``.
+
+    The strategies run it for ``ddp_comm_state=PostLocalSGDState(...)`` with ``model_averaging_period=period``, as
+    Lightning's ``DDPStrategy`` runs torch's averager (on CUDA only).
+
+    Examples:
+        >>> from lightning_dp_strategies.reducers import NativeReducer
+        >>> averager = PeriodicAverager(FlatAverager(NativeReducer()), period=4, warmup_steps=2)
+        >>> [averager.after_step([torch.ones(1)]) for _ in range(8)]
+        [False, False, True, False, False, False, True, False]
+    """
+
+    def __init__(self, averager: FlatAverager, period: int, warmup_steps: int) -> None:
+        self.averager = averager
+        self.period = period
+        self.warmup_steps = warmup_steps
+        self.step = 0
+
+    def after_step(self, params: Sequence[Tensor]) -> bool:
+        """Call after every optimizer step with its parameters; returns whether they were averaged now."""
+        due = self.step >= self.warmup_steps and (self.step - self.warmup_steps) % self.period == 0
+        if due:
+            self.averager.average(params)
+        self.step += 1
+        return due
