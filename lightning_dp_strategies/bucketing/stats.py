@@ -4,18 +4,36 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-__all__ = ["CommStats"]
+from lightning_dp_strategies.comm.ops import CommCounter
+
+__all__ = ["COUNTER_FIELDS", "CommStats"]
+
+COUNTER_FIELDS: dict[str, str] = {
+    "bytes_sent": "bytes_sent",
+    "inter_node_bytes": "inter_node_bytes_sent",
+    "messages": "messages",
+    "operations": "ring_operations",
+    "seconds": "comm_seconds",
+}
+"""Each field of :class:`~lightning_dp_strategies.comm.CommCounter` (what a collective counts) and the field of
+:class:`CommStats` that totals it; :meth:`CommStats.add_counter` adds one to the other by this table."""
 
 
 @dataclass
 class CommStats:
     """Counts of gradient communication; :class:`GradientBuckets` keeps running totals, strategies per-step deltas.
 
+    The fields a collective counts are :class:`~lightning_dp_strategies.comm.CommCounter`'s, named here as
+    :data:`COUNTER_FIELDS` says; the others count what only the buckets (or the pipeline) see.
+
     Examples:
         >>> before = CommStats(bytes_sent=1000, synced_backwards=2)
         >>> step = CommStats(bytes_sent=1600, synced_backwards=3) - before
         >>> step.bytes_sent, step.synced_backwards, step.as_dict("comm/")["comm/bytes_sent"]
         (600, 1, 600.0)
+        >>> synced = CommStats.from_counter(CommCounter(bytes_sent=40, operations=1, seconds=0.5), exposed=True)
+        >>> synced.bytes_sent, synced.ring_operations, synced.comm_seconds, synced.exposed_seconds
+        (40, 1, 0.5, 0.5)
     """
 
     bytes_sent: int = 0
@@ -42,6 +60,21 @@ class CommStats:
     (``hybrid_pipeline`` only)."""
     pipeline_bytes_received: int = 0
     """Bytes this rank received from neighbouring pipeline stages (``hybrid_pipeline`` only)."""
+
+    @classmethod
+    def from_counter(cls, counter: CommCounter, exposed: bool = False) -> CommStats:
+        """What ``counter`` saw, as statistics; ``exposed``: the training loop waited for all of it (outside
+        backward, as a synchronisation of local SGD is)."""
+        stats = cls()
+        stats.add_counter(counter)
+        if exposed:
+            stats.exposed_seconds = counter.seconds
+        return stats
+
+    def add_counter(self, counter: CommCounter) -> None:
+        """Add what a collective's ``counter`` saw to these totals (by :data:`COUNTER_FIELDS`)."""
+        for source, target in COUNTER_FIELDS.items():
+            setattr(self, target, getattr(self, target) + getattr(counter, source))
 
     def __add__(self, other: CommStats) -> CommStats:
         return CommStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})

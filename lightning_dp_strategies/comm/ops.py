@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.distributed as dist
@@ -35,16 +35,13 @@ class CommCounter:
 
     def reset(self) -> None:
         """Zero every field."""
-        self.bytes_sent = self.messages = self.operations = self.inter_node_bytes = 0
-        self.seconds = 0.0
+        for f in fields(self):
+            setattr(self, f.name, f.default)
 
     def add(self, other: CommCounter) -> None:
         """Add ``other``'s counts to this counter."""
-        self.bytes_sent += other.bytes_sent
-        self.messages += other.messages
-        self.operations += other.operations
-        self.seconds += other.seconds
-        self.inter_node_bytes += other.inter_node_bytes
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
 
 def is_average(op: ReduceOpLike) -> bool:

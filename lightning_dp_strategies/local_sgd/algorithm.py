@@ -58,15 +58,7 @@ class LocalSGD:
     @property
     def stats(self) -> CommStats:
         """What the synchronisations sent so far, as gradient statistics count it (all of it exposed)."""
-        counter = self.averager.counter
-        return CommStats(
-            bytes_sent=counter.bytes_sent,
-            inter_node_bytes_sent=counter.inter_node_bytes,
-            messages=counter.messages,
-            ring_operations=counter.operations,
-            comm_seconds=counter.seconds,
-            exposed_seconds=counter.seconds,
-        )
+        return CommStats.from_counter(self.averager.counter, exposed=True)
 
     @property
     def averages_gradients(self) -> bool:
