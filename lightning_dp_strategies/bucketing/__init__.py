@@ -5,8 +5,8 @@ synchronisation a strategy holds (:mod:`.sync`).
 
 from lightning_dp_strategies.bucketing.bucket import Bucket
 from lightning_dp_strategies.bucketing.buckets import GradientBuckets
-from lightning_dp_strategies.bucketing.layout import assign_buckets
+from lightning_dp_strategies.bucketing.layout import assign_buckets, bucket_boundaries
 from lightning_dp_strategies.bucketing.stats import CommStats
 from lightning_dp_strategies.plan.sizing import MiB
 
-__all__ = ["Bucket", "CommStats", "GradientBuckets", "MiB", "assign_buckets"]
+__all__ = ["Bucket", "CommStats", "GradientBuckets", "MiB", "assign_buckets", "bucket_boundaries"]

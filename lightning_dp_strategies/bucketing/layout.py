@@ -1,4 +1,9 @@
-"""Which parameters share a bucket: reverse registration order, one dtype and device each, capped in size."""
+"""Which parameters share a bucket: reverse registration order, one dtype and device each, capped in size.
+
+The algorithm, :func:`bucket_boundaries`, works on ``(kind, nbytes)`` pairs in pure Python and lives in the cost
+model's :mod:`~lightning_dp_strategies.plan.sizing` (the bottom layer, which counts buckets with it and may import
+nothing above it); it is exported here beside :func:`assign_buckets`, its use on real parameters.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ from torch import Tensor
 
 from lightning_dp_strategies.plan.sizing import bucket_boundaries
 
-__all__ = ["assign_buckets"]
+__all__ = ["assign_buckets", "bucket_boundaries"]
 
 
 def assign_buckets(
