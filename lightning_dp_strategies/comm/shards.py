@@ -21,7 +21,7 @@ from torch import Tensor
 
 from lightning_dp_strategies.comm.ops import CommCounter, divide_
 from lightning_dp_strategies.comm.ring import _piece_count, ring_all_gather, ring_reduce_scatter
-from lightning_dp_strategies.comm.streamed import streamed_ring_all_gather, streamed_ring_reduce_scatter
+from lightning_dp_strategies.comm.streamed import streamed_ring_all_gather, streamed_ring_all_reduce
 
 __all__ = ["chunk_range", "owned_chunk", "ring_all_gather_flat", "ring_reduce_scatter_flat"]
 
@@ -85,7 +85,8 @@ def ring_reduce_scatter_flat(
         return owned
     started = time.perf_counter()
     if dist.get_backend(group) == "gloo":
-        streamed_ring_reduce_scatter(flat, average, group, counter, workspace, duplex, _pieces(flat, size))
+        pieces = _pieces(flat, size)
+        streamed_ring_all_reduce(flat, average, group, counter, workspace, duplex, pieces, gather=False)
     else:
         chunks = list(flat.tensor_split(size))
         ring_reduce_scatter(chunks, group, counter, workspace)

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from lightning_dp_strategies.comm.ops import CommCounter, divide_
 
-__all__ = ["streamed_ring_all_gather", "streamed_ring_all_reduce", "streamed_ring_reduce_scatter"]
+__all__ = ["streamed_ring_all_gather", "streamed_ring_all_reduce"]
 
 
 def _duplex_sides(
@@ -164,6 +164,7 @@ def streamed_ring_all_reduce(
     workspace: Tensor | None,
     duplex: dist.ProcessGroup | None,
     pieces: int,
+    gather: bool = True,
 ) -> None:
     """The ring as one stream of messages (gloo): each send issued the moment its data is ready.
 
@@ -193,41 +194,24 @@ def streamed_ring_all_reduce(
         workspace: optional scratch of ``flat``'s dtype, used where it holds two chunks' worth of pieces.
         duplex: optional second group over the same ranks (used at two ranks only).
         pieces: how many pieces each chunk moves in; the same on every rank.
+        gather: ``False`` stops after the reduce-scatter: this rank's chunk of ``flat``
+            (``flat.tensor_split(N)[(rank + 1) % N]``) holds the reduction, the other chunks partial sums.
 
     Examples:
         >>> # on every rank of an initialised gloo group
         >>> flat = torch.full((10,), float(dist.get_rank()))  # doctest: +SKIP
         >>> streamed_ring_all_reduce(flat, False, None, None, None, None, pieces=1)  # doctest: +SKIP
-    """
-    ring = _StreamedRing(flat, group, counter, workspace, duplex, pieces)
-    ring.start()
-    ring.reduce_scatter(average)
-    ring.all_gather()
-    ring.finish()
-
-
-def streamed_ring_reduce_scatter(
-    flat: Tensor,
-    average: bool,
-    group: dist.ProcessGroup | None,
-    counter: CommCounter | None,
-    workspace: Tensor | None,
-    duplex: dist.ProcessGroup | None,
-    pieces: int,
-) -> None:
-    """The reduce-scatter half of :func:`streamed_ring_all_reduce`: afterwards this rank's chunk of ``flat``
-    (``flat.tensor_split(N)[(rank + 1) % N]``) holds the reduction; the other chunks hold partial sums.
-
-    Examples:
-        >>> # on every rank of an initialised 2-process gloo group
+        >>> # the reduce-scatter half alone, on 2 ranks: each keeps its own reduced chunk
         >>> flat = torch.full((4,), float(dist.get_rank() + 1))  # doctest: +SKIP
-        >>> streamed_ring_reduce_scatter(flat, False, None, None, None, None, pieces=1)  # doctest: +SKIP
+        >>> streamed_ring_all_reduce(flat, False, None, None, None, None, pieces=1, gather=False)  # doctest: +SKIP
         >>> flat.tensor_split(2)[(dist.get_rank() + 1) % 2]  # doctest: +SKIP
         tensor([3., 3.])
     """
-    ring = _StreamedRing(flat, group, counter, workspace, duplex, pieces, gather=False)
+    ring = _StreamedRing(flat, group, counter, workspace, duplex, pieces, gather=gather)
     ring.start()
     ring.reduce_scatter(average)
+    if gather:
+        ring.all_gather()
     ring.finish()
 
 
