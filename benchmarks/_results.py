@@ -58,6 +58,14 @@ def command_line() -> str:
     return shlex.join(["python", shown, *sys.argv[1:]])
 
 
+def save_figure(fig: Any, path: Path) -> None:
+    """Lay out a matplotlib figure, write it to ``path`` (its folder made if missing) and say so."""
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
 class Report:
     """Tables and notes of one benchmark run, written as JSON by :meth:`save`."""
 

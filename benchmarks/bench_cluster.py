@@ -35,15 +35,21 @@ import json
 import math
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-NETSIM = ROOT.parent / "shared" / "netsim" / "netsim"
+from _launch import (
+    fit_rank,
+    launch_order,
+    link_bandwidth,
+    parse_or_work,
+    simulated_cluster,
+    torchrun_on_cluster,
+    worker_command,
+)
+
 VARIANTS = (
     "ddp",
     "ring",
@@ -83,7 +89,6 @@ def worker(args: argparse.Namespace) -> None:
     import lightning as L
     import torch
     from torch import nn
-    from torch.utils.data import DataLoader, TensorDataset
 
     torch.set_num_threads(1)  # the simulated nodes share the machine's cores (OMP_NUM_THREADS=1 keeps Lightning to it)
 
@@ -120,28 +125,8 @@ def worker(args: argparse.Namespace) -> None:
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
-    L.seed_everything(0)
-    model = MLP()
-    world = int(os.environ["WORLD_SIZE"])
-    samples = args.steps * args.batch * world
-    gen = torch.Generator().manual_seed(1)
-    data = TensorDataset(
-        torch.randn(samples, args.width, generator=gen), torch.randint(0, 10, (samples,), generator=gen)
-    )
     timer = Timer()
-    trainer = L.Trainer(
-        strategy=make_strategy(args.worker, args.bucket_cap_mb),
-        accelerator="cpu",
-        devices=int(os.environ["LOCAL_WORLD_SIZE"]),
-        num_nodes=int(os.environ["NNODES"]),
-        max_steps=args.steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[timer],
-    )
-    trainer.fit(model, DataLoader(data, batch_size=args.batch))
+    trainer, model = fit_rank(MLP, lambda: make_strategy(args.worker, args.bucket_cap_mb), timer, args)
     steps = [b - a for a, b in zip(timer.times, timer.times[1:], strict=False)][args.warmup :]
     exposed = timer.exposed[1:][args.warmup :]
     result: dict[str, Any] = {"variant": args.worker, "step_ms": 1e3 * statistics.median(steps)}
@@ -188,24 +173,14 @@ def decision_inputs(decision: Any) -> dict[str, Any]:
     }
 
 
-def netsim(*argv: str, env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(NETSIM), *argv], capture_output=True, text=True, env=env, check=check)
+WORKER_SETTINGS = ("width", "depth", "steps", "batch", "warmup", "bucket_cap_mb")
+"""The settings a rank is started with."""
 
 
 def launch(variant: str, per_node: int, args: argparse.Namespace, folder: Path, name: str) -> dict[str, Any]:
-    """One launch of ``variant`` on the cluster that is up; its rank 0's result."""
+    """One launch of ``variant`` on the cluster that is up (one thread a process); its rank 0's result."""
     out = folder / f"{name}.json"
-    env = {**os.environ, "PYTHON": sys.executable, "NETSIM_LOGS": str(folder), "PYTHONPATH": str(ROOT)}
-    # one thread a process: the simulated nodes share the cores, and Lightning would otherwise give a lone process
-    # every core (torchrun sets 1 only for several processes a node), oversubscribing them
-    env["OMP_NUM_THREADS"] = "1"
-    script = [str(Path(__file__).resolve()), "--worker", variant, "--out", str(out)]
-    script += ["--width", str(args.width), "--depth", str(args.depth), "--steps", str(args.steps)]
-    script += ["--batch", str(args.batch), "--warmup", str(args.warmup), "--bucket-cap-mb", str(args.bucket_cap_mb)]
-    done = netsim("torchrun", str(per_node), *script, env=env, check=False)
-    if done.returncode != 0:
-        logs = "\n".join(p.read_text()[-3000:] for p in sorted(folder.glob("netsim-node*.log")))
-        raise RuntimeError(f"{variant} failed on the simulated cluster:\n{logs}")
+    torchrun_on_cluster(per_node, worker_command(__file__, variant, out, args, WORKER_SETTINGS), folder, variant)
     return json.loads(out.read_text())
 
 
@@ -213,9 +188,8 @@ def measure_cell(link: str, nodes: int, per_node: int, args: argparse.Namespace)
     """Every variant on ``nodes`` x ``per_node`` over ``link``, launches interleaved."""
     import torch
 
-    netsim("up", str(nodes), link)
-    try:
-        bandwidth = netsim("bandwidth", check=False).stdout.strip()
+    with simulated_cluster(nodes, link):
+        bandwidth = link_bandwidth()
         times: dict[str, list[float]] = {v: [] for v in args.variants}
         exposed: dict[str, list[float]] = {v: [] for v in args.variants}
         auto_inputs: list[dict[str, Any]] = []
@@ -223,8 +197,7 @@ def measure_cell(link: str, nodes: int, per_node: int, args: argparse.Namespace)
         with tempfile.TemporaryDirectory(prefix="cluster-") as tmp:
             folder = Path(tmp)
             for index in range(args.launches):
-                order = args.variants if index % 2 == 0 else list(reversed(args.variants))
-                for variant in order:
+                for variant in launch_order(args.variants, index):
                     result = launch(variant, per_node, args, folder, f"{variant}-{index}")
                     times[variant].append(result["step_ms"])
                     exposed[variant] += [result["exposed_ms"]] if "exposed_ms" in result else []
@@ -237,8 +210,6 @@ def measure_cell(link: str, nodes: int, per_node: int, args: argparse.Namespace)
                 params = torch.load(folder / f"{variant}-0.pt")
                 if reference is not None and variant != "hybrid_pipeline":  # S stages of N/S replicas: another batch
                     diffs[variant] = max((params[k] - reference[k]).abs().max().item() for k in reference)
-    finally:
-        netsim("down", check=False)
     step = {v: statistics.median(t) for v, t in times.items()}
     return {
         "link": link,
@@ -295,15 +266,12 @@ def main() -> None:
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="the package's bucket cap (ddp keeps 25)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--merge", action="store_true", help="keep the cells of --json that this run does not measure")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        return worker(args)
+    args = parse_or_work(parser, worker)
+    if args is None:
+        return None
     if os.geteuid() != 0:
         print("bench_cluster.py needs root for the simulated cluster (network namespaces and tc); nothing measured.")
         return None
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     from _results import Report
     from cluster_model import auto_rows, prediction_rows
 

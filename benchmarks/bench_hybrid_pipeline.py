@@ -20,22 +20,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from _launch import run_ranks
 from torch import nn
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 STAGES = 2
 BATCH = 256
@@ -52,11 +46,9 @@ def _stage_module(rank: int, width: int, depth: int) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-def _worker(rank: int, world: int, port: int, steps: int, width: int, depth: int, out: str) -> None:
+def _worker(rank: int, world: int, steps: int, width: int, depth: int, out: str) -> None:
     from lightning_dp_strategies.pipeline import PipelineRunner
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(minutes=5))
     torch.set_num_threads(1)
     module = _stage_module(rank, width, depth)
     gen = torch.Generator().manual_seed(0)
@@ -87,13 +79,12 @@ def _worker(rank: int, world: int, port: int, steps: int, width: int, depth: int
         results["memory"][schedule] = max(peaks)  # type: ignore[index]
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump(results, f)
-    dist.destroy_process_group()
 
 
 def main() -> None:
-    from benchmarks._results import Report
+    from _results import Report
+
     from lightning_dp_strategies.pipeline import clock_table, gpipe_bubble, table_in_flight
-    from tests.helpers.distributed import free_port
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=12, help="measured steps per configuration")
@@ -105,12 +96,7 @@ def main() -> None:
     rows_a: list[list[str]] = []
     rows_b: list[list[str]] = []
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(
-            _worker,
-            args=(STAGES, free_port(), args.steps, args.width, args.depth, out),
-            nprocs=STAGES,
-            start_method="spawn",
-        )
+        run_ranks(_worker, STAGES, args.steps, args.width, args.depth, out)
         ranks = [json.load(open(f"{out}/rank{r}.json")) for r in range(STAGES)]
 
     print(f"(a) bubble, S={STAGES}, batch {BATCH}, width {args.width}, {args.depth} layers/stage, gpipe, CPU/gloo")

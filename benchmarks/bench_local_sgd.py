@@ -28,15 +28,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+# ``_launch`` is imported where it is used: tests load this file by its path, without benchmarks/ on sys.path
 ROOT = Path(__file__).resolve().parents[1]
-NETSIM = ROOT.parent / "shared" / "netsim" / "netsim"
 VARIANTS = ("ddp", "powersgd", "local_sgd_4", "local_sgd_8", "local_sgd_16", "local_sgd_32", "diloco_8", "diloco_16")
 OUT_DIM, TEACHER_HIDDEN, VAL_SAMPLES = 16, 64, 2048
 
@@ -77,6 +76,7 @@ def worker(args: argparse.Namespace) -> None:
     """One rank of one launch (started by torchrun on every simulated node)."""
     import lightning as L
     import torch
+    from _launch import cluster_trainer
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -100,18 +100,7 @@ def worker(args: argparse.Namespace) -> None:
     L.seed_everything(0)
     model = Student()
     curve = curve_callback(args.eval_every, x_val, y_val, args.batch * world)
-    trainer = L.Trainer(
-        strategy=make_strategy(args.worker),
-        accelerator="cpu",
-        devices=1,
-        num_nodes=world,
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[curve],
-    )
+    trainer = cluster_trainer(make_strategy(args.worker), steps, [curve])  # one process a node
     trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=args.batch))
     if trainer.global_rank == 0:
         Path(args.out).write_text(json.dumps({"variant": args.worker, "points": curve.points}))
@@ -157,21 +146,21 @@ def curve_callback(every: int, x_val: Any, y_val: Any, samples_per_step: int) ->
     return Curve()
 
 
-def netsim(*argv: str, env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(NETSIM), *argv], capture_output=True, text=True, env=env, check=check)
+WORKER_SETTINGS = ("width", "depth", "steps", "ddp_steps", "batch", "lr", "eval_every")
+"""The settings a rank is started with."""
 
 
 def launch(variant: str, args: argparse.Namespace, folder: Path) -> dict[str, Any]:
-    """One launch of ``variant`` on the cluster that is up; rank 0's curve."""
+    """One launch of ``variant`` on the cluster that is up, one process a node; rank 0's curve.
+
+    The thread count is left to torchrun and Lightning (``one_thread=False``): Lightning gives a lone process a node
+    every core of the machine.
+    """
+    from _launch import torchrun_on_cluster, worker_command
+
     out = folder / f"{variant}.json"
-    env = {**os.environ, "PYTHON": sys.executable, "NETSIM_LOGS": str(folder), "PYTHONPATH": str(ROOT)}
-    script = [str(Path(__file__).resolve()), "--worker", variant, "--out", str(out)]
-    for name in ("width", "depth", "steps", "ddp_steps", "batch", "lr", "eval_every"):
-        script += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    done = netsim("torchrun", "1", *script, env=env, check=False)
-    if done.returncode != 0:
-        logs = "\n".join(p.read_text()[-3000:] for p in sorted(folder.glob("netsim-node*.log")))
-        raise RuntimeError(f"{variant} failed on the simulated cluster:\n{logs}")
+    script = worker_command(__file__, variant, out, args, WORKER_SETTINGS)
+    torchrun_on_cluster(1, script, folder, variant, one_thread=False)
     return json.loads(out.read_text())
 
 
@@ -195,9 +184,10 @@ def summarize(curves: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 
 
 def measure_layout(nodes: int, args: argparse.Namespace) -> dict[str, Any]:
-    netsim("up", str(nodes), args.link)
-    try:
-        bandwidth = netsim("bandwidth", check=False).stdout.strip()
+    from _launch import link_bandwidth, simulated_cluster
+
+    with simulated_cluster(nodes, args.link):
+        bandwidth = link_bandwidth()
         curves = {}
         with tempfile.TemporaryDirectory(prefix="local-sgd-") as tmp:
             for variant in args.variants:
@@ -206,8 +196,6 @@ def measure_layout(nodes: int, args: argparse.Namespace) -> dict[str, Any]:
                 print(
                     f"  {nodes} nodes {variant:13s} {last['step']} steps {last['seconds']:.1f} s {last['val_loss']:.4f}"
                 )
-    finally:
-        netsim("down", check=False)
     settings = {"steps": args.steps, "ddp_steps": args.ddp_steps, "command": " ".join(sys.argv)}
     return {
         "nodes": nodes,
@@ -244,6 +232,7 @@ COLUMNS = ["nodes x procs", "variant", "ms/step", "s to ddp's loss", "/ ddp", "l
 def plot(path: Path, figure: Path) -> None:
     """Validation loss against training wall time, one panel per layout, from a stored result."""
     import matplotlib
+    from _results import save_figure
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -259,13 +248,12 @@ def plot(path: Path, figure: Path) -> None:
         ax.set(title=f"{cell['nodes']} nodes over {cell['link']}", xlabel="training wall time (s)")
         ax.set(ylabel="held-out MSE", yscale="log")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    figure.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(figure, dpi=110)
-    print(f"wrote {figure}")
+    save_figure(fig, figure)
 
 
 def main() -> None:
+    from _launch import parse_or_work
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layouts", nargs="+", type=int, default=[2, 4], help="nodes (one process each)")
     parser.add_argument("--link", default="1gbit", help="tc rate of the links")
@@ -279,21 +267,14 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-4, help="Adam's learning rate")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--add-to", type=Path, help="keep the other layouts of this stored result in the new one")
-    parser.add_argument("--plot", type=Path, help="draw the figure from this stored result and exit")
-    parser.add_argument("--figure", type=Path, default=ROOT / "docs" / "figures" / "local_sgd.png")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        return worker(args)
-    if args.plot:
-        return plot(args.plot, args.figure)
+    args = parse_or_work(parser, worker, plot, figure=ROOT / "docs" / "figures" / "local_sgd.png")
+    if args is None:
+        return None
     if "ddp" not in args.variants:
         parser.error("--variants must include ddp: its final loss is the target")
     if os.geteuid() != 0:
         print("bench_local_sgd.py needs root for the simulated cluster (network namespaces and tc); nothing measured.")
         return None
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     from _results import Report
 
     keys = (

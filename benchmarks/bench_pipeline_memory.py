@@ -26,9 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,10 +34,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from _launch import child_env, free_port, run_together
 from torch import Tensor, nn
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 BATCH = 4  # rows per step: two micro-batches of two, so activations are negligible next to the parameters
 MICRO_BATCHES = 2
@@ -155,43 +150,18 @@ def _worker(stages: int, out: Path, blocks: int, width: int, steps: int, timeout
 
 
 # ------------------------------------------------------------------------------------------ parent: one S at a time
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _run_stages(stages: int, args: argparse.Namespace) -> dict[str, Any]:
     """Run the worker for ``stages`` (it launches the other ranks) and read every rank's result."""
     with tempfile.TemporaryDirectory(prefix=f"pipeline-memory-s{stages}-") as tmp:
         command = [sys.executable, str(Path(__file__).resolve()), "--worker", str(stages), tmp]
         command += ["--blocks", str(args.blocks), "--width", str(args.width), "--steps", str(args.steps)]
         command += ["--timeout", str(args.timeout)]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "MASTER_PORT": str(_free_port())}
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
-        start = time.perf_counter()
-        proc = subprocess.Popen(
-            command,
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        try:
-            output, _ = proc.communicate(timeout=args.timeout)
-            failure = f"exit status {proc.returncode}" if proc.returncode else None
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            output, _ = proc.communicate()
+        # the other ranks, which the launcher starts, are killed with it when it ends or runs out of time
+        done = run_together([command], args.timeout, child_env(PYTHONUNBUFFERED="1", MASTER_PORT=str(free_port())))
+        output, seconds = done.outputs[0], done.seconds
+        failure = f"exit status {done.codes[0]}" if done.codes[0] else None
+        if done.timed_out:
             failure = f"did not finish within {args.timeout:.0f} s"
-        finally:
-            try:
-                os.killpg(proc.pid, 9)  # the ranks the launcher started, if any is left
-            except ProcessLookupError:
-                pass
-        seconds = time.perf_counter() - start
         ranks = [json.loads(p.read_text()) for r in range(stages) if (p := Path(tmp) / f"rank{r}.json").exists()]
     if failure is None and len(ranks) < stages:
         failure = f"only {len(ranks)} of {stages} ranks wrote a result"
@@ -249,7 +219,7 @@ def main() -> None:
     print(", ".join(f"S={run['stages']} {run['seconds']:.0f}" for run in runs))
 
     if args.json:
-        from benchmarks._results import Report
+        from _results import Report
 
         config = {"blocks": args.blocks, "width": args.width, "steps": args.steps, "batch": BATCH}
         report = Report("pipeline_memory", {k: v for k, v in vars(args).items() if k != "worker"})

@@ -47,8 +47,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from _launch import QUIET_TRAINER, ROOT
 
 BATCH, STAGES = 128, 2
 
@@ -244,11 +243,8 @@ def _run(config: dict[str, Any], out: str) -> None:
         accelerator="cpu",
         devices=devices,
         max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[clock],
+        **QUIET_TRAINER,
     )
     trainer.fit(Net(), DataLoader(data, batch_size=BATCH))
     periods = [b - a for a, b in zip(clock.starts[3:-2], clock.starts[4:-1], strict=False)]
@@ -290,7 +286,8 @@ def main() -> None:
         _run(json.loads(args.config), args.out)
         return
 
-    from benchmarks._results import Report
+    from _results import Report
+
     from lightning_dp_strategies.pipeline import clock_table, schedule_bubble, schedule_micro_batches, table_in_flight
 
     settings = {k: v for k, v in vars(args).items() if k not in ("config", "out")}

@@ -23,21 +23,17 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from _launch import run_ranks
+from _results import Report
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks._results import Report  # noqa: E402
-from lightning_dp_strategies.comm import CommCounter, ring_all_reduce  # noqa: E402
-from lightning_dp_strategies.plan import Link, Workload, predict  # noqa: E402
-from tests.helpers.distributed import run_distributed  # noqa: E402
+from lightning_dp_strategies.comm import CommCounter, ring_all_reduce
+from lightning_dp_strategies.plan import Link, Workload, predict
 
 KiB, MiB = 1024, 1024 * 1024
 SIZES = [64 * KiB * 4**k for k in range(6)]  # 64 KiB, 256 KiB, 1 MiB, 4 MiB, 16 MiB, 64 MiB
@@ -89,7 +85,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {cores} CPU cores, load average {os.getloadavg()[0]:.1f}, gloo on loopback")
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "times.json"
-        run_distributed(_measure, 3, str(out), args.repeats, timeout=300)
+        run_ranks(_measure, 3, str(out), args.repeats, timeout=300)
         rows = json.loads(out.read_text())
 
     fit_rows = [r for r in rows if r["world"] == 2 and r["bytes"] in CALIBRATION]

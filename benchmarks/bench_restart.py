@@ -20,7 +20,6 @@ longer than the outage and once with a shorter one. Lightning's ``ddp`` can run 
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import subprocess
 import sys
@@ -30,14 +29,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-NETSIM = Path(os.environ.get("NETSIM", ROOT.parent / "shared" / "netsim" / "netsim"))
+from _launch import NETSIM, child_env, run_together, simulated_cluster
+
 PORT = 29577
 TOLERANCE = 1e-6
-
-
-def netsim(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(NETSIM), *argv], capture_output=True, text=True, check=check)
 
 
 def agent(node: int, strategy: str, outdir: Path, kill: str, victim: int) -> list[str]:
@@ -55,40 +50,12 @@ def run_job(
 ) -> dict[str, Any]:
     """Both agents of one job, started together and killed at ``deadline``; their exit codes, output and wall time."""
     outdir.mkdir(parents=True, exist_ok=True)
-    start = time.monotonic()
-    procs = [
-        subprocess.Popen(
-            agent(node, strategy, outdir, kill, victim),
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        for node in range(2)
-    ]
-    outputs, timed_out = [], False
-    try:
-        for proc in procs:
-            try:
-                out, _ = proc.communicate(timeout=max(0.1, start + deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                os.killpg(proc.pid, 9)
-                out, _ = proc.communicate()
-            outputs.append(out)
-    finally:
-        for proc in procs:
-            try:
-                os.killpg(proc.pid, 9)
-            except ProcessLookupError:
-                pass
+    done = run_together([agent(node, strategy, outdir, kill, victim) for node in range(2)], deadline, env)
     return {
-        "seconds": round(time.monotonic() - start, 1),
-        "codes": [p.returncode for p in procs],
-        "timed_out": timed_out,
-        "output": "\n".join(outputs),
+        "seconds": round(done.seconds, 1),
+        "codes": done.codes,
+        "timed_out": done.timed_out,
+        "output": "\n".join(done.outputs),
     }
 
 
@@ -193,21 +160,16 @@ def main() -> None:
     parser.add_argument("--outage", type=float, default=8.0, help="seconds node 1's link is down (0: no outage runs)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     from _results import Report
 
     report = Report("restart", vars(args))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    env = child_env(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     rows: list[dict[str, Any]] = []
-    netsim("up", "2", args.link)
-    try:
-        with tempfile.TemporaryDirectory(prefix="restart-") as tmp:
-            for strategy in args.strategies:
-                rows += try_strategy(strategy, args, Path(tmp), env)
-            if args.outage > 0:
-                rows += try_outage(args, Path(tmp), env)
-    finally:
-        netsim("down", check=False)
+    with simulated_cluster(2, args.link), tempfile.TemporaryDirectory(prefix="restart-") as tmp:
+        for strategy in args.strategies:
+            rows += try_strategy(strategy, args, Path(tmp), env)
+        if args.outage > 0:
+            rows += try_outage(args, Path(tmp), env)
     report_rows(report, rows, args)
     report.save(args.json)
 

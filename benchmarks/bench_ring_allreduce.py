@@ -33,31 +33,18 @@ import functools
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks._results import Report  # noqa: E402
+from _launch import run_ranks, torchrun_local
+from _results import Report
 
 SIZES = [64 * 1024 * 4**k for k in range(6)]  # 64 KiB, 256 KiB, 1 MiB, 4 MiB, 16 MiB, 64 MiB
-
-
-def _free_port() -> int:
-    from tests.helpers.distributed import free_port
-
-    return free_port()
 
 
 def _plain_exchanges(data: torch.Tensor, scratch: torch.Tensor) -> None:
@@ -85,11 +72,9 @@ def _torch_average(data: torch.Tensor, world: int) -> None:
     divide_(data, world)  # the ring's own division (a multiply for a power of two): neither side gains from it
 
 
-def _collectives(rank: int, world: int, port: int, repeats: int, sizes: list[int], out: str) -> None:
+def _collectives(rank: int, world: int, repeats: int, sizes: list[int], out: str) -> None:
     from lightning_dp_strategies.comm import new_duplex_group, ring_all_reduce, ring_workspace_numel
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(minutes=2))
     duplex = new_duplex_group()  # as the strategies do: a second connection at two ranks, None otherwise
     torch.set_num_threads(1)
     results = []
@@ -117,7 +102,6 @@ def _collectives(rank: int, world: int, port: int, repeats: int, sizes: list[int
         results.append({"bytes": nbytes, **{f"{k}_s": statistics.median(v) for k, v in times.items()}})
     if rank == 0:
         Path(out).write_text(json.dumps(results))
-    dist.destroy_process_group()
 
 
 def _size(nbytes: int) -> str:
@@ -131,9 +115,7 @@ def part_a(world: int, repeats: int, launches: int, sizes: list[int]) -> list[di
     for _ in range(launches):
         with tempfile.TemporaryDirectory() as tmp:
             out = str(Path(tmp) / "a.json")
-            mp.start_processes(
-                _collectives, args=(world, _free_port(), repeats, sizes, out), nprocs=world, start_method="spawn"
-            )
+            run_ranks(_collectives, world, repeats, sizes, out)
             runs.append(json.loads(Path(out).read_text()))
     print(f"\n(a) ring_all_reduce vs torch.distributed.all_reduce (gloo, fp32, average), {world} processes,")
     print(f"    {launches} launches; ratio = median over launches of ring / torch (min-max across launches);")
@@ -258,12 +240,8 @@ def _train_runs(strategies: list[str], steps: int, width: int, depth: int, round
     with tempfile.TemporaryDirectory() as tmp:
         script, out = Path(tmp) / "train.py", Path(tmp) / "fits.json"
         script.write_text(TRAIN_SCRIPT)
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
-        cmd += [",".join(strategies), str(rounds), str(steps), str(width), str(depth), str(out)]
-        done = subprocess.run(cmd, env=env, check=False, capture_output=True, text=True, timeout=3600)
-        if done.returncode:
-            raise RuntimeError(f"the training launch failed ({done.returncode}):\n{done.stderr[-4000:]}")
+        argv = [str(script), ",".join(strategies), str(rounds), str(steps), str(width), str(depth), str(out)]
+        torchrun_local(2, argv, "the training launch", timeout=3600, PYTHONWARNINGS="ignore")
         return json.loads(out.read_text())
 
 
@@ -355,7 +333,7 @@ def _fit_loopback(sizes: list[int], repeats: int) -> dict[str, Any]:
 
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "link.json")
-        mp.start_processes(_collectives, args=(2, _free_port(), repeats, sizes, out), nprocs=2, start_method="spawn")
+        run_ranks(_collectives, 2, repeats, sizes, out)
         rows = json.loads(Path(out).read_text())
     return {
         name: Link.fit([(2, ring_bytes_per_rank(r["bytes"], 2), r[f"{key}_s"]) for r in rows])

@@ -21,19 +21,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
+from _launch import QUIET_TRAINER
+from _results import Report
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks._results import Report
 from lightning_dp_strategies import ScatterGatherStrategy
 
 
@@ -99,10 +97,7 @@ def time_lightning(args: argparse.Namespace, strategy: str, accelerator: str, de
         devices=devices,
         max_steps=args.warmup + args.steps,
         callbacks=[timer],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET_TRAINER,
     )
     loader = DataLoader(SameBatch(batch, args.warmup + args.steps), batch_size=None)
     trainer.fit(model, loader)

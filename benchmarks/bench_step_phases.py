@@ -23,21 +23,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _launch import run_ranks
 from torch import nn
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 PHASES = ("forward", "backward", "wait", "step", "total")
 
@@ -97,9 +92,7 @@ def _contender(name: str, width: int, depth: int) -> Callable[[torch.Tensor, tor
     return bucket_step
 
 
-def _worker(rank: int, port: int, names: list[str], steps: int, width: int, depth: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(minutes=2))
+def _worker(rank: int, world: int, names: list[str], steps: int, width: int, depth: int, out: str) -> None:
     torch.set_num_threads(1)  # one core per process, as Lightning sets it for CPU ranks here
     contenders = {name: _contender(name, width, depth) for name in names}
     generator = torch.Generator().manual_seed(rank)
@@ -127,7 +120,6 @@ def _worker(rank: int, port: int, names: list[str], steps: int, width: int, dept
             rows.append([name, *(f"{m[p]:.1f}" for p in PHASES), *([f"{m['total'] / base:.3f}"] if base else [])])
         columns = ["contender", *PHASES, *(["total/ddp"] if base else [])]
         Path(out).write_text(json.dumps({"title": title, "columns": columns, "rows": rows}))
-    dist.destroy_process_group()
 
 
 def main() -> None:
@@ -140,16 +132,13 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=9)
     parser.add_argument("--json", type=Path, help="also write the results here (see benchmarks/render_docs.py)")
     args = parser.parse_args()
-    from benchmarks._results import Report
-    from tests.helpers.distributed import free_port
+    from _results import Report
 
     report = Report("step_phases", vars(args))
-    port = free_port()
     names = args.contenders.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "table.json")
-        worker_args = (port, names, args.steps, args.width, args.depth, out)
-        mp.start_processes(_worker, args=worker_args, nprocs=2, start_method="spawn")
+        run_ranks(_worker, 2, names, args.steps, args.width, args.depth, out)
         table = json.loads(Path(out).read_text())
     report.table(table["title"], table["columns"], table["rows"])
     report.save(args.json)

@@ -34,17 +34,25 @@ import argparse
 import itertools
 import json
 import os
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-NETSIM = ROOT.parent / "shared" / "netsim" / "netsim"
+from _launch import (
+    ROOT,
+    fit_rank,
+    launch_order,
+    link_bandwidth,
+    parse_or_work,
+    simulated_cluster,
+    torchrun_local,
+    torchrun_on_cluster,
+    worker_command,
+)
+
 VARIANTS = ("ring", "zero", "ddp")
 PHASES = ("forward_ms", "backward_ms", "wait_ms", "optimizer_ms", "gather_ms")
 """A step's phases (medians over the steady steps): forward, backward, after backward until the optimizer step (the
@@ -73,7 +81,6 @@ def worker(args: argparse.Namespace) -> None:
     import lightning as L
     import torch
     from torch import nn
-    from torch.utils.data import DataLoader, TensorDataset
 
     torch.set_num_threads(1)  # the processes share the machine's cores
 
@@ -139,28 +146,8 @@ def worker(args: argparse.Namespace) -> None:
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.Adam(self.parameters(), lr=1e-4)
 
-    L.seed_everything(0)
-    model = MLP()
-    world = int(os.environ["WORLD_SIZE"])
-    samples = args.steps * args.batch * world
-    gen = torch.Generator().manual_seed(1)
-    data = TensorDataset(
-        torch.randn(samples, args.width, generator=gen), torch.randint(0, 10, (samples,), generator=gen)
-    )
     probe = Probe()
-    trainer = L.Trainer(
-        strategy=make_strategy(args.worker, args.bucket_cap_mb),
-        accelerator="cpu",
-        devices=int(os.environ["LOCAL_WORLD_SIZE"]),
-        num_nodes=int(os.environ["NNODES"]),
-        max_steps=args.steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[probe],
-    )
-    trainer.fit(model, DataLoader(data, batch_size=args.batch))
+    trainer, model = fit_rank(MLP, lambda: make_strategy(args.worker, args.bucket_cap_mb), probe, args)
     Path(args.out).with_name(f"{Path(args.out).stem}-rank{trainer.global_rank}.json").write_text(
         json.dumps(rank_result(args, probe, model, trainer.global_rank))
     )
@@ -203,37 +190,20 @@ def rank_result(args: argparse.Namespace, probe: Any, model: Any, rank: int) -> 
 
 
 # ---------------------------------------------------------------------- launching
-def netsim(*argv: str, env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(NETSIM), *argv], capture_output=True, text=True, env=env, check=check)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+WORKER_SETTINGS = ("width", "depth", "steps", "batch", "warmup", "bucket_cap_mb")
+"""The settings a rank is started with."""
 
 
 def launch(variant: str, cell: dict[str, Any], args: argparse.Namespace, folder: Path, name: str) -> dict[str, Any]:
-    """One launch of ``variant`` in ``cell`` (on loopback, or on the simulated cluster that is up): every rank's
-    result, in rank order."""
+    """One launch of ``variant`` in ``cell`` (on loopback, or on the simulated cluster that is up; one thread a
+    process): every rank's result, in rank order."""
     out = folder / f"{name}.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}  # one thread a process: shared cores
-    script = [str(Path(__file__).resolve()), "--worker", variant, "--out", str(out)]
-    for key in ("width", "depth", "steps", "batch", "warmup", "bucket_cap_mb"):
-        script += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+    script = worker_command(__file__, variant, out, args, WORKER_SETTINGS)
+    what = f"{variant} ({cell['link']} {cell['nodes']}x{cell['per_node']})"
     if cell["link"] == "loopback":
-        env["NNODES"] = "1"
-        procs = str(cell["nodes"] * cell["per_node"])
-        run = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", procs]
-        run += ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
-        done = subprocess.run([*run, *script], capture_output=True, text=True, env=env, check=False, timeout=1800)
-        logs = done.stdout[-3000:] + done.stderr[-3000:]
+        torchrun_local(cell["nodes"] * cell["per_node"], script, what, timeout=1800, NNODES="1")
     else:
-        env.update(PYTHON=sys.executable, NETSIM_LOGS=str(folder))
-        done = netsim("torchrun", str(cell["per_node"]), *script, env=env, check=False)
-        logs = "\n".join(p.read_text()[-3000:] for p in sorted(folder.glob("netsim-node*.log")))
-    if done.returncode != 0:
-        raise RuntimeError(f"{variant} failed ({cell['link']} {cell['nodes']}x{cell['per_node']}):\n{logs}")
+        torchrun_on_cluster(cell["per_node"], script, folder, what)
     ranks = sorted(folder.glob(f"{name}-rank*.json"), key=lambda p: int(p.stem.rsplit("rank", 1)[1]))
     return {"ranks": [json.loads(p.read_text()) for p in ranks]}
 
@@ -249,17 +219,14 @@ def measure_cell(link: str, nodes: int, per_node: int, args: argparse.Namespace)
 
     cell: dict[str, Any] = {"link": link, "nodes": nodes, "per_node": per_node, "command": command_line()}
     cell["load_average_at_start"] = round(os.getloadavg()[0], 2)
-    if link != "loopback":
-        netsim("up", str(nodes), link)
-    try:
+    with simulated_cluster(nodes, link) if link != "loopback" else nullcontext():
         if link != "loopback":
-            cell["bandwidth"] = netsim("bandwidth", check=False).stdout.strip()
+            cell["bandwidth"] = link_bandwidth()
         runs: dict[str, list[dict[str, Any]]] = {v: [] for v in args.variants}
         with tempfile.TemporaryDirectory(prefix="zero-") as tmp:
             folder = Path(tmp)
             for index in range(args.launches):
-                order = args.variants if index % 2 == 0 else list(reversed(args.variants))
-                for variant in order:
+                for variant in launch_order(args.variants, index):
                     result = launch(variant, cell, args, folder, f"{variant}-{index}")
                     result["step_ms"] = max(r["step_ms"] for r in result["ranks"])  # the slowest rank's median
                     runs[variant].append(result)
@@ -275,9 +242,6 @@ def measure_cell(link: str, nodes: int, per_node: int, args: argparse.Namespace)
                         runs[variant][-1]["max_param_diff_vs_ring"] = max_diff(
                             torch.load(folder / f"{variant}-{index}.pt"), ring
                         )
-    finally:
-        if link != "loopback":
-            netsim("down", check=False)
     cell["settings"] = {k: getattr(args, k) for k in ("steps", "warmup", "launches", "width", "depth", "batch")}
     cell["runs"] = runs
     cell["summary"] = {v: summarize(r) for v, r in runs.items()}
@@ -397,6 +361,7 @@ PHASE_COLUMNS = [
 def plot(path: Path, figure: Path) -> None:
     """Optimizer state per rank and step time of ``zero`` against ``ring``, per setting, from a stored result."""
     import matplotlib
+    from _results import save_figure
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -415,10 +380,7 @@ def plot(path: Path, figure: Path) -> None:
     ax.set_xticks(list(xs), labels)
     ax.set(ylabel="zero / ring", title="Sharded Adam state (ZeRO-1) against the unsharded ring")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    figure.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(figure, dpi=110)
-    print(f"wrote {figure}")
+    save_figure(fig, figure)
 
 
 def main() -> None:
@@ -437,15 +399,9 @@ def main() -> None:
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="the package's bucket cap (ddp keeps 25)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--merge", action="store_true", help="keep the cells of --json that this run does not measure")
-    parser.add_argument("--plot", type=Path, help="draw the figure from this stored result and exit")
-    parser.add_argument("--figure", type=Path, default=ROOT / "docs" / "figures" / "zero.png")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        return worker(args)
-    if args.plot:
-        return plot(args.plot, args.figure)
+    args = parse_or_work(parser, worker, plot, figure=ROOT / "docs" / "figures" / "zero.png")
+    if args is None:
+        return None
     if "ring" not in args.variants:
         parser.error("--variants must include ring: every ratio is against it")
     links = args.links
@@ -454,7 +410,6 @@ def main() -> None:
         links = [link for link in links if link == "loopback"]
         if not links:
             return None
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     from _results import Report
 
     keys = ("links", "layouts", "variants", "launches", "steps", "warmup", "width", "depth", "batch", "bucket_cap_mb")

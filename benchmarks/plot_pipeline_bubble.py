@@ -15,13 +15,11 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from _results import save_figure
 
-from lightning_dp_strategies.pipeline import (  # noqa: E402
+from lightning_dp_strategies.pipeline import (
     SCHEDULES,
     clock_table,
     default_virtual_stages,
@@ -29,6 +27,8 @@ from lightning_dp_strategies.pipeline import (  # noqa: E402
     schedule_micro_batches,
     table_in_flight,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # schedules whose curves coincide with a later one's (gpipe's bubble is 1f1b's, interleaved_1f1b's is looped_bfs's)
 # are drawn wide and pale underneath
@@ -93,10 +93,7 @@ def main() -> None:
         bottom.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
     fig.suptitle("Pipeline schedules in the clock-table model (one tick per F, I or W; B = I + W)", fontsize=11)
-    fig.tight_layout()
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(args.output, dpi=110)
-    print(f"wrote {args.output}")
+    save_figure(fig, args.output)
 
 
 if __name__ == "__main__":
