@@ -25,9 +25,29 @@ together with the data-parallel gradient buckets.
 """
 
 from lightning_dp_strategies.comm.clipping import clip_grad_norm_across
+from lightning_dp_strategies.pipeline.clock import (
+    clock_table,
+    gpipe_bubble,
+    schedule_bubble,
+    table_bubble,
+    table_in_flight,
+)
 from lightning_dp_strategies.pipeline.materialize import has_meta, materialize
 from lightning_dp_strategies.pipeline.memory import ActivationMeter
 from lightning_dp_strategies.pipeline.microbatch import check_micro_batches, effective_micro_batches
+from lightning_dp_strategies.pipeline.orders import (
+    LOOPED,
+    SCHEDULES,
+    SPLIT_BACKWARD,
+    V_SHAPED,
+    check_schedule,
+    chunk_ranks,
+    default_virtual_stages,
+    effective_schedule,
+    rank_order,
+    schedule_micro_batches,
+    stage_order,
+)
 from lightning_dp_strategies.pipeline.partition import (
     balance_by_parameters,
     balance_by_time,
@@ -36,25 +56,7 @@ from lightning_dp_strategies.pipeline.partition import (
     stage_ranges,
 )
 from lightning_dp_strategies.pipeline.runner import LossFn, PipelineRunner, StepResult, StepStats
-from lightning_dp_strategies.pipeline.schedule import (
-    LOOPED,
-    SCHEDULES,
-    SPLIT_BACKWARD,
-    V_SHAPED,
-    check_schedule,
-    chunk_ranks,
-    clock_table,
-    default_virtual_stages,
-    effective_schedule,
-    gpipe_bubble,
-    make_schedule,
-    rank_order,
-    schedule_bubble,
-    schedule_micro_batches,
-    stage_order,
-    table_bubble,
-    table_in_flight,
-)
+from lightning_dp_strategies.pipeline.schedule import make_schedule
 from lightning_dp_strategies.pipeline.state import (
     full_group_names,
     keep_owned_parameters,

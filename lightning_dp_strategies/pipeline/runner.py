@@ -34,13 +34,8 @@ from lightning_dp_strategies.pipeline.activations import (
 )
 from lightning_dp_strategies.pipeline.memory import ActivationMeter
 from lightning_dp_strategies.pipeline.microbatch import effective_micro_batches
-from lightning_dp_strategies.pipeline.schedule import (
-    TimedStage,
-    chunk_ranks,
-    default_virtual_stages,
-    make_schedule,
-    schedule_micro_batches,
-)
+from lightning_dp_strategies.pipeline.orders import chunk_ranks, default_virtual_stages, schedule_micro_batches
+from lightning_dp_strategies.pipeline.schedule import TimedStage, make_schedule
 
 __all__ = ["LossFn", "PipelineRunner", "PipelineStats", "StepResult", "StepStats"]
 

@@ -22,49 +22,12 @@ from torch import Tensor
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, schedules as torch_schedules
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 
-# the clock-table model and the schedules by name live in their own modules; importable from here as before
-from lightning_dp_strategies.pipeline.clock import (
-    clock_table,
-    gpipe_bubble,
-    schedule_bubble,
-    table_bubble,
-    table_in_flight,
-)
-from lightning_dp_strategies.pipeline.orders import (
-    _TORCH_CLASSES,
-    LOOPED,
-    SCHEDULES,
-    SPLIT_BACKWARD,
-    V_SHAPED,
-    check_schedule,
-    chunk_ranks,
-    default_virtual_stages,
-    effective_schedule,
-    rank_order,
-    schedule_micro_batches,
-    stage_order,
-)
+from lightning_dp_strategies.pipeline import clock, orders
+from lightning_dp_strategies.pipeline.clock import *  # noqa: F403  (the clock-table model's names, from here too)
+from lightning_dp_strategies.pipeline.orders import *  # noqa: F403  (the schedules by name, from here too)
+from lightning_dp_strategies.pipeline.orders import _TORCH_CLASSES, effective_schedule
 
-__all__ = [
-    "LOOPED",
-    "SCHEDULES",
-    "SPLIT_BACKWARD",
-    "V_SHAPED",
-    "TimedStage",
-    "check_schedule",
-    "chunk_ranks",
-    "clock_table",
-    "default_virtual_stages",
-    "effective_schedule",
-    "gpipe_bubble",
-    "make_schedule",
-    "rank_order",
-    "schedule_bubble",
-    "schedule_micro_batches",
-    "stage_order",
-    "table_bubble",
-    "table_in_flight",
-]
+__all__ = ["TimedStage", "make_schedule", *clock.__all__, *orders.__all__]
 
 
 class TimedStage(PipelineStage):
@@ -133,7 +96,11 @@ class TimedStage(PipelineStage):
         return self._count(super().get_bwd_recv_ops(bwd_chunk_id), sent=False)
 
     def _backward(self, label: str, last: bool, run: Callable[[], Any]) -> None:
-        """A timed backward pass; ``on_last_backward`` around it when it completes the step's gradients."""
+        """A timed backward pass; ``on_last_backward`` around it when it completes the step's gradients. A stage
+        with no backward (nothing trainable, no input gradient) runs it untimed."""
+        if not self.has_backward:
+            run()
+            return
         callback = self.on_last_backward if last else None
         if callback is not None:
             callback(self, False)
@@ -147,9 +114,6 @@ class TimedStage(PipelineStage):
 
     def backward_one_chunk(self, *args: Any, **kwargs: Any) -> None:
         chunk = args[0] if args else kwargs["bwd_chunk_id"]
-        if not self.has_backward:
-            super().backward_one_chunk(*args, **kwargs)
-            return
         full = kwargs.get("full_backward", args[2] if len(args) > 2 else True)
         last = full and kwargs.get("last_backward", args[3] if len(args) > 3 else False)
         run = lambda: super(TimedStage, self).backward_one_chunk(*args, **kwargs)  # noqa: E731
@@ -157,9 +121,6 @@ class TimedStage(PipelineStage):
 
     def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> None:
         chunk = args[0] if args else kwargs["bwd_chunk_id"]
-        if not self.has_backward:
-            super().backward_weight_one_chunk(*args, **kwargs)
-            return
         last = kwargs.get("last_backward", args[1] if len(args) > 1 else False)
         self._backward(f"W{chunk}", last, lambda: super(TimedStage, self).backward_weight_one_chunk(*args, **kwargs))
 
