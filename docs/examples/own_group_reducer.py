@@ -2,7 +2,8 @@
 
 The strategies call ``setup(group, ranks, backend)`` on every rank, once per group they average over (a rank outside
 ``ranks`` too: ``dist.new_group`` is collective over the world), before the first bucket; ``close()`` at teardown.
-A hierarchical reducer would make its intra- and inter-node groups here the same way.
+Both are optional steps of ``ReducerBase``, overridden here. A hierarchical reducer would make its intra- and
+inter-node groups here the same way.
 """
 
 from collections.abc import Sequence
@@ -12,15 +13,16 @@ from torch import Tensor
 from torch.futures import Future
 
 from lightning_dp_strategies import GradBucket, RingAllReduceStrategy
+from lightning_dp_strategies.reducers import ReducerBase
 
 
-class OwnGroupReducer:
+class OwnGroupReducer(ReducerBase):
     """Sums each bucket with the backend's all-reduce over a group of its own, made in ``setup``."""
 
     def __init__(self) -> None:
         self.groups: dict[object, dist.ProcessGroup] = {}  # the strategy's group -> the one made for it
 
-    def setup(self, group: dist.ProcessGroup | None, ranks: Sequence[int], backend: str | None) -> None:
+    def setup(self, group: dist.ProcessGroup | None, ranks: Sequence[int], backend: str | None = None) -> None:
         mine = dist.new_group(list(ranks), backend=backend)  # every rank calls this, member or not
         if dist.get_rank() in ranks:
             self.groups[group] = mine

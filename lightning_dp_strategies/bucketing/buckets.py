@@ -38,9 +38,9 @@ from lightning_dp_strategies.bucketing.bucket import Bucket
 from lightning_dp_strategies.bucketing.layout import assign_buckets
 from lightning_dp_strategies.bucketing.stats import CommStats
 from lightning_dp_strategies.comm import divide
-from lightning_dp_strategies.comm.failures import PEER_FAILURE_HINT, announce_failure
+from lightning_dp_strategies.comm.failures import announce_failure
 from lightning_dp_strategies.plan.sizing import ring_bytes_per_rank
-from lightning_dp_strategies.reducers.base import GradBucket, Reducer, close_reducer, set_event
+from lightning_dp_strategies.reducers.base import GradBucket, Reducer, as_reducer, close_reducer, set_event
 from lightning_dp_strategies.reducers.builtin import resolve_reducer
 
 __all__ = ["Bucket", "GradientBuckets"]
@@ -109,8 +109,9 @@ class GradientBuckets:
             )
         self.duplex_group = duplex_group
         self.reducer: Reducer = resolve_reducer(reducer)
-        self._raw = bool(getattr(self.reducer, "hands_raw_gradients", False))
-        self._scatters = bool(getattr(self.reducer, "scatters", False))
+        declared = as_reducer(self.reducer)  # its optional steps, as ReducerBase declares them
+        self._raw = declared.hands_raw_gradients
+        self._scatters = declared.scatters
         self.timeout = timeout
         self.bucket_cap_mb = bucket_cap_mb
         self.first_bucket_cap_mb = first_bucket_cap_mb
@@ -363,7 +364,7 @@ class GradientBuckets:
         rank = dist.get_rank() if dist.is_initialized() else 0
         members = dist.get_process_group_ranks(self.group or dist.group.WORLD) if dist.is_initialized() else [rank]
         peers = [r for r in members if r != rank]
-        hint = getattr(self.reducer, "failure_hint", PEER_FAILURE_HINT)
+        hint = as_reducer(self.reducer).failure_hint
         return announce_failure(
             f"Reducing gradient bucket {bucket.index} ({len(bucket.params)} parameters from {bucket.names[0]!r}) "
             f"over {len(members)} ranks failed on rank {rank} (its peers: ranks {peers}): {what}\n{hint}"

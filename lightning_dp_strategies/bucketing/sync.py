@@ -22,7 +22,7 @@ from torch import nn
 
 from lightning_dp_strategies.bucketing.buckets import GradientBuckets
 from lightning_dp_strategies.bucketing.stats import CommStats
-from lightning_dp_strategies.reducers import Reducer, StepTiming, close_reducer, setup_reducer
+from lightning_dp_strategies.reducers import Reducer, StepTiming, as_reducer, close_reducer, setup_reducer
 
 __all__ = ["GradientSync", "HoldsGradientSync", "destroy_groups"]
 
@@ -169,9 +169,8 @@ class GradientSync:
     def _observe_step(self) -> None:
         """Tell a reducer that watches the steps (``observe_step``, e.g. ``reducer="auto"``) how this one went."""
         clock, now = self._clock, time.perf_counter()
-        observe = getattr(self.reducer, "observe_step", None)
-        if callable(observe) and clock.last_step is not None:
-            observe(StepTiming(now - clock.last_step, clock.backward, clock.exposed))
+        if self.reducer is not None and clock.last_step is not None:
+            as_reducer(self.reducer).observe_step(StepTiming(now - clock.last_step, clock.backward, clock.exposed))
         self._clock = _Clock(last_step=now)
 
     @property

@@ -1,16 +1,19 @@
 """The gradient-reduction contract (a bucket in, a future out) and the built-in reducers.
 
-A reducer is any callable ``reducer(bucket) -> torch.futures.Future`` (the shape of torch DDP's communication hooks).
-It must leave ``bucket.buffer`` holding the average (``bucket.op == "avg"``) or the sum (``"sum"``) of every rank's
-buffer over ``bucket.group`` by the time the future completes, add what it sent to ``bucket.counter``, and be called
-in the same order on every rank (:class:`~lightning_dp_strategies.bucketing.GradientBuckets` guarantees that: buckets
-launch strictly in index order). A reducer that needs process groups of its own (a second connection, a
-hierarchy's intra- and inter-node groups) makes them in an optional ``setup`` step (see :func:`setup_reducer`), and
-releases them in ``close``. The strategies' buckets ask for ``"sum"``: every gradient is divided by the world
-size on its way into the bucket (fused into that copy, as torch DDP does), so the sum is the average; ``"avg"`` is
-for direct callers. Compression wraps a reducer: the casts (:mod:`~lightning_dp_strategies.reducers.casts`) and PowerSGD
-(:mod:`~lightning_dp_strategies.reducers.powersgd`); torch's DDP communication hooks run through an adapter
-(:mod:`~lightning_dp_strategies.reducers.comm_hooks`).
+A reducer is a :class:`ReducerBase` subclass, or any callable ``reducer(bucket) -> torch.futures.Future`` (the
+:class:`Reducer` protocol, the shape of torch DDP's communication hooks; :func:`as_reducer` adapts it). It must leave
+``bucket.buffer`` holding the average (``bucket.op == "avg"``) or the sum (``"sum"``) of every rank's buffer over
+``bucket.group`` by the time the future completes, add what it sent to ``bucket.counter``, and be called in the same
+order on every rank (:class:`~lightning_dp_strategies.bucketing.GradientBuckets` guarantees that: buckets launch
+strictly in index order). :class:`ReducerBase` declares the optional steps, each doing nothing by default: a reducer
+that needs process groups of its own (a second connection, a hierarchy's intra- and inter-node groups) makes them in
+``setup`` (see :func:`setup_reducer`) and releases them in ``close``; ``observe_step`` sees every optimizer step's
+timing; ``hands_raw_gradients``, ``scatters`` and ``failure_hint`` tell the buckets how to treat it. The strategies'
+buckets ask for ``"sum"``: every gradient is divided by the world size on its way into the bucket (fused into that
+copy, as torch DDP does), so the sum is the average; ``"avg"`` is for direct callers. Compression wraps a reducer
+(:class:`ReducerWrapper` hands every optional step to the wrapped one): the casts
+(:mod:`~lightning_dp_strategies.reducers.casts`) and PowerSGD (:mod:`~lightning_dp_strategies.reducers.powersgd`);
+torch's DDP communication hooks run through an adapter (:mod:`~lightning_dp_strategies.reducers.comm_hooks`).
 
 ==============  ==============================================================  ==========================
 name            what it does                                                    runs on
@@ -33,11 +36,16 @@ none                  the fp32 bucket                                  yes (to s
 ====================  ===============================================  ==========================================
 """
 
-from lightning_dp_strategies.reducers.auto import AutoDecision, AutoReducer, StepTiming
+from lightning_dp_strategies.reducers.auto import AutoDecision, AutoReducer
 from lightning_dp_strategies.reducers.base import (
+    CallableReducer,
     GradBucket,
     ReduceKind,
     Reducer,
+    ReducerBase,
+    ReducerWrapper,
+    StepTiming,
+    as_reducer,
     close_reducer,
     completed,
     set_event as set_event,
@@ -73,6 +81,7 @@ __all__ = [
     "REDUCERS",
     "AutoDecision",
     "AutoReducer",
+    "CallableReducer",
     "CastCompression",
     "CommHook",
     "CommHookReducer",
@@ -83,10 +92,13 @@ __all__ = [
     "PowerSGD",
     "ReduceKind",
     "Reducer",
+    "ReducerBase",
+    "ReducerWrapper",
     "RingReducer",
     "ScatterReducer",
     "StepTiming",
     "TwoLevelReducer",
+    "as_reducer",
     "bf16_compress",
     "calibrate_cpu",
     "check_comm_hook",

@@ -31,7 +31,7 @@ from torch.futures import Future
 from lightning_dp_strategies.comm import new_duplex_group
 from lightning_dp_strategies.comm.probe import probe_ring
 from lightning_dp_strategies.plan import CpuCosts, Link, Reduction, Topology, buckets_step
-from lightning_dp_strategies.reducers.base import GradBucket, Reducer, close_reducer, setup_reducer
+from lightning_dp_strategies.reducers.base import GradBucket, ReducerBase, StepTiming
 from lightning_dp_strategies.reducers.builtin import RingReducer
 from lightning_dp_strategies.reducers.calibrate import calibrate_cpu
 from lightning_dp_strategies.reducers.casts import bf16_compress
@@ -56,22 +56,6 @@ def _visible(logger: logging.Logger) -> logging.Logger:
 ALLOWED = {"all": ("none", "bf16", "powersgd"), "lossless": ("none",)}
 """The named restrictions of :class:`AutoReducer`'s ``allow``; a tuple of ``"none"``, ``"bf16"``, ``"powersgd"``
 names the candidates itself."""
-
-
-@dataclass(frozen=True)
-class StepTiming:
-    """One optimizer step as the gradient sync saw it (seconds): from one step's end to the next, the backward
-    passes that communicated, and the time spent waiting for their reduction after backward.
-
-    Examples:
-        >>> timing = StepTiming(interval=0.5, backward=0.03, exposed=0.42)
-        >>> round(timing.interval - timing.exposed, 2)  # the compute: what the step did besides waiting
-        0.08
-    """
-
-    interval: float
-    backward: float
-    exposed: float
 
 
 @dataclass(frozen=True)
@@ -153,8 +137,8 @@ def _allowed(allow: str | Sequence[str]) -> tuple[str, ...]:
 @dataclass
 class _Runtime:
     group: dist.ProcessGroup | None = None
-    candidates: dict[str, tuple[Reduction, Reducer]] = field(default_factory=dict)
-    active: Reducer | None = None
+    candidates: dict[str, tuple[Reduction, ReducerBase]] = field(default_factory=dict)
+    active: ReducerBase | None = None
     topology: Topology | None = None
     buckets: dict[int, tuple[float, list[tuple[int, ...]]]] = field(default_factory=dict)
     timings: list[StepTiming] = field(default_factory=list)
@@ -169,7 +153,7 @@ def _device(group: dist.ProcessGroup | None) -> torch.device:
     return torch.device("cpu")
 
 
-class AutoReducer:
+class AutoReducer(ReducerBase):
     """Pick the fastest reduction for this job's link and model after a few timed steps (see the module doc).
 
     Args:
@@ -215,17 +199,17 @@ class AutoReducer:
         return AutoReducer(self.allow, self.warmup_steps, self.rank, per_node, two_level)
 
     # ------------------------------------------------------------------ setup
-    def _make_candidates(self, nodes: int) -> dict[str, tuple[Reduction, Reducer]]:
+    def _make_candidates(self, nodes: int) -> dict[str, tuple[Reduction, ReducerBase]]:
         levels = [lvl for lvl in (True, False) if self.two_level in (None, lvl)]
         if nodes < 2 or self.per_node < 2:
             levels = [False] if self.two_level is not True else [True]
-        made: dict[str, tuple[Reduction, Reducer]] = {}
+        made: dict[str, tuple[Reduction, ReducerBase]] = {}
         for two in levels:
             for compression in self.allow:
                 if two and compression == "powersgd":
                     continue
                 how = Reduction(compression, rank=self.rank, two_level=two)
-                inner: Reducer = bf16_compress("ring") if compression == "bf16" else RingReducer()
+                inner: ReducerBase = bf16_compress("ring") if compression == "bf16" else RingReducer()
                 made[how.label] = (how, TwoLevelReducer(self.per_node, inner) if two else inner)
         return made
 
@@ -239,7 +223,7 @@ class AutoReducer:
         nodes = len(ranks) // self.per_node
         candidates = self._make_candidates(nodes)
         for _, reducer in candidates.values():
-            setup_reducer(reducer, group, ranks, backend)
+            reducer.setup(group, ranks, backend)
         topology = self._probe(group, list(ranks), nodes, backend)
         if dist.get_rank() in ranks:
             plain = next(label for label, (how, _) in candidates.items() if how.compression == "none")
@@ -347,11 +331,11 @@ class AutoReducer:
         """Close every candidate (PowerSGD, when chosen, closes its inner ring)."""
         run = self._run
         inner = run.active.inner if isinstance(run.active, PowerSGD) else None
-        if inner is not None:
-            close_reducer(run.active)
+        if run.active is not None and inner is not None:
+            run.active.close()
         for _, reducer in run.candidates.values():
             if reducer is not inner:
-                close_reducer(reducer)
+                reducer.close()
 
     def __repr__(self) -> str:
         chosen = f", chose {self.decision.chosen!r}" if self.decision else ""

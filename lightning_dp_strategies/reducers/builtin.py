@@ -19,13 +19,13 @@ from lightning_dp_strategies.comm import (
     ring_workspace_numel,
 )
 from lightning_dp_strategies.plan.sizing import ring_bytes_per_rank
-from lightning_dp_strategies.reducers.base import GradBucket, Reducer, completed
+from lightning_dp_strategies.reducers.base import GradBucket, Reducer, ReducerBase, completed
 from lightning_dp_strategies.reducers.thread import CommThread
 
 __all__ = ["REDUCERS", "NativeReducer", "PerTensorReducer", "RingReducer", "check_reducer", "resolve_reducer"]
 
 
-class RingReducer:
+class RingReducer(ReducerBase):
     """The default reducer (``"ring"``): :func:`~lightning_dp_strategies.comm.ring_all_reduce` on its own thread.
 
     Buckets are reduced one at a time, in call order, on one communication thread (started on first use with the
@@ -86,7 +86,7 @@ class RingReducer:
                 dist.destroy_process_group(group)
 
 
-class NativeReducer:
+class NativeReducer(ReducerBase):
     """``"native"``: the backend's own asynchronous ``all_reduce`` (gloo's ring, NCCL's ring or tree).
 
     The sum runs on the backend's threads (or CUDA streams); averaging divides once it completes. The backend does
@@ -123,7 +123,7 @@ class NativeReducer:
         return work.get_future().then(done)
 
 
-class PerTensorReducer:
+class PerTensorReducer(ReducerBase):
     """``"per_tensor"``: one blocking ``all_reduce`` per gradient (and one for the flags): the naive reference.
 
     Nothing overlaps and nothing is bucketed; keep it as a test oracle, as picotron keeps its naive paths. Counts bytes

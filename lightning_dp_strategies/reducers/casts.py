@@ -2,26 +2,25 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
-from lightning_dp_strategies.reducers.base import GradBucket, Reducer, close_reducer, setup_reducer
+from lightning_dp_strategies.reducers.base import GradBucket, Reducer, ReducerWrapper
 from lightning_dp_strategies.reducers.builtin import resolve_reducer
 
 __all__ = ["CastCompression", "bf16_compress", "fp16_compress"]
 
 
-class CastCompression:
+class CastCompression(ReducerWrapper):
     """Reduce a ``dtype`` copy of the bucket with ``inner``, then cast the result back into the bucket.
 
     For an average, every rank divides by N *before* the cast and the inner reducer sums, so fp16's range (max
     65504) only has to hold the average, not the sum of N gradients. Bytes sent shrink by the dtype's size ratio
-    (half, from fp32 to fp16/bf16); the presence flags survive the cast (``1 / N`` stays positive).
+    (half, from fp32 to fp16/bf16); the presence flags survive the cast (``1 / N`` stays positive). Its optional
+    steps (setup, close, ...) are the inner reducer's (:class:`~lightning_dp_strategies.reducers.ReducerWrapper`).
 
     Args:
         inner: the reducer of the compressed bucket (a name such as ``"ring"`` or ``"native"``, or a reducer).
@@ -36,7 +35,7 @@ class CastCompression:
     def __init__(self, inner: str | Reducer | None = "ring", dtype: torch.dtype = torch.float16) -> None:
         if dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"CastCompression compresses to torch.float16 or torch.bfloat16, got {dtype}.")
-        self.inner = resolve_reducer(inner)
+        super().__init__(resolve_reducer(inner))
         self.dtype = dtype
 
     def __call__(self, bucket: GradBucket) -> Future[Tensor]:
@@ -57,14 +56,6 @@ class CastCompression:
             return buffer
 
         return inner.then(write_back)
-
-    def setup(self, group: dist.ProcessGroup | None, ranks: Sequence[int], backend: str | None = None) -> None:
-        """The inner reducer's setup step (see :func:`~lightning_dp_strategies.reducers.setup_reducer`)."""
-        setup_reducer(self.inner, group, ranks, backend)
-
-    def close(self) -> None:
-        """Close the inner reducer."""
-        close_reducer(self.inner)
 
 
 def fp16_compress(inner: str | Reducer | None = "ring") -> CastCompression:

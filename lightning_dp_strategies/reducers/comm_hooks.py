@@ -27,7 +27,7 @@ from torch import Tensor
 from torch.futures import Future
 
 from lightning_dp_strategies.plan.sizing import ring_bytes_per_rank
-from lightning_dp_strategies.reducers.base import GradBucket, Reducer, completed, set_event, views
+from lightning_dp_strategies.reducers.base import GradBucket, Reducer, ReducerBase, completed, set_event, views
 from lightning_dp_strategies.reducers.builtin import resolve_reducer
 from lightning_dp_strategies.reducers.thread import CommThread
 
@@ -185,11 +185,12 @@ def _describe(obj: object) -> str:
         return str(name)
 
 
-class CommHookReducer:
-    """A reducer (:class:`~lightning_dp_strategies.reducers.Reducer`) that runs a torch DDP communication hook.
+class CommHookReducer(ReducerBase):
+    """A reducer (:class:`~lightning_dp_strategies.reducers.ReducerBase`) that runs a torch DDP communication hook.
 
     :class:`~lightning_dp_strategies.bucketing.GradientBuckets` hands it each bucket undivided and without the
-    presence flags (``hands_raw_gradients``), reduces the flags apart, and the hook averages, as in torch DDP.
+    presence flags (its :attr:`hands_raw_gradients` is true), reduces the flags apart, and the hook averages, as in
+    torch DDP.
 
     The hook runs on a thread of its own, one bucket at a time in launch order, each to completion, while backward
     goes on. So every collective a hook starts, also those it chains in callbacks on the backend's threads (torch's
@@ -213,15 +214,17 @@ class CommHookReducer:
         tensor([1., 1., 1.])
     """
 
-    hands_raw_gradients = True
-    """Read by ``GradientBuckets``: give this reducer undivided gradients without the flags; it averages itself."""
-
     def __init__(self, hook: CommHook, state: object = None) -> None:
         self.hook = hook
         self.state = state
         self._lent_group = False
         self._thread = CommThread("ldps-comm-hook")
         self._closing = False
+
+    @property
+    def hands_raw_gradients(self) -> bool:
+        """``True``: the buckets give this reducer undivided gradients without the flags; the hook averages."""
+        return True
 
     @property
     def failure_hint(self) -> str:

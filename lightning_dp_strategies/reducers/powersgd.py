@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
-from lightning_dp_strategies.reducers.base import GradBucket, Reducer, close_reducer, setup_reducer
+from lightning_dp_strategies.reducers.base import GradBucket, Reducer, ReducerWrapper
 from lightning_dp_strategies.reducers.builtin import resolve_reducer
 from lightning_dp_strategies.reducers.thread import CommThread
 
@@ -28,7 +26,7 @@ def _orthonormalize(matrix: Tensor, eps: float = 1e-8) -> None:
             rest.sub_(column @ (column.T @ rest))
 
 
-class PowerSGD:
+class PowerSGD(ReducerWrapper):
     """PowerSGD (Vogels et al., 2019): rank-``r`` approximation of each gradient matrix, with error feedback.
 
     For each gradient reshaped to an ``n x m`` matrix ``M`` (first dimension by the rest) where ``r (n + m) < n m``:
@@ -41,7 +39,8 @@ class PowerSGD:
     ``inner``, so compressions stack (``PowerSGD(bf16_compress("ring"))``).
 
     The two rounds depend on each other, so each bucket's work runs on a PowerSGD thread (buckets one at a time, in
-    launch order, the same on every rank) that waits for ``inner``; backward goes on meanwhile.
+    launch order, the same on every rank) that waits for ``inner``; backward goes on meanwhile. Its optional steps
+    are ``inner``'s (:class:`~lightning_dp_strategies.reducers.ReducerWrapper`); :meth:`close` stops its thread too.
 
     Args:
         inner: the reducer of the compressed factors and the uncompressed rest (default ``"ring"``).
@@ -72,7 +71,7 @@ class PowerSGD:
             raise ValueError(f"PowerSGD `rank` must be an integer >= 1 (1 to 4 is typical), got {rank!r}.")
         if not min_compression >= 1:
             raise ValueError(f"PowerSGD `min_compression` must be >= 1, got {min_compression!r}.")
-        self.inner = resolve_reducer(inner)
+        super().__init__(resolve_reducer(inner))
         self.rank = rank
         self.seed = seed
         self.min_compression = float(min_compression)
@@ -149,11 +148,7 @@ class PowerSGD:
         if buffer.numel():
             self.inner(bucket.with_buffer(buffer, keep_layout=False)).wait()
 
-    def setup(self, group: dist.ProcessGroup | None, ranks: Sequence[int], backend: str | None = None) -> None:
-        """The inner reducer's setup step (see :func:`~lightning_dp_strategies.reducers.setup_reducer`)."""
-        setup_reducer(self.inner, group, ranks, backend)
-
     def close(self) -> None:
         """Stop the PowerSGD thread and close the inner reducer (the error feedback and ``Q`` are kept)."""
         self._thread.close()
-        close_reducer(self.inner)
+        super().close()

@@ -30,8 +30,8 @@ __all__ = ["ScatterReducer"]
 class ScatterReducer(RingReducer):
     """Reduce-scatters each bucket's gradients and sums its presence flags, on the ring reducer's thread.
 
-    ``scatters`` tells :class:`~lightning_dp_strategies.bucketing.GradientBuckets` that only this rank's chunk of
-    the gradients is reduced, so it leaves ``.grad`` of the bucket's parameters unset after backward.
+    Its :attr:`scatters` tells :class:`~lightning_dp_strategies.bucketing.GradientBuckets` that only this rank's
+    chunk of the gradients is reduced, so it leaves ``.grad`` of the bucket's parameters unset after backward.
 
     Examples:
         >>> reducer = ScatterReducer()
@@ -40,7 +40,10 @@ class ScatterReducer(RingReducer):
         >>> reducer.close()
     """
 
-    scatters = True
+    @property
+    def scatters(self) -> bool:
+        """``True``: only this rank's chunk of the gradients is reduced."""
+        return True
 
     def reduce(self, bucket: GradBucket) -> Tensor:
         """Reduce-scatter ``bucket`` now, in the calling thread; returns its buffer."""

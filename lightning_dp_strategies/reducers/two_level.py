@@ -24,14 +24,14 @@ from lightning_dp_strategies.comm.two_level import (
     reduce_across_nodes,
     reduce_in_node,
 )
-from lightning_dp_strategies.reducers.base import GradBucket, Reducer, close_reducer, completed, setup_reducer
+from lightning_dp_strategies.reducers.base import GradBucket, Reducer, ReducerBase, as_reducer, completed
 from lightning_dp_strategies.reducers.builtin import resolve_reducer
 from lightning_dp_strategies.reducers.thread import CommThread
 
 __all__ = ["TwoLevelReducer"]
 
 
-class TwoLevelReducer:
+class TwoLevelReducer(ReducerBase):
     """Reduce each bucket over ``per_node`` consecutive ranks a node, then across nodes, then inside the node.
 
     A bucket is cut into pieces of at most ``piece_mb`` MiB, and the three phases run on three threads, one phase
@@ -66,7 +66,7 @@ class TwoLevelReducer:
             raise ValueError(f"`piece_mb` must be a positive number of MiB, got {piece_mb!r}.")
         self.per_node = per_node
         self.piece_mb = float(piece_mb)
-        self.inter_node = resolve_reducer(inter_node)
+        self.inter_node: ReducerBase = as_reducer(resolve_reducer(inter_node))
         self._groups: dict[object, TwoLevelGroups] = {}  # the group a bucket names -> its two levels
         self._made: list[dist.ProcessGroup] = []
         self._phases = [CommThread(f"ldps-two-level-{phase}") for phase in ("in", "across", "gather")]
@@ -82,7 +82,7 @@ class TwoLevelReducer:
         groups = new_two_level_groups(layout, backend)
         self._made += groups.made
         for shard_group, shard_ranks in zip(groups.inters, layout.shard_groups(), strict=True):
-            setup_reducer(self.inter_node, shard_group, shard_ranks, backend)
+            self.inter_node.setup(shard_group, list(shard_ranks), backend)
         if dist.get_rank() in ranks:
             self._groups[group] = groups
 
@@ -145,7 +145,7 @@ class TwoLevelReducer:
         """Stop the threads, close the inter-node reducer and destroy the groups :meth:`setup` made."""
         for thread in self._phases:
             thread.close()
-        close_reducer(self.inter_node)
+        self.inter_node.close()
         if dist.is_available() and dist.is_initialized():
             for group in self._made:
                 if isinstance(group, dist.ProcessGroup):

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from lightning_dp_strategies.bucketing.sync import GradientSync
 from lightning_dp_strategies.plan import CpuCosts, Link, Reduction, Topology
-from lightning_dp_strategies.reducers import AutoReducer, GradBucket, StepTiming, setup_reducer
+from lightning_dp_strategies.reducers import AutoReducer, GradBucket, ReducerBase, StepTiming, setup_reducer
 from lightning_dp_strategies.reducers.auto import choose
 from tests.helpers.distributed import run_distributed
 
@@ -76,7 +76,7 @@ def test_the_probes_and_the_shared_figures_go_where_a_collective_over_the_group_
 def test_the_gradient_sync_tells_the_reducer_how_each_step_went() -> None:
     seen: list[StepTiming] = []
 
-    class Watching:
+    class Watching(ReducerBase):
         def __call__(self, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
             raise AssertionError("no bucket expected")
 

@@ -23,6 +23,7 @@ from lightning_dp_strategies.reducers import (
     RingReducer,
     bf16_compress,
     check_reducer,
+    close_reducer,
     completed,
     fp16_compress,
     resolve_reducer,
@@ -59,9 +60,7 @@ def _check_reducers_against_oracle(rank: int, world_size: int) -> None:
             expected_bytes = 2 * (world_size - 1) * nbytes / world_size
             assert abs(bucket.counter.bytes_sent - expected_bytes) <= 3 * 4 * world_size * 2, (name, bucket.counter)
             assert bucket.counter.operations == (len(SHAPES) + 1 if name == "per_tensor" else 1), name
-            close = getattr(reducer, "close", None)
-            if close is not None:
-                close()
+            close_reducer(reducer)
 
 
 @pytest.mark.timeout(120)
