@@ -24,7 +24,7 @@ from lightning_dp_strategies.bucketing.buckets import GradientBuckets
 from lightning_dp_strategies.bucketing.stats import CommStats
 from lightning_dp_strategies.reducers import Reducer, StepTiming, as_reducer, close_reducer, setup_reducer
 
-__all__ = ["GradientSync", "HoldsGradientSync", "destroy_groups"]
+__all__ = ["GradientSync", "destroy_groups"]
 
 
 def destroy_groups(groups: Iterable[object]) -> None:
@@ -192,24 +192,3 @@ class GradientSync:
     def destroy_groups(self) -> None:
         destroy_groups(self.groups)
         self.groups, self.group = [], None
-
-
-class HoldsGradientSync:
-    """What a strategy that holds a :class:`GradientSync` as ``grad_sync`` shows of it (Trainer and Fabric alike)."""
-
-    grad_sync: GradientSync
-
-    @property
-    def buckets(self) -> GradientBuckets | None:
-        """This rank's gradient buckets (``None`` before setup and after teardown)."""
-        return self.grad_sync.buckets
-
-    @property
-    def step_stats(self) -> CommStats:
-        """Gradient communication of the last optimizer step."""
-        return self.grad_sync.step_stats
-
-    @property
-    def comm_stats(self) -> CommStats:
-        """Running totals of gradient communication on this rank since setup (kept after teardown)."""
-        return self.grad_sync.totals

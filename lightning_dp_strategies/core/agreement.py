@@ -134,3 +134,19 @@ def bucketed_options(
         "torch": torch.__version__,
         "lightning": lightning.fabric.__version__,
     }
+
+
+def require_trainable(module: nn.Module, strategy: str, fix: str) -> None:
+    """A clear error, on every rank, when ``module`` has no parameter that requires grad.
+
+    Examples:
+        >>> require_trainable(nn.Linear(2, 2).requires_grad_(False), "RingAllReduceStrategy", "train elsewhere")
+        Traceback (most recent call last):
+        ...
+        ValueError: Linear has no parameter that requires grad, so RingAllReduceStrategy has nothing to train. ...
+    """
+    if not any(p.requires_grad for p in module.parameters()):
+        raise ValueError(
+            f"{type(module).__name__} has no parameter that requires grad, so {strategy} has nothing to train. "
+            f"Unfreeze at least one parameter before `trainer.fit`, or {fix}."
+        )

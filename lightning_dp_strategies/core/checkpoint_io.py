@@ -31,7 +31,7 @@ from typing_extensions import override
 
 from lightning_dp_strategies.core.checkpoint_files import complete_or_newest
 
-__all__ = ["AtomicCheckpointIO", "atomic_write", "can_stream", "with_atomic_default"]
+__all__ = ["AtomicByDefault", "AtomicCheckpointIO", "atomic_write", "can_stream", "with_atomic_default"]
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -188,18 +188,24 @@ def with_atomic_default(checkpoint_io: CheckpointIO | None) -> CheckpointIO:
     return checkpoint_io
 
 
-class AtomicCheckpoints:
-    """Mixed in ahead of a Trainer or Fabric strategy: an :class:`AtomicCheckpointIO` unless one
-    was given."""
+class AtomicByDefault:
+    """A strategy's ``checkpoint_io`` attribute: the one given (``_checkpoint_io``), else an
+    :class:`AtomicCheckpointIO` made on first read (see :func:`with_atomic_default`); Lightning sets and reads it as
+    it does its own strategies' property.
 
-    _checkpoint_io: CheckpointIO | None
+    Examples:
+        >>> class Strategy:
+        ...     checkpoint_io = AtomicByDefault()
+        ...     _checkpoint_io = None
+        >>> type(Strategy().checkpoint_io).__name__
+        'AtomicCheckpointIO'
+    """
 
-    @property
-    def checkpoint_io(self) -> CheckpointIO:
-        """The ``checkpoint_io`` given, else an :class:`AtomicCheckpointIO`."""
-        self._checkpoint_io = with_atomic_default(self._checkpoint_io)
-        return self._checkpoint_io
+    def __get__(self, obj: Any, owner: type) -> Any:
+        if obj is None:
+            return self
+        obj._checkpoint_io = with_atomic_default(obj._checkpoint_io)
+        return obj._checkpoint_io
 
-    @checkpoint_io.setter
-    def checkpoint_io(self, io: CheckpointIO) -> None:
-        self._checkpoint_io = io
+    def __set__(self, obj: Any, io: CheckpointIO) -> None:
+        obj._checkpoint_io = io

@@ -88,3 +88,20 @@ class NonfiniteGuard:
             return result
 
         return guarded
+
+    def check_step(
+        self,
+        kwargs: dict[str, Any],
+        optimizer: Optimizer,
+        named_parameters: Iterable[tuple[str, nn.Parameter]],
+        device: torch.device,
+    ) -> dict[str, Any]:
+        """Fabric's ``optimizer.step(**kwargs)``, whose gradients are reduced by now: a ``closure`` among ``kwargs``
+        is wrapped; without one the check runs at once. The ``kwargs`` to step with are returned."""
+        if self.mode is None:
+            return kwargs
+        closure = kwargs.pop("closure", None)
+        if closure is not None:
+            return {**kwargs, "closure": self.wrap(closure, optimizer, named_parameters, device)}
+        self.wrap(lambda: None, optimizer, named_parameters, device)()
+        return kwargs

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from lightning_dp_strategies.core.options import ReductionOptions
 from lightning_dp_strategies.reducers import AutoReducer, PowerSGD, Reducer
+from lightning_dp_strategies.reducers.comm_hooks import CommHookReducer
 from lightning_dp_strategies.reducers.two_level import TwoLevelReducer
 
-__all__ = ["check_two_level", "layout_reducer", "uses_two_level"]
+__all__ = ["check_own_reducer", "check_two_level", "layout_reducer", "uses_two_level"]
 
 
 def check_two_level(two_level: bool | None, reduction: ReductionOptions) -> None:
@@ -34,10 +35,21 @@ def check_two_level(two_level: bool | None, reduction: ReductionOptions) -> None
         )
 
 
-def uses_two_level(two_level: bool | None, nodes: int, per_node: int, reduction: ReductionOptions) -> bool:
+def _needs_whole_buckets(reduction: ReductionOptions, reducer: Reducer | None) -> bool:
+    """A torch communication hook and PowerSGD reduce whole buckets (PowerSGD compresses the bucket's matrices)."""
+    return (
+        reduction.ddp_comm_hook is not None
+        or isinstance(reduction.reducer, PowerSGD)
+        or isinstance(reducer, (PowerSGD, CommHookReducer))
+    )
+
+
+def uses_two_level(
+    two_level: bool | None, nodes: int, per_node: int, reduction: ReductionOptions, reducer: Reducer | None = None
+) -> bool:
     """Whether the buckets are reduced in two levels: as asked, else when there are several nodes of several
-    processes, no communication hook and no PowerSGD, which need whole buckets (as NCCL picks a hierarchical
-    algorithm for that topology).
+    processes and the reducer (the option's, or ``reducer`` as a strategy configured it) does not need whole buckets
+    (a communication hook, PowerSGD), as NCCL picks a hierarchical algorithm for that topology.
 
     Examples:
         >>> uses_two_level(None, 2, 2, ReductionOptions()), uses_two_level(None, 2, 1, ReductionOptions())
@@ -50,13 +62,14 @@ def uses_two_level(two_level: bool | None, nodes: int, per_node: int, reduction:
     """
     if two_level is not None:
         return two_level
-    whole_buckets = reduction.ddp_comm_hook is not None or isinstance(reduction.reducer, PowerSGD)
-    return nodes > 1 and per_node > 1 and not whole_buckets
+    return nodes > 1 and per_node > 1 and not _needs_whole_buckets(reduction, reducer)
 
 
-def layout_reducer(two_level: bool | None, nodes: int, per_node: int, reduction: ReductionOptions) -> Reducer:
-    """The reducer of the buckets for this layout: the ``reducer=`` option (or hook) as it is, or that reducer as the
-    hop across nodes of a :class:`~lightning_dp_strategies.reducers.two_level.TwoLevelReducer`.
+def layout_reducer(
+    two_level: bool | None, nodes: int, per_node: int, reduction: ReductionOptions, reducer: Reducer | None = None
+) -> Reducer:
+    """The reducer of the buckets for this layout: ``reducer`` (default: the ``reducer=`` option's or the hook's) as
+    it is, or as the hop across nodes of a :class:`~lightning_dp_strategies.reducers.two_level.TwoLevelReducer`.
 
     Examples:
         >>> type(layout_reducer(None, 2, 2, ReductionOptions("native"))).__name__
@@ -64,9 +77,40 @@ def layout_reducer(two_level: bool | None, nodes: int, per_node: int, reduction:
         >>> type(layout_reducer(None, 1, 2, ReductionOptions("native"))).__name__
         'NativeReducer'
     """
-    reducer = reduction.make_reducer()
+    reducer = reduction.make_reducer() if reducer is None else reducer
     if isinstance(reducer, AutoReducer):  # it tries one and two levels itself
         return reducer.with_layout(per_node, two_level)
-    if uses_two_level(two_level, nodes, per_node, reduction):
+    if two_level and _needs_whole_buckets(reduction, reducer):
+        raise ValueError(
+            f"`two_level=True` cannot be combined with the reducer {type(reducer).__name__} that `configure_reducer` "
+            "returned: it reduces whole buckets, and the hop across nodes carries a flat shard of one. Pass "
+            "`two_level=None` (two levels where they serve) or `two_level=False`."
+        )
+    if uses_two_level(two_level, nodes, per_node, reduction, reducer):
         return TwoLevelReducer(per_node, inter_node=reducer)
     return reducer
+
+
+def check_own_reducer(strategy: type, base: type, shard_optimizer_state: bool) -> None:
+    """Refuse sharded optimizer state when ``strategy`` picks its own reducer (overrides ``configure_reducer`` of
+    ``base``): the shards are the chunks the flat ring's reduce-scatter leaves on each rank, so the strategy reduces
+    the buckets itself.
+
+    Examples:
+        >>> class Base:
+        ...     def configure_reducer(self): ...
+        >>> class Own(Base):
+        ...     def configure_reducer(self): ...
+        >>> check_own_reducer(Base, Base, True); check_own_reducer(Own, Base, False)
+        >>> check_own_reducer(Own, Base, True)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: `shard_optimizer_state=True` cannot be combined with `Own.configure_reducer`: ...
+    """
+    if shard_optimizer_state and strategy.configure_reducer is not base.configure_reducer:  # type: ignore[attr-defined]
+        raise ValueError(
+            f"`shard_optimizer_state=True` cannot be combined with `{strategy.__name__}.configure_reducer`: the "
+            "optimizer's shards are the chunks the flat ring's reduce-scatter leaves on each rank, so with sharded "
+            "state the strategy reduces the buckets itself and a reducer of your own would never run. Pass "
+            "`shard_optimizer_state=False` to keep your reducer, or drop the `configure_reducer` override."
+        )

@@ -9,30 +9,28 @@ from typing import Any, ClassVar, Literal
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.precision import Precision
-from lightning.fabric.utilities.types import _PATH, Optimizable
-from torch import Tensor, nn
+from lightning.fabric.utilities.types import _PATH
+from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_dp_strategies.bucketing.stats import CommStats
-from lightning_dp_strategies.core.averaging import FlatAverager
-from lightning_dp_strategies.core.local_sgd import (
-    HoldsLocalSGD,
+from lightning_dp_strategies.core.engine import EngineView
+from lightning_dp_strategies.core.local_sgd import check_not_sharded, local_options
+from lightning_dp_strategies.core.options import ConfigOption
+from lightning_dp_strategies.fabric.ring_allreduce import FabricRingAllReduceStrategy
+from lightning_dp_strategies.local_sgd import (
     LocalSGD,
     LocalSGDConfig,
     OuterOptimizerFactory,
-    check_not_sharded,
     local_checkpoint_record,
     restore_local_record,
 )
-from lightning_dp_strategies.core.options import ConfigOption
-from lightning_dp_strategies.fabric.ring_allreduce import FabricRingAllReduceStrategy
 from lightning_dp_strategies.reducers import Reducer
 
 __all__ = ["FabricLocalSGDStrategy"]
 
 
-class FabricLocalSGDStrategy(HoldsLocalSGD, FabricRingAllReduceStrategy):
+class FabricLocalSGDStrategy(FabricRingAllReduceStrategy):
     """The Fabric counterpart of :class:`~lightning_dp_strategies.LocalSGDStrategy`, on the same
     :class:`~lightning_dp_strategies.core.local_sgd.LocalSGD`.
 
@@ -106,16 +104,15 @@ class FabricLocalSGDStrategy(HoldsLocalSGD, FabricRingAllReduceStrategy):
             start_method=start_method,
             two_level=False,
         )
-        self.local_sgd: LocalSGD | None = None
-        self._averaged_step = CommStats()
+
+    local_sgd = EngineView[LocalSGD | None]()  # the algorithm (``None`` before setup)
 
     # ------------------------------------------------------------------ setup
     @override
     def _setup_distributed(self) -> None:
         super()._setup_distributed()
-        averager = FlatAverager(self.configure_reducer())
-        averager.setup(self.grad_sync.group, list(range(self.world_size)), self._process_group_backend)
-        self.local_sgd = LocalSGD(self.local_config, averager)
+        reducer = self.configure_reducer()
+        self.engine.start_local_sgd(self.local_config, reducer, self.world_size, self._process_group_backend)
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:  # type: ignore[override]  # not wrapped
@@ -127,21 +124,12 @@ class FabricLocalSGDStrategy(HoldsLocalSGD, FabricRingAllReduceStrategy):
 
     @override
     def _fingerprint_options(self, module: nn.Module) -> dict[str, Any]:
-        return {**super()._fingerprint_options(module), **self._local_options()}
+        return {**super()._fingerprint_options(module), **local_options(self.local_config)}
 
-    # ------------------------------------------------------------------ one step
-    @override
-    def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
-        """Local steps keep the gradient on the rank; the warm-up's steps average it."""
-        if self.local_sgd is not None and not self.local_sgd.averages_gradients:
-            self.grad_sync.set_blocked(True)
-        super().backward(tensor, module, *args, **kwargs)
-
-    @override
-    def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
-        output = super().optimizer_step(optimizer, **kwargs)
-        self._after_optimizer_step()
-        return output
+    def synchronize(self) -> None:
+        """Average the ranks' parameter changes now and apply the outer step (on every rank; nothing when the ranks
+        are in sync already): call it before evaluating."""
+        self.engine.synchronize()
 
     # ------------------------------------------------------------------ checkpoints
     @override
@@ -188,13 +176,6 @@ class FabricLocalSGDStrategy(HoldsLocalSGD, FabricRingAllReduceStrategy):
             for optimizer, saved in zip(optimizers, record["ranks"][self.global_rank]["optimizer"], strict=True):
                 optimizer.load_state_dict(saved)
         return remainder
-
-    # ------------------------------------------------------------------ teardown
-    @override
-    def teardown(self) -> None:
-        if self.local_sgd is not None:
-            self.local_sgd.averager.close()
-        super().teardown()
 
     # ------------------------------------------------------------------ options (read-only)
     sync_every = ConfigOption[int]("local_config")

@@ -1,4 +1,16 @@
-"""Fabric's DDP with its gradients averaged by this package's bucketed ring all-reduce, overlapped with backward."""
+"""Fabric's DDP with its gradients averaged by this package's bucketed ring all-reduce, overlapped with backward.
+
+The Fabric twin of :class:`~lightning_dp_strategies.RingAllReduceStrategy`: Fabric's ``DDPStrategy`` plus the same
+:class:`~lightning_dp_strategies.core.engine.BucketedEngine` (gradient buckets, sharded optimizer state, the
+non-finite check), called from Fabric's hooks::
+
+    _setup_distributed ──▶ restart-safe default group ──▶ engine.make_groups(world, arrange_reducer(reducer))
+    setup_module ──▶ ranks agree ──▶ rank 0's weights ──▶ engine.attach(module's parameters)
+    setup_optimizer ──▶ engine.bind (sharded state)
+    backward ──▶ engine.before_backward ─ backward ─ engine.after_backward
+    optimizer_step ──▶ engine.guard ─ step ─ engine.after_step
+    teardown ──▶ engine.close ──▶ Fabric's teardown ──▶ engine.destroy_groups
+"""
 
 from __future__ import annotations
 
@@ -14,15 +26,20 @@ from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
-from lightning.fabric.utilities.types import Optimizable
+from lightning.fabric.utilities.types import _PATH, Optimizable
 from torch import Tensor, nn
+from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_dp_strategies.bucketing.sync import GradientSync, HoldsGradientSync
+from lightning_dp_strategies.bucketing import CommStats, GradientBuckets
+from lightning_dp_strategies.bucketing.sync import GradientSync
 from lightning_dp_strategies.core.agreement import bucketed_options, check_ranks_agree, model_fingerprint
-from lightning_dp_strategies.core.checkpoint_io import AtomicCheckpoints
+from lightning_dp_strategies.core.checkpoint_io import AtomicByDefault
+from lightning_dp_strategies.core.elastic import init_restart_safe_process_group
+from lightning_dp_strategies.core.engine import BucketedEngine, EngineView
 from lightning_dp_strategies.core.launch import check_interactive_launch
 from lightning_dp_strategies.core.module_state import broadcast_module_buffers, sync_module_states
+from lightning_dp_strategies.core.nonfinite import NonfiniteGuard
 from lightning_dp_strategies.core.options import (
     ConfigOption,
     ReductionOptions,
@@ -34,19 +51,15 @@ from lightning_dp_strategies.core.options import (
     default_timeout,
 )
 from lightning_dp_strategies.core.registry import register_name, register_with_launchers
-from lightning_dp_strategies.core.topology import check_two_level, layout_reducer
-from lightning_dp_strategies.fabric._elastic import RestartSafeGroups
-from lightning_dp_strategies.fabric._sharded import ShardedFabricSteps
-from lightning_dp_strategies.fabric._step import NonfiniteStep
+from lightning_dp_strategies.core.topology import check_own_reducer, check_two_level, layout_reducer
+from lightning_dp_strategies.fabric._checkpoints import load_sharded, save_sharded
 from lightning_dp_strategies.reducers import CommHook, Reducer, ScatterReducer
 from lightning_dp_strategies.sharding import OptimizerSharding
 
 __all__ = ["FabricRingAllReduceStrategy"]
 
 
-class FabricRingAllReduceStrategy(
-    AtomicCheckpoints, RestartSafeGroups, HoldsGradientSync, NonfiniteStep, ShardedFabricSteps, DDPStrategy
-):
+class FabricRingAllReduceStrategy(DDPStrategy):
     """One process per device under Lightning Fabric; gradients averaged by the bucketed ring all-reduce.
 
     The Fabric counterpart of :class:`~lightning_dp_strategies.RingAllReduceStrategy`, on the same machinery
@@ -130,6 +143,7 @@ class FabricRingAllReduceStrategy(
         )
         check_two_level(self.config.two_level, self.reduction)
         check_sharding(self.config, self.reduction)
+        check_own_reducer(type(self), FabricRingAllReduceStrategy, shard_optimizer_state)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -140,12 +154,36 @@ class FabricRingAllReduceStrategy(
             timeout=check_timeout(timeout),
             start_method=start_method,
         )
-        # runtime state (groups, reducer, buckets, no-sync flag) and statistics (step_stats, comm_stats)
-        self.grad_sync = GradientSync()
-        self.sharding = OptimizerSharding()
-        self._init_nonfinite(nonfinite_grads)
+        # collaborators: runtime state (groups, reducer, buckets, no-sync flag, shards) and statistics
+        self.engine = BucketedEngine(self.config, self.reduction, nonfinite_grads)
+        self._trained: nn.Module | None = None
+        """The module set up with trainable parameters (the one the buckets average)."""
         self._buffer_hook: Any = None
         self._backward_sync_control = _BucketSyncControl(self)
+
+    # ------------------------------------------------------------------ what a subclass says
+    def configure_reducer(self) -> Reducer:
+        """The reducer of the gradient buckets, called once at setup (default: the hook's when ``ddp_comm_hook`` was
+        given, else the ``reducer=`` option's): override it to reduce another way. What it returns still goes
+        through :meth:`arrange_reducer`; with ``shard_optimizer_state=True`` an override is refused at construction."""
+        return self.reduction.make_reducer()
+
+    def arrange_reducer(self, reducer: Reducer) -> Reducer:
+        """``reducer`` as the hop across nodes of a two-level reduction where the layout calls for it (see
+        ``two_level``); with ``shard_optimizer_state`` the reduce-scattering ring instead."""
+        if self.config.shard_optimizer_state:
+            return ScatterReducer()
+        return layout_reducer(self.config.two_level, self.num_nodes, self.num_processes, self.reduction, reducer)
+
+    # ------------------------------------------------------------------ the collaborators, as users read them
+    grad_sync = EngineView[GradientSync]()
+    sharding = EngineView[OptimizerSharding]()  # this rank's share of the optimizer state (sharded state)
+    nonfinite = EngineView[NonfiniteGuard]()
+    buckets = EngineView[GradientBuckets | None]()  # ``None`` before setup and after teardown
+    step_stats = EngineView[CommStats]()  # communication of the last optimizer step
+    comm_stats = EngineView[CommStats]()  # running totals on this rank since setup (kept after teardown)
+    checkpoint_io = AtomicByDefault()
+    """The ``checkpoint_io`` given, else an :class:`~lightning_dp_strategies.AtomicCheckpointIO`."""
 
     # ------------------------------------------------------------------ names and launch
     @classmethod
@@ -166,20 +204,15 @@ class FabricRingAllReduceStrategy(
     # ------------------------------------------------------------------ setup
     @override
     def _setup_distributed(self) -> None:
+        backend = self._get_process_group_backend()
         if self._timeout is None:
-            self._timeout = default_timeout(self._get_process_group_backend())
+            self._timeout = default_timeout(backend)
+        self._set_world_ranks()
+        assert self.cluster_environment is not None
+        init_restart_safe_process_group(self.cluster_environment, backend, self._timeout, self.root_device)
         super()._setup_distributed()
-        self.grad_sync.make_groups(
-            [list(range(self.world_size))], self.global_rank, self._process_group_backend, self.configure_reducer()
-        )
-
-    def configure_reducer(self) -> Reducer:
-        """The reducer of the gradient buckets, called once at setup: override it to reduce another way (default:
-        the communication hook's when ``ddp_comm_hook`` was given, else the ``reducer=`` option's, wrapped in the
-        two-level reducer where the layout calls for it; with ``shard_optimizer_state`` the reduce-scattering ring)."""
-        if self.config.shard_optimizer_state:
-            return ScatterReducer()
-        return layout_reducer(self.config.two_level, self.num_nodes, self.num_processes, self.reduction)
+        reducer = self.arrange_reducer(self.configure_reducer())
+        self.engine.make_groups([list(range(self.world_size))], self.global_rank, self._process_group_backend, reducer)
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:  # type: ignore[override]  # not wrapped
@@ -188,7 +221,7 @@ class FabricRingAllReduceStrategy(
         The module itself is returned (not wrapped), so ``fabric.save`` holds its plain ``state_dict``.
         """
         trainable = any(p.requires_grad for p in module.parameters())
-        if trainable and self.grad_sync.buckets is not None:
+        if trainable and self.engine.buckets is not None:
             raise ValueError(
                 f"{type(self).__name__} averages the gradients of one module, and one with trainable parameters was "
                 "set up already. Put the models in one `nn.Module` (e.g. `nn.ModuleDict`) and set that up once, or "
@@ -197,14 +230,24 @@ class FabricRingAllReduceStrategy(
         check_ranks_agree(model_fingerprint(module, self._fingerprint_options(module)))  # before the broadcast
         sync_module_states(module)
         if trainable:
-            cfg = self.config
-            named = list(module.named_parameters())
-            self.grad_sync.attach(named, cfg.bucket_cap_mb, cfg.first_bucket_cap_mb, timeout=self._timeout)
-            self._attach_sharding()
+            self.engine.attach(list(module.named_parameters()), self._timeout)
             self._trained = module
-            if cfg.broadcast_buffers and any(True for _ in module.buffers()):
+            if self.config.broadcast_buffers and any(True for _ in module.buffers()):
                 self._buffer_hook = module.register_forward_pre_hook(self._broadcast_buffers)
         return module
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """With sharded state ``optimizer`` steps this rank's pieces of its parameters (set up the module first)."""
+        optimizer = super().setup_optimizer(optimizer)
+        if self.config.shard_optimizer_state and not self.engine.sharded:
+            raise RuntimeError(
+                "With shard_optimizer_state=True the optimizer is cut to the shards of the module's buckets: set "
+                "up the module first (`fabric.setup(model, optimizer)` or `fabric.setup_module` before "
+                "`fabric.setup_optimizers`)."
+            )
+        self.engine.bind(optimizer)
+        return optimizer
 
     def _fingerprint_options(self, module: nn.Module) -> dict[str, Any]:
         """What every rank must agree on besides the model: the options, precision and bucket layout."""
@@ -213,7 +256,7 @@ class FabricRingAllReduceStrategy(
 
     def _broadcast_buffers(self, module: nn.Module, args: Any) -> None:
         """Before a training forward (train mode, gradients on, not inside ``no_backward_sync``): rank 0's buffers."""
-        if module.training and torch.is_grad_enabled() and not self.grad_sync.blocked:
+        if module.training and torch.is_grad_enabled() and not self.engine.grad_sync.blocked:
             broadcast_module_buffers(module)
 
     # ------------------------------------------------------------------ one step
@@ -221,21 +264,24 @@ class FabricRingAllReduceStrategy(
     def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
         """Arm the buckets (or count a skipped pass inside ``no_backward_sync``), run backward through the precision
         plugin, and wait until ``.grad`` holds the average over the ranks."""
-        self._before_synced_backward()
-        self.grad_sync.arm_or_skip()
+        self.engine.before_backward()
         try:
             super().backward(tensor, module, *args, **kwargs)
         except BaseException:
-            self.grad_sync.abort()
+            self.engine.abort()
             raise
-        self.grad_sync.finish()
-        self._after_synced_backward()
+        self.engine.after_backward(getattr(self.precision, "scaler", None))
 
     @override
     def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
+        """The non-finite check first (the gradients are reduced by now; a ``closure`` is wrapped instead), then the
+        step and what follows it (sharded parameters gathered, statistics, local SGD's count)."""
+        if self._trained is not None and isinstance(optimizer, Optimizer):
+            named = self.engine.guarded_parameters(self._trained.named_parameters())
+            kwargs = self.engine.nonfinite.check_step(kwargs, optimizer, named, self.root_device)
         output = super().optimizer_step(optimizer, **kwargs)
-        self._after_step(optimizer)
-        self.grad_sync.record_step()
+        if isinstance(optimizer, Optimizer):
+            self.engine.after_step(optimizer)
         return output
 
     @contextmanager
@@ -244,8 +290,72 @@ class FabricRingAllReduceStrategy(
 
         ``fabric.no_backward_sync(model)`` enters this.
         """
-        with self.grad_sync.no_sync():
+        with self.engine.grad_sync.no_sync():
             yield None
+
+    @override
+    def clip_gradients_norm(
+        self,
+        module: nn.Module,
+        optimizer: Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> Tensor:
+        """With sharded state: the 2-norm over every rank's pieces (each element lives on one rank)."""
+        if not self.engine.sharded:
+            return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
+        if float(norm_type) != 2.0:
+            raise ValueError(
+                f"With shard_optimizer_state=True, `fabric.clip_gradients` clips by the 2-norm over every rank; got "
+                f"norm_type={norm_type}. Pass norm_type=2.0, or clip by value (`clip_val=...`)."
+            )
+        self.precision.unscale_gradients(optimizer)
+        total = self.engine.clip_grad_norm(
+            list(self.precision.main_params(optimizer)), float(max_norm), self.root_device
+        )
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(f"The total norm of the gradients is {total.item()}, not finite.")
+        return total
+
+    # ------------------------------------------------------------------ checkpoints (sharded state)
+    @override
+    def save_checkpoint(
+        self,
+        path: _PATH,
+        state: dict[str, Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
+        """With sharded state: rank 0 writes the checkpoint while every rank sends its pieces of the optimizer state,
+        one tensor at a time (the whole state, as one optimizer over the module saves it)."""
+        if not self.engine.sharded:
+            super().save_checkpoint(path, state, storage_options, filter)
+            return
+        save_sharded(self, self.engine, path, state, storage_options, filter)
+
+    @override
+    def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
+        """With sharded state: the whole optimizer's ``state_dict`` on rank 0 (a collective, as ``fabric.save``)."""
+        optimizer = getattr(optimizer, "optimizer", optimizer)
+        if not self.engine.sharded:
+            return super().get_optimizer_state(optimizer)
+        return self.engine.optimizer_state(optimizer)
+
+    @override
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        state: nn.Module | Optimizer | dict[str, nn.Module | Optimizer | Any] | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """With sharded state: each rank takes its pieces of the whole optimizer states in the file (saved by any
+        strategy, at any world size)."""
+        if not self.engine.sharded or not isinstance(state, dict):
+            return super().load_checkpoint(path, state, strict, weights_only)
+        load = super().load_checkpoint
+        return load_sharded(self.engine, state, lambda proxy: load(path, proxy, strict, weights_only))
 
     # ------------------------------------------------------------------ teardown
     @override
@@ -254,11 +364,10 @@ class FabricRingAllReduceStrategy(
         if self._buffer_hook is not None:
             self._buffer_hook.remove()
             self._buffer_hook = None
-        self._close_sharding()
-        self.grad_sync.close()
+        self.engine.close()
         self._trained = None
         super().teardown()
-        self.grad_sync.destroy_groups()
+        self.engine.destroy_groups()
 
     # ------------------------------------------------------------------ options (read-only; see `config`)
     bucket_cap_mb = ConfigOption[float]()

@@ -13,20 +13,22 @@ from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import DataParallelStrategy
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from lightning.fabric.utilities.types import Optimizable
 from torch import nn
+from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_dp_strategies.core.checkpoint_io import AtomicCheckpoints
+from lightning_dp_strategies.core.checkpoint_io import AtomicByDefault
+from lightning_dp_strategies.core.nonfinite import NonfiniteGuard, check_nonfinite_mode
 from lightning_dp_strategies.core.options import check_dim
 from lightning_dp_strategies.core.registry import register_name
 from lightning_dp_strategies.data_parallel import as_devices
 from lightning_dp_strategies.data_parallel.forward import ParallelForward, ScatterGatherStats
-from lightning_dp_strategies.fabric._step import NonfiniteStep
 
 __all__ = ["FabricScatterGatherStrategy"]
 
 
-class FabricScatterGatherStrategy(AtomicCheckpoints, ParallelForward, NonfiniteStep, DataParallelStrategy):
+class FabricScatterGatherStrategy(ParallelForward, DataParallelStrategy):
     """One process, several devices under Lightning Fabric: every ``model(x)`` is scattered, replicated, run in
     parallel and gathered (:class:`~lightning_dp_strategies.strategies.scatter_gather.ParallelForward`, the steps
     the Trainer's :class:`~lightning_dp_strategies.ScatterGatherStrategy` runs).
@@ -82,8 +84,12 @@ class FabricScatterGatherStrategy(AtomicCheckpoints, ParallelForward, NonfiniteS
         self.dim = dim
         # statistics
         self.stats = ScatterGatherStats()
-        self._init_nonfinite(nonfinite_grads)
+        self.nonfinite = NonfiniteGuard(check_nonfinite_mode(nonfinite_grads))
+        self._trained: nn.Module | None = None  # the module set up with trainable parameters
         self._backward_sync_control = _NothingToSkip()
+
+    checkpoint_io = AtomicByDefault()
+    """The ``checkpoint_io`` given, else an :class:`~lightning_dp_strategies.AtomicCheckpointIO`."""
 
     @classmethod
     @override
@@ -102,6 +108,14 @@ class FabricScatterGatherStrategy(AtomicCheckpoints, ParallelForward, NonfiniteS
         if any(p.requires_grad for p in module.parameters()):
             self._trained = module
         return _ParallelModule(module, self)
+
+    @override
+    def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
+        """The non-finite check (``nonfinite_grads``) on the gradients, then the step."""
+        if self._trained is not None and isinstance(optimizer, Optimizer):
+            named = self._trained.named_parameters()
+            kwargs = self.nonfinite.check_step(kwargs, optimizer, named, self.root_device)
+        return super().optimizer_step(optimizer, **kwargs)
 
     @override
     def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:

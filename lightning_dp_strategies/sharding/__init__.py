@@ -15,7 +15,7 @@ Clipping by the 2-norm over every rank's pieces is :func:`clip_grad_norm_across`
 from lightning_dp_strategies.comm.clipping import clip_grad_norm_across
 from lightning_dp_strategies.sharding.layout import Piece, ShardLayout
 from lightning_dp_strategies.sharding.optimizer import ELEMENTWISE_OPTIMIZERS, ShardedParameters, check_elementwise
-from lightning_dp_strategies.sharding.scaler import agree_on_nonfinite, restore_scaler
+from lightning_dp_strategies.sharding.scaler import agree_on_nonfinite
 from lightning_dp_strategies.sharding.state import OptimizerSharding
 
 __all__ = [
@@ -27,5 +27,4 @@ __all__ = [
     "agree_on_nonfinite",
     "check_elementwise",
     "clip_grad_norm_across",
-    "restore_scaler",
 ]

@@ -1,58 +1,43 @@
-"""A gradient scaler (16-mixed) that agrees with the other ranks on whether a step found Inf or NaN.
+"""A 16-mixed gradient scaler that finds Inf or NaN on every rank when any rank's pieces hold one.
 
 ``GradScaler.unscale_`` checks the gradients of the optimizer's parameters, which under sharded optimizer state are
-this rank's pieces only: one rank could skip a step that another takes. :func:`agree_on_nonfinite` makes the
-scaler's class a subclass whose ``unscale_`` sums the finding over the ranks afterwards (as torch's
-``ShardedGradScaler`` does), so every rank skips alike; :func:`restore_scaler` puts the class back.
+this rank's pieces only: one rank could skip a step that another takes, and their loss scales would part.
+:func:`agree_on_nonfinite` runs after the reduced gradients reach the pieces and before the scaler unscales them:
+the ranks agree (one all-reduce of a flag) whether any piece holds a non-finite value, and a rank whose own pieces
+are finite while another's are not writes an Inf into one of its gradients. Every rank's scaler then finds what the
+others find, skips the step alike and lowers its scale alike, through its public ``unscale_``/``step``/``update``;
+the scaler itself is not touched.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
-__all__ = ["agree_on_nonfinite", "restore_scaler"]
-
-_ORIGINAL = "_ldps_original_class"
-
-
-def _unscale_agreed(self: Any, optimizer: torch.optim.Optimizer) -> None:
-    base: Any = type(self).__mro__[1]  # the scaler's own class
-    base.unscale_(self, optimizer)
-    state = self._per_optimizer_states[id(optimizer)]
-    found = list(state["found_inf_per_device"].values())
-    device = found[0].device if found else self._scale.device
-    total = torch.zeros(1, dtype=torch.float32, device=device)
-    for flag in found:
-        total += flag.to(device)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(total)
-    state["found_inf_per_device"] = {device: total}
+__all__ = ["agree_on_nonfinite"]
 
 
-def agree_on_nonfinite(scaler: torch.amp.GradScaler) -> None:
-    """Make ``scaler`` sum its Inf/NaN finding over every rank in ``unscale_`` (its class becomes a subclass of its
-    own class; :func:`restore_scaler` undoes it). Calling it twice does nothing more.
+def agree_on_nonfinite(gradients: Sequence[Tensor | None], group: dist.ProcessGroup | None = None) -> bool:
+    """Whether any rank of ``group`` holds a non-finite value in its ``gradients``; where this rank holds none but
+    another does, an Inf is written into this rank's first gradient so that its scaler finds one too.
 
     Examples:
-        >>> scaler = torch.amp.GradScaler("cpu")
-        >>> agree_on_nonfinite(scaler); type(scaler).__name__, isinstance(scaler, torch.amp.GradScaler)
-        ('AgreedGradScaler', True)
-        >>> restore_scaler(scaler); type(scaler).__name__
-        'GradScaler'
+        >>> grads = [torch.ones(2), torch.tensor([1.0, float("nan")])]
+        >>> agree_on_nonfinite(grads)  # one process: its own finding
+        True
+        >>> agree_on_nonfinite([torch.ones(2)])
+        False
     """
-    if _ORIGINAL in vars(scaler):
-        return
-    base = type(scaler)
-    agreed = type(f"Agreed{base.__name__}", (base,), {"unscale_": _unscale_agreed, "__module__": __name__})
-    scaler.__dict__[_ORIGINAL] = base
-    scaler.__class__ = agreed
-
-
-def restore_scaler(scaler: torch.amp.GradScaler) -> None:
-    """Give ``scaler`` back the class it had before :func:`agree_on_nonfinite`."""
-    original = vars(scaler).pop(_ORIGINAL, None)
-    if original is not None:
-        scaler.__class__ = original
+    present = [g for g in gradients if g is not None and g.numel()]
+    device = present[0].device if present else torch.device("cpu")
+    local = any(not bool(torch.isfinite(g).all()) for g in present)
+    flag = torch.tensor([float(local)], device=device)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    found = bool(flag.item())
+    if found and not local and present:
+        present[0].view(-1)[0] = float("inf")
+    return found

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_dp_strategies.bucketing import CommStats, GradientBuckets
@@ -108,6 +108,13 @@ class OptimizerSharding:
         totals.messages += counter.messages
         totals.ring_operations += counter.operations
         totals.comm_seconds += counter.seconds
+
+    def piece_gradients(self) -> list[list[Tensor | None]]:
+        """Each bound optimizer's pieces' ``.grad`` (what its gradient scaler will unscale), in binding order."""
+        if self.shards is None:
+            return []
+        views = self.shards.views
+        return [[views[p].grad for group in bound.pieces for p in group] for bound in self.shards.optimizers]
 
     def named_pieces(self, named_params: Iterable[tuple[str, nn.Parameter]]) -> list[tuple[str, nn.Parameter]]:
         """This rank's pieces named after their parameters (``"fc.weight[0:96]"``, flattened elements)."""

@@ -1,47 +1,61 @@
 """The base of the multi-process strategies whose gradients are averaged by gradient buckets.
 
-A subclass says *which ranks average together* and *which parameters this rank averages*; the base does the rest:
-the shared options and their validation, the default collective timeout, one dedicated process group per averaging
-group (and the reducer's own groups, made in its setup step), the buckets, arming them around backward (skipped on
-accumulation steps and inside ``no_backward_sync``), abort on an exception, the per-step statistics, and teardown::
+A strategy is Lightning's ``DDPStrategy`` plus the collaborators of a :class:`~lightning_dp_strategies.core.engine.
+BucketedEngine` (gradient buckets, sharded optimizer state, the non-finite check, post-local SGD's averaging), which
+the Fabric strategies hold too. Lightning's hooks are written once, here, as named calls over it::
 
-    setup_distributed ──▶ grad_group_ranks() ──▶ one group each ──▶ setup_reducer(reducer, group, ranks)
-    configure_ddp ──▶ ranks agree ──▶ rank 0's weights ──▶ _build_buckets(bucketed_parameters())
-    pre_backward: arm (or skip)  ─ backward ─  post_backward: finish (.grad holds the average)
-    teardown ──▶ close buckets and reducer ──▶ destroy the groups
+    setup_distributed ──▶ restart-safe default group ──▶ engine.make_groups(grad_group_ranks(), reducer)
+    configure_ddp ──▶ ranks agree ──▶ rank 0's weights ──▶ engine.attach(bucketed_parameters())
+    pre_backward: engine.before_backward ─ backward ─ post_backward: engine.after_backward (.grad holds the average)
+    optimizer_step ──▶ engine.guard(closure) ──▶ step ──▶ engine.after_step
+    teardown ──▶ engine.close ──▶ Lightning's teardown ──▶ engine.destroy_groups
 
 Contract for a subclass:
 
 - ``grad_group_ranks()``: the world split into the lists of global ranks that average together (default: the
   whole world, one group). Called on every rank, it must give every rank the same lists.
 - ``bucketed_parameters()``: the ``(name, parameter)`` pairs this rank averages (default: the whole module's).
-- ``configure_reducer()``: how a bucket is reduced (default: the ``reducer=`` option or the communication hook).
+- ``configure_reducer()``: how a bucket is reduced (default: the ``reducer=`` option or the communication hook);
+  ``arrange_reducer(reducer)`` fits it to the layout (the ring: two levels across nodes, sharded state).
 - the base's ``configure_ddp`` checks that the ranks agree, broadcasts rank 0's weights and attaches the buckets; a
   strategy that places its module otherwise overrides it and calls ``self._build_buckets()`` once the module is in
-  place, and one that runs backward itself arms and finishes ``self.grad_sync`` there.
+  place, and one that runs backward itself calls ``self.engine.before_backward()`` / ``after_backward`` there.
 - its own options go in a frozen dataclass derived from :class:`BucketedConfig`, passed as ``config=``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, ClassVar, Literal
 
 import lightning.pytorch as pl
+import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.optimizer import _optimizer_to_device
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_dp_strategies.bucketing.sync import GradientSync, HoldsGradientSync
-from lightning_dp_strategies.core.agreement import bucketed_options, check_ranks_agree, model_fingerprint
+from lightning_dp_strategies.bucketing import CommStats, GradientBuckets
+from lightning_dp_strategies.bucketing.sync import GradientSync
+from lightning_dp_strategies.core.agreement import (
+    bucketed_options,
+    check_ranks_agree,
+    model_fingerprint,
+    require_trainable,
+)
+from lightning_dp_strategies.core.checkpoint_io import AtomicByDefault
+from lightning_dp_strategies.core.elastic import init_restart_safe_process_group
+from lightning_dp_strategies.core.engine import BucketedEngine, EngineView
 from lightning_dp_strategies.core.launch import check_interactive_launch
 from lightning_dp_strategies.core.module_state import sync_module_states
+from lightning_dp_strategies.core.nonfinite import NonfiniteGuard
 from lightning_dp_strategies.core.options import (
     BucketedConfig,
     ConfigOption,
@@ -52,37 +66,30 @@ from lightning_dp_strategies.core.options import (
     default_timeout,
 )
 from lightning_dp_strategies.core.registry import register_with_launchers
+from lightning_dp_strategies.core.topology import check_own_reducer
 from lightning_dp_strategies.plan import RING_ALLREDUCE, CostModel
 from lightning_dp_strategies.reducers import CommHook, Reducer
-from lightning_dp_strategies.strategies._model_averaging import PeriodicModelAveraging
-from lightning_dp_strategies.strategies._nonfinite import NonfiniteCheck
-from lightning_dp_strategies.strategies._resume import CheckpointAndResume, RestartSafeGroups
+from lightning_dp_strategies.sharding import OptimizerSharding
+from lightning_dp_strategies.strategies._trainer import with_resumed_sampler_epoch
+from lightning_dp_strategies.strategies.precision import (
+    ClipByNorm,
+    GlobalNormClipping,
+    readable_by_wrapper,
+    stored_under_plugin_name,
+)
 
 __all__ = ["BucketedConfig", "BucketedDataParallel"]
 
 
-class BucketedDataParallel(
-    CheckpointAndResume, RestartSafeGroups, HoldsGradientSync, PeriodicModelAveraging, NonfiniteCheck, DDPStrategy
-):
+class BucketedDataParallel(DDPStrategy):
     """Base of the strategies whose gradients ``GradientBuckets`` average over groups of ranks (see the module doc).
 
     Lightning's launchers, cluster environments and process-group setup come from
-    :class:`~lightning.pytorch.strategies.DDPStrategy`; the module is never wrapped.
+    :class:`~lightning.pytorch.strategies.DDPStrategy`; the module is never wrapped. Checkpoints are written
+    atomically (:class:`~lightning_dp_strategies.AtomicCheckpointIO`) unless a ``checkpoint_io`` is given.
 
-    Args:
-        config: the strategy's options (a :class:`BucketedConfig` or a subclass of it).
-        reducer: how a bucket is averaged: ``"ring"`` (default), ``"native"``, ``"per_tensor"`` or a callable
-            ``reducer(bucket) -> Future`` (see :mod:`lightning_dp_strategies.reducers`).
-        nonfinite_grads: ``None``, ``"skip"`` or ``"raise"`` on NaN/Inf in the averaged gradients.
-        process_group_backend: ``"gloo"``, ``"nccl"``, ...; ``None`` picks by device.
-        timeout: collective timeout (``timedelta`` or seconds); ``None`` is 5 minutes on gloo, 30 on NCCL.
-        start_method: ``"popen"``, ``"spawn"``, ``"fork"`` (notebooks) or ``"forkserver"``.
-        ddp_comm_hook: a torch DDP communication hook ``hook(state, bucket) -> Future`` that averages each bucket
-            instead of the reducer, on any device and backend (see :mod:`lightning_dp_strategies.comm_hooks`).
-        ddp_comm_state: the hook's ``state``; ``None`` gives it the strategy's gradient group.
-        ddp_comm_wrapper: applied to the hook once, ``ddp_comm_wrapper(ddp_comm_hook)``, as in Lightning's DDP.
-        model_averaging_period: with ``ddp_comm_state=PostLocalSGDState(...)``: average the parameters every this
-            many optimizer steps after the state's warm-up (post-local SGD, as Lightning's DDP on CUDA).
+    ``config`` holds the strategy's options (a :class:`BucketedConfig` or a subclass of it); the other arguments are
+    :class:`~lightning_dp_strategies.RingAllReduceStrategy`'s of the same names.
 
     Examples:
         >>> from lightning_dp_strategies.reducers import NativeReducer
@@ -130,6 +137,8 @@ class BucketedDataParallel(
     ) -> None:
         check_start_method(start_method)
         reduction = ReductionOptions(reducer, ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper, model_averaging_period)
+        config = config if config is not None else BucketedConfig()
+        check_own_reducer(type(self), BucketedDataParallel, bool(getattr(config, "shard_optimizer_state", False)))
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -140,12 +149,9 @@ class BucketedDataParallel(
             timeout=check_timeout(timeout),
             start_method=start_method,
         )
-        # configuration
-        self.config = config if config is not None else BucketedConfig()
-        self.reduction = reduction
-        self._init_nonfinite(nonfinite_grads)
-        # runtime state and statistics
-        self.grad_sync = GradientSync()
+        self.config, self.reduction = config, reduction  # configuration
+        self.engine = BucketedEngine(config, reduction, nonfinite_grads)
+        self._clipping: GlobalNormClipping | None = None
 
     # ------------------------------------------------------------------ what a subclass says
     def grad_group_ranks(self) -> list[list[int]]:
@@ -159,22 +165,24 @@ class BucketedDataParallel(
         return list(module.named_parameters())
 
     def configure_reducer(self) -> Reducer:
-        """The reducer of the gradient buckets, called once at setup: override it to reduce another way.
-
-        The default is the communication hook's (:class:`~lightning_dp_strategies.reducers.CommHookReducer`) when
-        ``ddp_comm_hook`` was given, else the ``reducer=`` option's (see :mod:`lightning_dp_strategies.reducers`).
-
-        Examples:
-            >>> from lightning_dp_strategies import NativeReducer, RingAllReduceStrategy
-            >>> class NativeStrategy(RingAllReduceStrategy):
-            ...     def configure_reducer(self) -> Reducer:
-            ...         return NativeReducer()
-            >>> type(NativeStrategy().configure_reducer()).__name__
-            'NativeReducer'
-        """
+        """The reducer of the gradient buckets, called once at setup (default: the hook's when ``ddp_comm_hook`` was
+        given, else the ``reducer=`` option's): override it to reduce another way. What it returns still goes
+        through :meth:`arrange_reducer`; with ``shard_optimizer_state=True`` an override is refused at construction."""
         return self.reduction.make_reducer()
 
-    # ------------------------------------------------------------------ names and launch
+    def arrange_reducer(self, reducer: Reducer) -> Reducer:
+        """Fit ``configure_reducer()``'s reducer to the job's layout (default: as it is)."""
+        return reducer
+
+    # ------------------------------------------------------------------ the collaborators, as users read them
+    grad_sync = EngineView[GradientSync]()
+    sharding = EngineView[OptimizerSharding]()  # this rank's share of the optimizer state (sharded state)
+    nonfinite = EngineView[NonfiniteGuard]()
+    buckets = EngineView[GradientBuckets | None]()  # ``None`` before setup and after teardown
+    step_stats = EngineView[CommStats]()  # gradient communication of the last optimizer step
+    comm_stats = EngineView[CommStats]()  # running totals on this rank since setup (kept after teardown)
+
+    # ------------------------------------------------------------------ names, launch, plugins
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
@@ -186,15 +194,38 @@ class BucketedDataParallel(
         super()._configure_launcher()
         check_interactive_launch(self, self._launcher, self._start_method, self.registered_name, "Trainer")
 
+    checkpoint_io = AtomicByDefault()
+    """The ``checkpoint_io`` given, else an :class:`~lightning_dp_strategies.AtomicCheckpointIO`."""
+
+    @property
+    @override
+    def precision_plugin(self) -> Precision:
+        """Lightning's plugin; from setup to teardown where clipping by norm spans ranks, it wrapped."""
+        clipping = self.__dict__.get("_clipping")
+        return clipping if clipping is not None else super().precision_plugin
+
+    @precision_plugin.setter
+    def precision_plugin(self, precision_plugin: Precision | None) -> None:
+        self._clipping = None
+        DDPStrategy.precision_plugin.fset(self, precision_plugin)  # type: ignore[attr-defined]
+
+    def clip_by_norm_across(self, clip_grad_by_norm: ClipByNorm) -> None:
+        """From now to teardown, clipping by norm (``gradient_clip_val``) calls ``clip_grad_by_norm``."""
+        self._clipping = GlobalNormClipping(super().precision_plugin, clip_grad_by_norm)
+
     # ------------------------------------------------------------------ setup
     @override
     def setup_distributed(self) -> None:
+        backend = self._get_process_group_backend()
         if self._timeout is None:
-            self._timeout = default_timeout(self._get_process_group_backend())
+            self._timeout = default_timeout(backend)
+        self.set_world_ranks()
+        assert self.cluster_environment is not None
+        init_restart_safe_process_group(self.cluster_environment, backend, self._timeout, self.root_device)
         super().setup_distributed()
-        self.grad_sync.make_groups(
-            self.grad_group_ranks(), self.global_rank, self._process_group_backend, self.configure_reducer()
-        )
+        self.engine.start_model_averaging(self.world_size, self.global_rank, self.num_processes, backend)
+        reducer = self.arrange_reducer(self.configure_reducer())
+        self.engine.make_groups(self.grad_group_ranks(), self.global_rank, self._process_group_backend, reducer)
 
     @override
     def configure_ddp(self) -> None:
@@ -210,26 +241,34 @@ class BucketedDataParallel(
     def _build_buckets(
         self, named_params: Sequence[tuple[str, nn.Parameter]] | None = None, allow_no_trainable: bool = False
     ) -> None:
-        """Attach the gradient buckets to ``named_params`` (default: :meth:`bucketed_parameters`).
+        """Attach the gradient buckets to ``named_params`` (default: :meth:`bucketed_parameters`); with
+        ``allow_no_trainable`` a rank may own no trainable parameter (every rank of its group alike)."""
+        named = list(self.bucketed_parameters() if named_params is None else named_params)
+        self.engine.attach(named, self._timeout, allow_no_trainable=allow_no_trainable)
 
-        ``allow_no_trainable``: a rank may own no trainable parameter (every rank of its group alike)."""
-        self.grad_sync.attach(
-            self.bucketed_parameters() if named_params is None else named_params,
-            self.config.bucket_cap_mb,
-            self.config.first_bucket_cap_mb,
-            allow_no_trainable=allow_no_trainable,
-            timeout=self._timeout,
-        )
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        """Lightning's optimizers; with sharded state each then steps this rank's pieces of its parameters."""
+        super().setup_optimizers(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            for optimizer in self.optimizers:
+                self.engine.bind(optimizer)
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        if self.engine.sharded:
+            self.clip_by_norm_across(self._clip_pieces_by_norm)
+
+    def _clip_pieces_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
+        """Lightning's clip-by-norm with the norm over every rank's pieces."""
+        pieces = list(self.precision_plugin.main_params(optimizer))
+        self.engine.clip_grad_norm(pieces, clip_val, self.root_device)
 
     def _require_trainable(self, fix: str) -> None:
         """A clear error, on every rank, when the module has no parameter that requires grad."""
-        module = self.lightning_module
-        assert module is not None
-        if not any(p.requires_grad for p in module.parameters()):
-            raise ValueError(
-                f"{type(module).__name__} has no parameter that requires grad, so {type(self).__name__} has nothing "
-                f"to train. Unfreeze at least one parameter before `trainer.fit`, or {fix}."
-            )
+        assert self.lightning_module is not None
+        require_trainable(self.lightning_module, type(self).__name__, fix)
 
     def _fingerprint_options(self) -> dict[str, Any]:
         """What every rank must agree on besides the model; subclasses add their own options."""
@@ -248,30 +287,29 @@ class BucketedDataParallel(
         assert module is not None
         check_ranks_agree(model_fingerprint(module, self._fingerprint_options()))
 
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """The loader as Lightning prepared it; the train sampler already set to the epoch that is resumed."""
+        return with_resumed_sampler_epoch(self, super().process_dataloader(dataloader))
+
     # ------------------------------------------------------------------ one step
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
-        """Backward passes inside this context accumulate gradients locally and do not communicate.
-
-        Lightning enters it on gradient-accumulation steps; in manual optimization use it as ``no_sync``::
-
-            with self.trainer.strategy.no_backward_sync():
-                self.manual_backward(loss)   # local only
-            self.manual_backward(loss2)      # averages the accumulated gradients
-        """
-        with self.grad_sync.no_sync():
+        """Backward passes inside accumulate gradients locally (Lightning enters it on accumulation steps; in manual
+        optimization ``with self.trainer.strategy.no_backward_sync(): self.manual_backward(loss)``)."""
+        with self.engine.grad_sync.no_sync():
             yield None
 
     no_backward_sync = block_backward_sync
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
-        self.grad_sync.arm_or_skip()
+        self.engine.before_backward()
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
-        self.grad_sync.finish()
+        self.engine.after_backward(getattr(self.precision_plugin, "scaler", None))
 
     @override
     def optimizer_step(
@@ -281,37 +319,76 @@ class BucketedDataParallel(
         model: pl.LightningModule | Any | None = None,
         **kwargs: Any,
     ) -> Any:
+        module = self.lightning_module
+        if module is not None:
+            closure = self.engine.guard(closure, optimizer, module.named_parameters(), self.root_device)
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self._after_step(optimizer)
-        self.grad_sync.record_step()
+        self.engine.after_step(optimizer)
         self._log_step()
         return output
-
-    def _after_step(self, optimizer: Optimizer) -> None:
-        """Called after every optimizer step, before its statistics are recorded; the default does nothing."""
 
     def _log_step(self) -> None:
         """Called after every optimizer step; the default logs nothing."""
 
-    def _should_log(self, enabled: bool) -> bool:
-        """Whether to log now: ``enabled``, a logger exists, and this is a ``log_every_n_steps`` step."""
-        module = self.lightning_module
-        if not enabled or module is None or module.logger is None:
-            return False
-        every = int(getattr(module.trainer, "log_every_n_steps", 1))
-        return every > 0 and module.trainer.global_step % every == 0
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The module's ``state_dict`` (every rank holds the whole model); begins a checkpoint's save."""
+        self.engine.sharding.begin_save()
+        return super().lightning_module_state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """With sharded state: the whole optimizer's ``state_dict`` on rank 0 (its tensors streamed in by
+        :meth:`save_checkpoint`), as one optimizer over the module saves it; a collective, like Lightning's save."""
+        if self.engine.sharded:
+            return self.engine.optimizer_state(getattr(optimizer, "_optimizer", optimizer))
+        return super().optimizer_state(optimizer)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Save as Lightning does (the precision plugin's state under its own class name); with sharded state rank 0
+        writes while every rank sends its pieces of the optimizer state, one tensor at a time."""
+        checkpoint = stored_under_plugin_name(checkpoint, self.precision_plugin)
+        if not self.engine.sharded:
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+            return
+
+        def save_whole(whole: dict[str, Any]) -> None:
+            self.checkpoint_io.save_checkpoint(whole, filepath, storage_options=storage_options)
+
+        device = self.root_device if self._process_group_backend == "nccl" else torch.device("cpu")
+        writer, io = self.is_global_zero, self.checkpoint_io
+        self.engine.save_sharded(checkpoint, filepath, io, writer, device, save_whole, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Lightning's load; the precision plugin's state also under the wrapper's name, where it will look."""
+        return readable_by_wrapper(super().load_checkpoint(checkpoint_path, weights_only), self.precision_plugin)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """With sharded state each rank takes its pieces of the whole optimizer states (saved by any strategy, at
+        any world size)."""
+        if not self.engine.sharded:
+            super().load_optimizer_state_dict(checkpoint)
+            return
+        for optimizer, whole in zip(self.optimizers, checkpoint["optimizer_states"], strict=False):
+            self.engine.load_optimizer(optimizer, whole)
+            _optimizer_to_device(optimizer, self.root_device)
 
     # ------------------------------------------------------------------ teardown
     @override
     def on_exception(self, exception: BaseException) -> None:
-        self.grad_sync.abort()
+        self.engine.abort()
         super().on_exception(exception)
 
     @override
     def teardown(self) -> None:
-        self.grad_sync.close()
+        self._clipping = None
+        self.engine.close()
         super().teardown()
-        self.grad_sync.destroy_groups()
+        self.engine.destroy_groups()
 
     # ------------------------------------------------------------------ options (read-only)
     reducer = ConfigOption[str | Reducer | None]("reduction")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any, ClassVar, Literal
 
@@ -11,23 +11,18 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
-from torch import Tensor
-from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_dp_strategies.bucketing.stats import CommStats
-from lightning_dp_strategies.core.averaging import FlatAverager
-from lightning_dp_strategies.core.local_sgd import (
-    HoldsLocalSGD,
+from lightning_dp_strategies.core.engine import EngineView
+from lightning_dp_strategies.core.local_sgd import check_not_sharded, check_single_optimizer, local_options
+from lightning_dp_strategies.core.options import BucketedConfig, ConfigOption
+from lightning_dp_strategies.local_sgd import (
     LocalSGD,
     LocalSGDConfig,
     OuterOptimizerFactory,
-    check_not_sharded,
-    check_single_optimizer,
     local_checkpoint_record,
     restore_local_record,
 )
-from lightning_dp_strategies.core.options import BucketedConfig, ConfigOption
 from lightning_dp_strategies.plan import CostModel
 from lightning_dp_strategies.plan.formulas import LOCAL_SGD, local_sgd_cost_model
 from lightning_dp_strategies.reducers import Reducer
@@ -36,7 +31,7 @@ from lightning_dp_strategies.strategies.bucketed import BucketedDataParallel
 __all__ = ["LocalSGDStrategy"]
 
 
-class LocalSGDStrategy(HoldsLocalSGD, BucketedDataParallel):
+class LocalSGDStrategy(BucketedDataParallel):
     """Each rank takes ``sync_every`` optimizer steps on its own; then the ranks average the parameter change since
     the last synchronisation in one all-reduce, and an outer optimizer applies it (see
     :mod:`lightning_dp_strategies.core.local_sgd`).
@@ -74,7 +69,7 @@ class LocalSGDStrategy(HoldsLocalSGD, BucketedDataParallel):
 
     Examples:
         >>> import lightning as L
-        >>> from lightning_dp_strategies.core.local_sgd import diloco_outer_optimizer
+        >>> from lightning_dp_strategies.local_sgd import diloco_outer_optimizer
         >>> strategy = LocalSGDStrategy(sync_every=16, outer_optimizer=diloco_outer_optimizer())
         >>> strategy.sync_every, strategy.cost_model.name
         (16, 'local_sgd')
@@ -121,12 +116,10 @@ class LocalSGDStrategy(HoldsLocalSGD, BucketedDataParallel):
             timeout=timeout,
             start_method=start_method,
         )
-        # configuration
-        self.local_config = local_config
+        self.local_config = local_config  # configuration; the algorithm is the engine's, made at setup
         self.cost_model = local_sgd_cost_model(sync_every)  # type: ignore[misc]  # this instance's period
-        # runtime state (made at setup) and statistics (local_sgd.syncs, local_sgd.averager.counter)
-        self.local_sgd: LocalSGD | None = None
-        self._averaged_step = CommStats()
+
+    local_sgd = EngineView[LocalSGD | None]()  # the algorithm (``None`` before setup)
 
     # ------------------------------------------------------------------ setup
     @property
@@ -138,9 +131,8 @@ class LocalSGDStrategy(HoldsLocalSGD, BucketedDataParallel):
     @override
     def setup_distributed(self) -> None:
         super().setup_distributed()
-        averager = FlatAverager(self.configure_reducer())
-        averager.setup(self.grad_sync.group, list(range(self.world_size)), self._process_group_backend)
-        self.local_sgd = LocalSGD(self.local_config, averager)
+        reducer = self.configure_reducer()
+        self.engine.start_local_sgd(self.local_config, reducer, self.world_size, self._process_group_backend)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -157,27 +149,13 @@ class LocalSGDStrategy(HoldsLocalSGD, BucketedDataParallel):
 
     @override
     def _fingerprint_options(self) -> dict[str, Any]:
-        return {**super()._fingerprint_options(), **self._local_options()}
+        return {**super()._fingerprint_options(), **local_options(self.local_config)}
 
-    # ------------------------------------------------------------------ one step
-    @override
-    def pre_backward(self, closure_loss: Tensor) -> None:
-        """Warm-up steps average their gradients (the base's buckets); local steps keep them on the rank."""
-        if self.local_sgd is not None and not self.local_sgd.averages_gradients:
-            self.grad_sync.set_blocked(True)
-        super().pre_backward(closure_loss)
-
-    @override
-    def optimizer_step(
-        self,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        model: pl.LightningModule | Any | None = None,
-        **kwargs: Any,
-    ) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self._after_optimizer_step()
-        return output
+    # ------------------------------------------------------------------ synchronisation (the engine's)
+    def synchronize(self) -> None:
+        """Average the ranks' parameter changes now and apply the outer step (on every rank; nothing when the ranks
+        are in sync already). Called before validation and at the end of training."""
+        self.engine.synchronize()
 
     @override
     def on_validation_start(self) -> None:
@@ -224,13 +202,6 @@ class LocalSGDStrategy(HoldsLocalSGD, BucketedDataParallel):
         if record is not None:
             checkpoint = {**checkpoint, "optimizer_states": record["ranks"][self.global_rank]["optimizer"]}
         super().load_optimizer_state_dict(checkpoint)
-
-    # ------------------------------------------------------------------ teardown
-    @override
-    def teardown(self) -> None:
-        if self.local_sgd is not None:
-            self.local_sgd.averager.close()
-        super().teardown()
 
     # ------------------------------------------------------------------ options (read-only)
     sync_every = ConfigOption[int]("local_config")

@@ -17,12 +17,13 @@ from lightning_dp_strategies.core.options import ConfigOption, RingAllReduceConf
 from lightning_dp_strategies.core.registry import register_name
 from lightning_dp_strategies.core.topology import check_two_level, layout_reducer
 from lightning_dp_strategies.reducers import CommHook, Reducer, ScatterReducer
-from lightning_dp_strategies.strategies._sharded import ShardedOptimizerSteps
+from lightning_dp_strategies.strategies._trainer import should_log
+from lightning_dp_strategies.strategies.bucketed import BucketedDataParallel
 
 __all__ = ["RingAllReduceConfig", "RingAllReduceStrategy"]
 
 
-class RingAllReduceStrategy(ShardedOptimizerSteps):
+class RingAllReduceStrategy(BucketedDataParallel):
     """One process per device; gradients averaged by this package's bucketed ring all-reduce during backward.
 
     Lightning's launchers, cluster environments (torchrun, SLURM, ...) and process-group setup are reused from
@@ -148,13 +149,12 @@ class RingAllReduceStrategy(ShardedOptimizerSteps):
 
     # ------------------------------------------------------------------ setup
     @override
-    def configure_reducer(self) -> Reducer:
-        """The ``reducer=`` option's reducer (or the hook's), wrapped in the two-level reducer where the layout calls
-        for it (see ``two_level``); with ``shard_optimizer_state`` the reduce-scattering ring. Override it to reduce
-        another way."""
+    def arrange_reducer(self, reducer: Reducer) -> Reducer:
+        """``reducer`` as the hop across nodes of a two-level reduction where the layout calls for it (see
+        ``two_level``); with ``shard_optimizer_state`` the reduce-scattering ring instead."""
         if self.config.shard_optimizer_state:
             return ScatterReducer()
-        return layout_reducer(self.config.two_level, self.num_nodes, self.num_processes, self.reduction)
+        return layout_reducer(self.config.two_level, self.num_nodes, self.num_processes, self.reduction, reducer)
 
     @override
     def _fingerprint_options(self) -> dict[str, Any]:
@@ -170,7 +170,7 @@ class RingAllReduceStrategy(ShardedOptimizerSteps):
     @override
     def _log_step(self) -> None:
         module = self.lightning_module
-        if self._should_log(self.config.log_comm_stats) and module is not None and module.logger is not None:
+        if should_log(self, self.config.log_comm_stats) and module is not None and module.logger is not None:
             module.logger.log_metrics(self.step_stats.as_dict("comm/"), step=module.trainer.global_step)
 
     # ------------------------------------------------------------------ options (read-only; see `config`)

@@ -20,13 +20,14 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_dp_strategies.core.checkpoint_io import AtomicByDefault
+from lightning_dp_strategies.core.nonfinite import NonfiniteGuard, check_nonfinite_mode
 from lightning_dp_strategies.core.options import check_dim
 from lightning_dp_strategies.core.registry import register_name
 from lightning_dp_strategies.data_parallel import as_devices
 from lightning_dp_strategies.data_parallel.forward import ParallelForward, ScatterGatherStats
 from lightning_dp_strategies.plan import SCATTER_GATHER, CostModel
-from lightning_dp_strategies.strategies._nonfinite import NonfiniteCheck
-from lightning_dp_strategies.strategies._resume import CheckpointAndResume
+from lightning_dp_strategies.strategies._trainer import with_resumed_sampler_epoch
 
 __all__ = ["ParallelForward", "ScatterGatherStats", "ScatterGatherStrategy"]
 
@@ -38,7 +39,7 @@ class _StepState:
     warned: set[str] = field(default_factory=set)  # hooks already warned about (never called forward)
 
 
-class ScatterGatherStrategy(CheckpointAndResume, NonfiniteCheck, ParallelForward, ParallelStrategy):
+class ScatterGatherStrategy(ParallelForward, ParallelStrategy):
     """One process, several devices: the ``torch.nn.DataParallel`` data flow, with Lightning around it.
 
     Each training/validation/test/predict step runs once on the root device (the first of ``parallel_devices``).
@@ -107,7 +108,23 @@ class ScatterGatherStrategy(CheckpointAndResume, NonfiniteCheck, ParallelForward
         self._step = _StepState()
         # statistics
         self.stats = ScatterGatherStats()
-        self._init_nonfinite(nonfinite_grads)
+        self.nonfinite = NonfiniteGuard(check_nonfinite_mode(nonfinite_grads))
+
+    checkpoint_io = AtomicByDefault()
+    """The ``checkpoint_io`` given, else an :class:`~lightning_dp_strategies.AtomicCheckpointIO`."""
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """The loader as Lightning prepared it; the train sampler already set to the epoch that is resumed."""
+        return with_resumed_sampler_epoch(self, super().process_dataloader(dataloader))
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """Lightning's step, its closure checked by the non-finite guard (``nonfinite_grads``)."""
+        module = self.lightning_module
+        if module is not None and self.nonfinite.mode is not None:
+            closure = self.nonfinite.wrap(closure, optimizer, module.named_parameters(), self.root_device)
+        return super().optimizer_step(optimizer, closure, model, **kwargs)
 
     # ------------------------------------------------------------------ devices and ranks: one process
     @property

@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import lightning_dp_strategies  # noqa: F401  # registers the Fabric names
 from lightning_dp_strategies import FabricRingAllReduceStrategy
 from lightning_dp_strategies.core.agreement import RankMismatchError
-from lightning_dp_strategies.reducers import AutoReducer
+from lightning_dp_strategies.reducers import AutoReducer, NativeReducer, Reducer
 
 WORLD = 2
 SAMPLES = 44  # 22 per rank: batches of 4,4,4,4,4,2 (an uneven final batch), 6 optimizer steps per epoch
@@ -210,13 +210,13 @@ def auto(out: Path) -> dict[str, Any]:
     """The parity run with ``reducer="auto"`` restricted to the lossless candidates, and what it chose."""
     strategy = FabricRingAllReduceStrategy(reducer=AutoReducer(allow="lossless", warmup_steps=3))
     reducer: list[Any] = []
-    original = strategy.configure_reducer
+    original = strategy.arrange_reducer
 
-    def keep() -> Any:  # the AutoReducer the strategy sets up, kept to read its decision after teardown
-        reducer.append(original())
+    def keep(given: Any) -> Any:  # the AutoReducer the strategy sets up, kept to read its decision after teardown
+        reducer.append(original(given))
         return reducer[-1]
 
-    strategy.configure_reducer = keep  # type: ignore[method-assign]
+    strategy.arrange_reducer = keep  # type: ignore[method-assign]
     result = sgd(out, strategy)
     decision = reducer[0].decision
     return {**result, "chosen": decision.chosen, "predicted": decision.predicted_step_seconds}
@@ -225,6 +225,18 @@ def auto(out: Path) -> dict[str, Any]:
 def hook(out: Path) -> dict[str, Any]:
     """The parity run with torch's DDP ``allreduce_hook`` averaging the buckets instead of the ring."""
     return sgd(out, FabricRingAllReduceStrategy(ddp_comm_hook=allreduce_hook))
+
+
+class NativeFabric(FabricRingAllReduceStrategy):
+    """A Fabric strategy of a user's own that only picks its reducer."""
+
+    def configure_reducer(self) -> Reducer:
+        return NativeReducer()
+
+
+def own_reducer(out: Path) -> dict[str, Any]:
+    """The parity run under a subclass that only overrides ``configure_reducer``."""
+    return sgd(out, NativeFabric())
 
 
 def sharded_reference(steps: int, clip: float) -> dict[str, Tensor]:
@@ -271,6 +283,7 @@ SCENARIOS: dict[str, Callable[[Path], dict[str, Any]]] = {
     "sgd": sgd,
     "sharded": sharded,
     "hook": hook,
+    "own_reducer": own_reducer,
     "auto": auto,
     "accumulate": accumulate,
     "resume": resume,

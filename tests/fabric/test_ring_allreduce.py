@@ -74,6 +74,14 @@ def test_fabric_backward_averages_gradients_like_a_single_process_loop(runs: Pat
 
 @NUMERICS
 @pytest.mark.timeout(240)
+def test_a_subclass_that_only_picks_its_reducer_trains_at_parity(runs: Path) -> None:
+    """``NativeFabric`` overrides nothing but ``configure_reducer`` (the backend's all-reduce): the same tolerance
+    as the ring's run."""
+    assert_parity(results(runs, "own_reducer"))
+
+
+@NUMERICS
+@pytest.mark.timeout(240)
 def test_a_torch_ddp_comm_hook_averages_the_buckets_under_fabric(runs: Path) -> None:
     hooked, ring = results(runs, "hook"), results(runs, "sgd")
     assert_parity(hooked)

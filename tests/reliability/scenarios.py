@@ -75,7 +75,7 @@ class ResumableDataLoader(DataLoader):
     checkpoint (rank 0's) and calls ``load_state_dict`` before the resumed epoch starts. A count is the same on every
     rank, so rank 0's state resumes all of them. Like torchdata's ``StatefulDataLoader`` it reads its sampler's order
     when ``iter()`` is called (not at the first batch), so it also checks that the strategy gave the sampler the
-    resumed epoch before that (see ``strategies/_resume.py``). Single-process loading only (``num_workers=0``).
+    resumed epoch before that (see ``strategies/_trainer.py``). Single-process loading only (``num_workers=0``).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_dp_strategies.sharding import agree_on_nonfinite, restore_scaler
+from lightning_dp_strategies.sharding import agree_on_nonfinite
 from tests.helpers.distributed import run_distributed
 
 
@@ -13,10 +13,10 @@ def _one_rank_overflows(rank: int, world_size: int, agreed: bool) -> None:
     param = torch.nn.Parameter(torch.ones(3))
     optimizer = torch.optim.SGD([param], lr=1.0)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0)
-    if agreed:
-        agree_on_nonfinite(scaler)
     scaler.scale(torch.ones(()))  # the scale is made at the first use, as a training step makes it
     param.grad = torch.full((3,), float("inf") if rank == 0 else 1.0)
+    if agreed:
+        assert agree_on_nonfinite([param.grad]) is True  # on both ranks: rank 0 found it
     scaler.unscale_(optimizer)
     scaler.step(optimizer)
     scaler.update()
@@ -26,13 +26,23 @@ def _one_rank_overflows(rank: int, world_size: int, agreed: bool) -> None:
     if agreed:
         assert skipped_everywhere == [True] * world_size, skipped_everywhere
         assert scaler.get_scale() == 1.0  # backed off on every rank alike
-        restore_scaler(scaler)
-        assert type(scaler) is torch.amp.GradScaler
+        assert type(scaler) is torch.amp.GradScaler  # the scaler itself is untouched
     else:  # without the agreement the ranks part ways: the case the agreement exists for
         assert skipped_everywhere == [True, False], skipped_everywhere
+
+
+def _all_finite(rank: int, world_size: int) -> None:
+    grad = torch.full((3,), float(rank + 1))
+    assert agree_on_nonfinite([grad, None]) is False
+    assert torch.equal(grad, torch.full((3,), float(rank + 1)))  # nothing written where no rank found one
 
 
 @pytest.mark.parametrize("agreed", [True, False])
 @pytest.mark.timeout(120)
 def test_every_rank_skips_when_one_rank_finds_inf(agreed: bool) -> None:
     run_distributed(_one_rank_overflows, 2, agreed)
+
+
+@pytest.mark.timeout(120)
+def test_finite_gradients_are_left_alone() -> None:
+    run_distributed(_all_finite, 2)

@@ -116,7 +116,7 @@ class Net(L.LightningModule):
             self.records.append({"val_params": flat.clone(), "step": self.trainer.global_step})
 
     def on_train_end(self) -> None:  # the post-local SGD averager, before teardown closes it
-        averager = getattr(self.trainer.strategy, "_post_local_averager", None)
+        averager = self.trainer.strategy.engine.model_averager
         if averager is not None:
             self.records.append(averager.averager.reductions)
 

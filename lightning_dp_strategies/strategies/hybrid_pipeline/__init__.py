@@ -5,11 +5,11 @@
 - :mod:`.refusals`: what it refuses to run, each with the fix in its message;
 - :mod:`.placement`: stage placement (partition, balance, the owned blocks, the return to rank 0);
 - :mod:`.driver`: the step driver (the schedule, pending gradients, the overlapped data-parallel reduction);
-- :mod:`.steps`: Lightning's step hooks (``training_step``, ``backward``, evaluation) over the driver;
+- :mod:`.steps`: Lightning's step hooks (``training_step``, ``backward``, evaluation) over the driver, its
+  collectives (over the data-parallel group or every rank) and clipping by the norm over every stage;
 - :mod:`.checkpointer`: the whole-model checkpoint, streamed between an explicit begin and finish;
-- :mod:`.collectives`: Lightning's collectives over the right ranks (data-parallel group, every rank);
+- :mod:`.collectives`: the groups and votes those collectives use, and the metrics' groups;
 - :mod:`.opt_in`: what a LightningModule adds to be pipelined, and how a batch splits into inputs and target;
-- :mod:`.precision`: the view of Lightning's precision plugin that clips by the norm over every stage;
 - :mod:`.summary`: Lightning's model summary of the pipelined module (whole-model counts, this stage's share).
 
 The layout (mesh, ownership, the stage's blocks), schedules, partition, micro-batching and the whole-model checkpoint

@@ -12,13 +12,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
-from typing_extensions import override
+from torch import nn
 
 from lightning_dp_strategies.pipeline.layout import Layout
-from lightning_dp_strategies.strategies.bucketed import BucketedDataParallel
 
-__all__ = ["DataGroupCollectives", "MetricGroups", "data_group_or", "point_to_point_device", "vote"]
+__all__ = ["MetricGroups", "data_group_or", "point_to_point_device", "vote"]
 
 
 def data_group_or(group: Any | None, layout: Layout | None) -> Any | None:
@@ -112,25 +110,3 @@ class MetricGroups:
         for metric, group in self._saved:
             metric.process_group = group
         self._saved = []
-
-
-class DataGroupCollectives(BucketedDataParallel):
-    """Lightning's collectives of :class:`HybridPipelineStrategy` (mixed in ahead of its base): values over this
-    stage's data-parallel group, decisions over every rank."""
-
-    layout: Layout | None
-
-    @override
-    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
-        """Reduce over the data-parallel group (``self.log(..., sync_dist=True)``): each replica's value counts once."""
-        return super().reduce(tensor, group=data_group_or(group, self.layout), reduce_op=reduce_op)
-
-    @override
-    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
-        """Gather over the data-parallel group: a leading dimension of ``data_parallel`` replicas, each once."""
-        return super().all_gather(tensor, group=data_group_or(group, self.layout), sync_grads=sync_grads)
-
-    @override
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        """Vote over every rank: ``all=True`` holds when every rank decides ``True``, ``all=False`` when any does."""
-        return vote(decision, all, self.world_size, self.root_device)

@@ -13,7 +13,10 @@ from lightning_dp_strategies.pipeline import PipelineRunner, check_micro_batches
 from lightning_dp_strategies.pipeline.activations import Activation, batch_size
 from lightning_dp_strategies.pipeline.layout import Layout
 from lightning_dp_strategies.pipeline.runner import PipelineStats, StepResult
+from lightning_dp_strategies.sharding import clip_grad_norm_across
+from lightning_dp_strategies.strategies._trainer import should_log
 from lightning_dp_strategies.strategies.bucketed import BucketedDataParallel
+from lightning_dp_strategies.strategies.hybrid_pipeline.collectives import data_group_or, vote
 from lightning_dp_strategies.strategies.hybrid_pipeline.config import HybridPipelineConfig
 from lightning_dp_strategies.strategies.hybrid_pipeline.driver import StepDriver
 from lightning_dp_strategies.strategies.hybrid_pipeline.opt_in import (
@@ -28,7 +31,9 @@ __all__ = ["PipelineSteps"]
 
 
 class PipelineSteps(BucketedDataParallel):
-    """The step hooks of :class:`HybridPipelineStrategy` (mixed in ahead of its base; see its module docstring).
+    """The step hooks of :class:`HybridPipelineStrategy` (its base; see its module docstring), Lightning's
+    collectives (values over this stage's data-parallel group, decisions over every rank) and clipping by the norm
+    over every stage.
 
     ``training_step`` runs the schedule (:meth:`StepDriver.run`) and then the module's own ``training_step`` with the
     body replaying the pipeline's output; ``backward`` applies the gradients the schedule computed
@@ -40,6 +45,28 @@ class PipelineSteps(BucketedDataParallel):
     runner: PipelineRunner | None
     driver: StepDriver
     placement: StagePlacement
+
+    # ------------------------------------------------------------------ Lightning's collectives and clipping
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
+        """Reduce over the data-parallel group (``self.log(..., sync_dist=True)``): each replica's value counts once."""
+        return super().reduce(tensor, group=data_group_or(group, self.layout), reduce_op=reduce_op)
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        """Gather over the data-parallel group: a leading dimension of ``data_parallel`` replicas, each once."""
+        return super().all_gather(tensor, group=data_group_or(group, self.layout), sync_grads=sync_grads)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Vote over every rank: ``all=True`` holds when every rank decides ``True``, ``all=False`` when any does."""
+        return vote(decision, all, self.world_size, self.root_device)
+
+    def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
+        """Lightning's clip-by-norm (``gradient_clip_val``) with the norm over every stage of the pipeline."""
+        assert self.layout is not None
+        params = list(self.precision_plugin.main_params(optimizer))
+        clip_grad_norm_across(params, clip_val, group=self.layout.pipeline_group, device=self.root_device)
 
     @property
     def pipeline_stats(self) -> PipelineStats:
@@ -135,7 +162,7 @@ class PipelineSteps(BucketedDataParallel):
         stats.pipeline_bytes_sent, stats.pipeline_bytes_received = self.driver.take_p2p()
         self.grad_sync.step_stats = stats
         module = self.lightning_module
-        if self._should_log(self.config.log_pipeline_stats) and module is not None and module.logger is not None:
+        if should_log(self, self.config.log_pipeline_stats) and module is not None and module.logger is not None:
             last = self.pipeline_stats.last
             metrics = {
                 "pipeline/bubble": last.bubble,

@@ -58,16 +58,11 @@ from lightning_dp_strategies.plan import HYBRID_PIPELINE, CostModel
 from lightning_dp_strategies.reducers import Reducer
 from lightning_dp_strategies.reducers.comm_hooks import CommHook
 from lightning_dp_strategies.strategies.hybrid_pipeline.checkpointer import StreamedCheckpointer, StreamedCheckpoints
-from lightning_dp_strategies.strategies.hybrid_pipeline.collectives import (
-    DataGroupCollectives,
-    MetricGroups,
-    point_to_point_device,
-)
+from lightning_dp_strategies.strategies.hybrid_pipeline.collectives import MetricGroups, point_to_point_device
 from lightning_dp_strategies.strategies.hybrid_pipeline.config import HybridPipelineConfig
 from lightning_dp_strategies.strategies.hybrid_pipeline.driver import StepDriver
 from lightning_dp_strategies.strategies.hybrid_pipeline.opt_in import check_opt_in
 from lightning_dp_strategies.strategies.hybrid_pipeline.placement import StagePlacement, cpu_keeps_meta
-from lightning_dp_strategies.strategies.hybrid_pipeline.precision import GlobalNormClipping, global_norm_view
 from lightning_dp_strategies.strategies.hybrid_pipeline.refusals import (
     check_automatic_optimization,
     check_no_sync_batchnorm,
@@ -76,11 +71,12 @@ from lightning_dp_strategies.strategies.hybrid_pipeline.refusals import (
 )
 from lightning_dp_strategies.strategies.hybrid_pipeline.steps import PipelineSteps
 from lightning_dp_strategies.strategies.hybrid_pipeline.summary import restore_summaries, stage_summary, summarize_with
+from lightning_dp_strategies.strategies.precision import stored_under_plugin_name
 
 __all__ = ["HybridPipelineConfig", "HybridPipelineStrategy", "PipelineStats"]
 
 
-class HybridPipelineStrategy(PipelineSteps, StreamedCheckpoints, DataGroupCollectives, GlobalNormClipping):
+class HybridPipelineStrategy(PipelineSteps, StreamedCheckpoints):
     """The body of the model split into pipeline stages across ranks, micro-batched, and replicated.
 
     ``world = pipeline_stages x data_parallel`` processes, one device each. Stage ``s`` runs and trains only its
@@ -213,7 +209,6 @@ class HybridPipelineStrategy(PipelineSteps, StreamedCheckpoints, DataGroupCollec
         self._mesh: Any = None
         self._optimizers_layout: Layout | None = None  # what the optimizers hold; kept after teardown, for checkpoints
         self._failed = False
-        self._precision_view: Precision | None = None
         self._summary_callbacks: list[ModelSummaryCallback] = []  # build a PipelineSummary from setup to teardown
 
     # ------------------------------------------------------------------ mesh
@@ -278,7 +273,7 @@ class HybridPipelineStrategy(PipelineSteps, StreamedCheckpoints, DataGroupCollec
         if fitting:
             self._setup_training(trainer, layout)
         self._optimizers_layout = self.layout if fitting else None
-        self._precision_view = global_norm_view(self.precision_plugin, self._clip_grad_by_norm)
+        self.clip_by_norm_across(self._clip_grad_by_norm)
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -360,6 +355,7 @@ class HybridPipelineStrategy(PipelineSteps, StreamedCheckpoints, DataGroupCollec
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Finish the save the model's ``state_dict`` began: rank 0 streams the file as the other stages send."""
         # `atomic_write` is looked up in this module on every save: tests wrap it to see the files each rank writes
+        checkpoint = stored_under_plugin_name(checkpoint, self.precision_plugin)
         self._finish_save(checkpoint, filepath, storage_options, atomic_write)
 
     # ------------------------------------------------------------------ teardown: the whole module again
@@ -380,7 +376,6 @@ class HybridPipelineStrategy(PipelineSteps, StreamedCheckpoints, DataGroupCollec
 
     @override
     def teardown(self) -> None:
-        self._precision_view = None
         restore_summaries(self._summary_callbacks)
         self._summary_callbacks = []
         self.metric_groups.restore()

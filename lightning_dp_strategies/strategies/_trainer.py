@@ -1,0 +1,34 @@
+"""What the Trainer strategies share that is the Trainer's alone: the resumed epoch's sample order, when to log."""
+
+from __future__ import annotations
+
+from lightning.fabric.utilities.data import _set_sampler_epoch
+from lightning.pytorch.strategies import Strategy
+
+
+def with_resumed_sampler_epoch(strategy: Strategy, dataloader: object) -> object:
+    """Set the epoch of ``dataloader``'s sampler to the one the fit loop is about to train, if it is the train loader.
+
+    Lightning calls ``set_epoch`` on the training sampler (the ``DistributedSampler`` it adds, shuffled with seed 0) at
+    the start of every epoch. When it resumes from a checkpoint taken mid-epoch it first restores the loader's
+    position (``load_state_dict``) and iterates it once, and only then sets the epoch. A loader that positions itself
+    at that first iteration, such as torchdata's ``StatefulDataLoader``, would skip into epoch 0's order instead of
+    the resumed epoch's and train on other samples than the uninterrupted run. Setting the epoch here (the strategy's
+    ``process_dataloader`` runs before that iteration) changes nothing else: Lightning sets the same value again.
+    """
+    module = strategy.lightning_module
+    trainer = module._trainer if module is not None else None
+    if trainer is not None and trainer.training:
+        epoch = trainer.fit_loop.epoch_progress.current.processed  # type: ignore[attr-defined]  # as Lightning
+        _set_sampler_epoch(dataloader, epoch)
+    return dataloader
+
+
+def should_log(strategy: Strategy, enabled: bool) -> bool:
+    """Whether ``strategy`` logs its statistics now: ``enabled``, a logger exists, and this is a
+    ``log_every_n_steps`` step."""
+    module = strategy.lightning_module
+    if not enabled or module is None or module.logger is None:
+        return False
+    every = int(getattr(module.trainer, "log_every_n_steps", 1))
+    return every > 0 and module.trainer.global_step % every == 0
