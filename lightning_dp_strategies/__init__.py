@@ -1,7 +1,8 @@
 """Data-parallel training strategies for PyTorch Lightning's Trainer and Fabric.
 
-Importing the package registers the strategy names with Lightning, at once when Lightning is imported already, else
-as soon as it is. The public names are imported on first use, so ``import lightning_dp_strategies`` stays fast.
+Importing the package imports Lightning and registers the strategy names with it (Trainer and Fabric), as Lightning's
+own strategies register theirs; importing it again or reloading it registers them again, replacing this package's
+entries. The other public names are imported on first use.
 
 >>> import lightning_dp_strategies
 >>> from lightning.pytorch.strategies import StrategyRegistry
@@ -82,4 +83,4 @@ def __getattr__(name: str) -> Any:
     return _imports.public_name(name)
 
 
-_imports.install()
+register_all()

@@ -1,6 +1,8 @@
 """The ``lightning-dp-strategies`` command (also ``python -m lightning_dp_strategies``).
 
-The parser (:mod:`.parser`) imports no torch, so ``--help`` answers at once; :mod:`.run` runs a checked command.
+The parser (:mod:`.parser`) answers ``--help``, ``--version`` and wrong values before anything runs; :mod:`.run`
+runs a checked command. Like any import of the package, starting the command imports Lightning and registers the
+strategy names.
 """
 
 from __future__ import annotations
@@ -19,6 +21,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     problem = check(args)
     if problem:
         cli.error(problem)
-    from lightning_dp_strategies.cli.run import run  # imports torch and Lightning: only for a command that will run
+    from lightning_dp_strategies.cli.run import run  # the comparison's machinery: only for a command that will run
 
     return run(args, cli)

@@ -1,6 +1,7 @@
-"""The command's arguments, and the checks that need no torch: ``--help`` and bad values are answered here at once.
+"""The command's arguments, and the checks that need nothing installed: ``--help`` and wrong values are answered
+here, before anything runs.
 
-Only a valid command imports torch and Lightning, to run (:mod:`lightning_dp_strategies.cli.run`).
+Only a valid command goes on to run (:mod:`lightning_dp_strategies.cli.run`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ __all__ = ["check", "parser", "version"]
 
 
 def version() -> str:
-    """The installed package's version, read from its metadata (importing the package would import torch)."""
+    """The installed package's version, read from its metadata (the parser sits below the package root and does not
+    import it)."""
     try:
         return importlib.metadata.version("lightning-dp-strategies")
     except importlib.metadata.PackageNotFoundError:

@@ -1,9 +1,12 @@
-"""Idempotent registration of this package's strategy names with Lightning's strategy registries (Trainer, Fabric)."""
+"""The names the package answers to: its strategy names in Lightning's strategy registries (Trainer, Fabric),
+registered idempotently, and the module paths of earlier releases (:data:`MOVED`), each a shim that forwards."""
 
 from __future__ import annotations
 
 import importlib
 import pkgutil
+import sys
+import warnings
 from typing import Any
 
 from lightning.fabric.strategies.registry import _StrategyRegistry
@@ -17,6 +20,43 @@ LAUNCHERS = (
     ("_notebook", "fork", "forks the current process (works inside Jupyter)"),
 )
 """The launcher variants of a multi-process strategy's name: ``(suffix, start_method, what it does)``."""
+
+MOVED: dict[str, str] = {
+    f"{_PACKAGE}.sizing": f"{_PACKAGE}.plan.sizing",
+    f"{_PACKAGE}.plan_compression": f"{_PACKAGE}.plan.compression",
+    f"{_PACKAGE}.compression": f"{_PACKAGE}.reducers",
+    f"{_PACKAGE}.comm_hooks": f"{_PACKAGE}.reducers.comm_hooks",
+    f"{_PACKAGE}.fingerprint": f"{_PACKAGE}.core.agreement",
+    f"{_PACKAGE}.checkpoint_io": f"{_PACKAGE}.core.checkpoint_io",
+    f"{_PACKAGE}.strategies.checkpoint_io": f"{_PACKAGE}.core.checkpoint_io",
+}
+"""Module paths of earlier releases and where their contents live now (the paths will be removed in 0.3). Each path
+is a shim module whose only statement is ``forward_moved(__name__)``; :func:`discover` does not import them."""
+
+
+def forward_moved(name: str) -> None:
+    """Make the module ``name``, a path of :data:`MOVED` being imported, forward to its new home, with a warning.
+
+    The module gets the new home's names and its ``__all__``, and looks up any other name there.
+
+    Examples:
+        A shim module's whole code (``lightning_dp_strategies/sizing.py``; importing it warns that the path moved to
+        ``lightning_dp_strategies.plan.sizing``)::
+
+            from lightning_dp_strategies.core.registry import forward_moved
+
+            forward_moved(__name__)
+    """
+    target = MOVED[name]
+    # stacklevel 3: the frame that imports the shim (the import machinery's own frames are skipped)
+    warnings.warn(
+        f"`{name}` moved to `{target}`; the old path will be removed in 0.3.", DeprecationWarning, stacklevel=3
+    )
+    new = importlib.import_module(target)
+    namespace = vars(sys.modules[name])
+    namespace.update({key: value for key, value in vars(new).items() if not key.startswith("__")})
+    namespace["__all__"] = list(getattr(new, "__all__", ()))
+    namespace["__getattr__"] = lambda attribute: getattr(new, attribute)
 
 
 def register_name(
@@ -57,11 +97,12 @@ def discover(package: str, base: type) -> list[type]:
     """The strategy classes of ``package``'s modules: every subclass of ``base`` a module defines with a
     ``registered_name``, in module-name order. A strategy is found from its own file; nothing else lists it.
 
-    Modules whose names start with ``_`` are helpers and are not searched.
+    Modules whose names start with ``_`` are helpers, and the shims of :data:`MOVED` only forward: neither is
+    searched.
     """
     found: list[type] = []
     for info in sorted(pkgutil.iter_modules(importlib.import_module(package).__path__), key=lambda m: m.name):
-        if info.name.startswith("_"):
+        if info.name.startswith("_") or f"{package}.{info.name}" in MOVED:
             continue
         module = importlib.import_module(f"{package}.{info.name}")
         for value in vars(module).values():

@@ -123,30 +123,37 @@ def test_cli_runs_the_readme_model_marks_what_cannot_run_it_and_keeps_checkpoint
         (["--model", "m:f", "--global-batch", "8"], "with --model, your data sets the batch"),
     ],
 )
-def test_values_wrong_anywhere_are_refused_without_importing_torch(argv: list[str], message: str) -> None:
-    code = "import sys, lightning_dp_strategies.cli as c\ntry:\n    c.main(sys.argv[1:])\nexcept SystemExit as e:\n"
-    code += "    print('exit', e.code, 'torch' in sys.modules)\n"
-    proc = subprocess.run([sys.executable, "-c", code, "compare", *argv], capture_output=True, text=True, timeout=60)
-    assert proc.stdout.strip() == "exit 2 False", proc.stdout + proc.stderr
-    assert message in proc.stderr
+def test_values_wrong_anywhere_are_refused_by_the_parser_before_the_run(
+    argv: list[str], message: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from lightning_dp_strategies.cli import run as run_module
+
+    def refuse(*args: object, **kwargs: object) -> int:
+        raise AssertionError("the command ran before the bad value was refused")
+
+    monkeypatch.setattr(run_module, "run", refuse)
+    with pytest.raises(SystemExit) as exit_info:
+        lightning_dp_strategies_cli.main(["compare", *argv])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
 
 
-def test_help_answers_without_importing_torch() -> None:
+def test_help_in_a_fresh_interpreter_registers_the_names_and_runs_nothing() -> None:
     code = "import sys, lightning_dp_strategies.cli as c\ntry:\n    c.main(['compare', '--help'])\nexcept SystemExit:\n"
-    code += "    print('torch' in sys.modules, 'lightning' in sys.modules)\n"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert proc.stdout.strip().splitlines()[-1] == "False False", proc.stdout + proc.stderr
+    code += "    from lightning.pytorch.strategies import StrategyRegistry\n"
+    code += "    print('ring_allreduce' in StrategyRegistry, 'lightning_dp_strategies.cli.run' in sys.modules)\n"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip().splitlines()[-1] == "True False", proc.stdout + proc.stderr
     assert "--model MODULE:FACTORY" in proc.stdout and "--precision" in proc.stdout
 
 
-def test_version_answers_without_importing_torch() -> None:
+def test_version_is_the_package_version(capsys: pytest.CaptureFixture[str]) -> None:
     import lightning_dp_strategies
 
-    code = "import sys, lightning_dp_strategies.cli as c\ntry:\n    c.main(['--version'])\nexcept SystemExit:\n"
-    code += "    print('torch' in sys.modules)\n"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    expected = f"lightning-dp-strategies {lightning_dp_strategies.__version__}"
-    assert proc.stdout.strip().splitlines() == [expected, "False"], proc.stdout + proc.stderr
+    with pytest.raises(SystemExit) as exit_info:
+        lightning_dp_strategies_cli.main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"lightning-dp-strategies {lightning_dp_strategies.__version__}"
 
 
 @pytest.mark.parametrize(
