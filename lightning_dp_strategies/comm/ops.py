@@ -27,9 +27,13 @@ class CommCounter:
     """
 
     bytes_sent: int = 0
+    """Bytes this rank sent."""
     messages: int = 0
+    """Point-to-point messages this rank sent."""
     operations: int = 0
+    """Collective operations (one all-reduce, reduce-scatter or all-gather each)."""
     seconds: float = 0.0
+    """Seconds spent in them."""
     inter_node_bytes: int = 0
     """Of ``bytes_sent``, the bytes sent to another node (counted by the two-level all-reduce)."""
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Generic, TypeVar, overload
+from typing import Any, Generic, Literal, TypedDict, TypeVar, overload
 
 import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 
 from lightning_dp_strategies.reducers import CommHook, Reducer, check_comm_hook, check_reducer, make_reducer
 
@@ -18,6 +19,7 @@ __all__ = [
     "ConfigOption",
     "ReductionOptions",
     "RingAllReduceConfig",
+    "SharedOptions",
     "check_backend",
     "check_flag",
     "check_positive",
@@ -25,6 +27,7 @@ __all__ = [
     "check_start_method",
     "check_timeout",
     "default_timeout",
+    "lightning_arguments",
 ]
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
@@ -258,3 +261,50 @@ def check_sharding(config: RingAllReduceConfig, reduction: ReductionOptions) -> 
             f"{shards}, and a hook or model averaging needs whole buckets and whole optimizer state on every rank. "
             f"{fix}"
         )
+
+
+class SharedOptions(TypedDict, total=False):
+    """The keyword options the multi-process strategies share, Trainer and Fabric alike (each side adds its
+    Lightning plugins: :class:`~lightning_dp_strategies.strategies.options.StrategyOptions`,
+    :class:`~lightning_dp_strategies.fabric.options.FabricOptions`).
+
+    - ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``: Lightning's, as its ``DDPStrategy`` takes
+      them (``checkpoint_io`` defaults to an :class:`~lightning_dp_strategies.AtomicCheckpointIO`).
+    - ``nonfinite_grads``: check the reduced gradients for NaN/Inf before each optimizer step: ``None`` (no check,
+      the default), ``"skip"`` (skip the step on every rank alike, counted in ``nonfinite.skipped_steps``) or
+      ``"raise"`` (``FloatingPointError`` on every rank).
+    - ``process_group_backend``: ``"gloo"``, ``"nccl"``, ...; ``None`` picks by device.
+    - ``timeout``: collective timeout (``timedelta`` or seconds); ``None`` is 5 minutes on gloo, 30 on NCCL.
+    - ``start_method``: ``"popen"`` (scripts, the default), ``"spawn"``, ``"fork"`` (notebooks) or ``"forkserver"``.
+
+    Examples:
+        >>> sorted(lightning_arguments("RingAllReduceStrategy", {"timeout": 60}, SharedOptions, ()))
+        ['checkpoint_io', 'cluster_environment', 'parallel_devices', 'process_group_backend', 'start_method', 'timeout']
+    """
+
+    parallel_devices: list[Any] | None
+    cluster_environment: ClusterEnvironment | None
+    checkpoint_io: CheckpointIO | None
+    nonfinite_grads: Literal["skip", "raise"] | None
+    process_group_backend: str | None
+    timeout: timedelta | float | None
+    start_method: Literal["popen", "spawn", "fork", "forkserver"]
+
+
+def lightning_arguments(
+    strategy: str, options: Mapping[str, Any], allowed: type, plugins: tuple[str, ...]
+) -> dict[str, Any]:
+    """``options`` checked against the keys of the ``allowed`` ``TypedDict`` (an unknown name is a ``TypeError``, as
+    for any call) and turned into the arguments of Lightning's ``DDPStrategy``: the shared ones and ``plugins``."""
+    unknown = sorted(set(options) - set(allowed.__annotations__) - set(SharedOptions.__annotations__))
+    if unknown:
+        raise TypeError(f"{strategy}() got an unexpected keyword argument {unknown[0]!r}")
+    start_method = options.get("start_method", "popen")
+    check_start_method(start_method)
+    lightning = ("parallel_devices", "cluster_environment", "checkpoint_io", *plugins)
+    return {
+        **{name: options.get(name) for name in lightning},
+        "process_group_backend": check_backend(options.get("process_group_backend")),
+        "timeout": check_timeout(options.get("timeout")),
+        "start_method": start_method,
+    }

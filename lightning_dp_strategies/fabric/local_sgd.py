@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from datetime import timedelta
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
-from lightning.fabric.accelerators import Accelerator
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.precision import Precision
-from lightning.fabric.utilities.types import _PATH
 from torch import nn
 from torch.optim import Optimizer
-from typing_extensions import override
+from typing_extensions import Unpack, override
 
 from lightning_dp_strategies.core.engine import EngineView
 from lightning_dp_strategies.core.local_sgd import check_not_sharded, local_options
 from lightning_dp_strategies.core.options import ConfigOption
+from lightning_dp_strategies.fabric.options import FabricOptions
 from lightning_dp_strategies.fabric.ring_allreduce import FabricRingAllReduceStrategy
 from lightning_dp_strategies.local_sgd import (
     LocalSGD,
@@ -49,12 +44,10 @@ class FabricLocalSGDStrategy(FabricRingAllReduceStrategy):
         average_buffers: average floating-point buffers (BatchNorm statistics) at each synchronisation.
         bucket_cap_mb: cap of the warm-up's gradient buckets in MiB.
         first_bucket_cap_mb: cap of the warm-up's first gradient bucket in MiB.
-        nonfinite_grads: ``None``, ``"skip"`` or ``"raise"`` on NaN/Inf in the gradients at each step.
-        process_group_backend: ``"gloo"``, ``"nccl"``, ...; ``None`` picks by device.
-        timeout: collective timeout (``timedelta`` or seconds); ``None`` is 5 minutes on gloo, 30 on NCCL.
-        start_method: ``"popen"`` (scripts, the default), ``"spawn"``, ``"fork"`` (notebooks) or ``"forkserver"``.
         shard_optimizer_state: refused (``True`` raises): between averages every rank steps its whole model, so
             it needs the whole optimizer state; see ``RingAllReduceStrategy(shard_optimizer_state=True)``.
+        **options: the shared keyword options (``nonfinite_grads``, ``timeout``, ...): see
+            :class:`~lightning_dp_strategies.fabric.options.FabricOptions`.
 
     Examples:
         >>> import lightning as L
@@ -73,37 +66,15 @@ class FabricLocalSGDStrategy(FabricRingAllReduceStrategy):
         warmup_steps: int = 0,
         reducer: str | Reducer | None = None,
         average_buffers: bool = True,
-        accelerator: Accelerator | None = None,
-        parallel_devices: list[Any] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision: Precision | None = None,
         bucket_cap_mb: float = 25.0,
         first_bucket_cap_mb: float = 1.0,
-        nonfinite_grads: Literal["skip", "raise"] | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | float | None = None,
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         shard_optimizer_state: bool = False,
+        **options: Unpack[FabricOptions],
     ) -> None:
         check_not_sharded(shard_optimizer_state)
         self.local_config = LocalSGDConfig(sync_every, outer_optimizer, warmup_steps, average_buffers)
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision=precision,
-            bucket_cap_mb=bucket_cap_mb,
-            first_bucket_cap_mb=first_bucket_cap_mb,
-            reducer=reducer,
-            broadcast_buffers=False,
-            nonfinite_grads=nonfinite_grads,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
-            two_level=False,
-        )
+        caps = (bucket_cap_mb, first_bucket_cap_mb)
+        super().__init__(*caps, reducer=reducer, broadcast_buffers=False, two_level=False, **options)
 
     local_sgd = EngineView[LocalSGD | None]()  # the algorithm (``None`` before setup)
 
@@ -139,35 +110,20 @@ class FabricLocalSGDStrategy(FabricRingAllReduceStrategy):
         return state if self.local_sgd is None or module is not self._trained else self.local_sgd.averaged_state(state)
 
     @override
-    def save_checkpoint(
-        self,
-        path: _PATH,
-        state: dict[str, nn.Module | Optimizer | Any],
-        storage_options: Any | None = None,
-        filter: dict[str, Callable[[str, Any], bool]] | None = None,
-    ) -> None:
-        """Add the local SGD record (rank 0's file gets every rank's own state); called on every rank."""
+    def _with_own_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The local SGD record (rank 0's file gets every rank's own state); called on every rank."""
         module = self._trained
         if self.local_sgd is not None and module is not None and any(v is module for v in state.values()):
             optimizers = [self.get_optimizer_state(v) for v in state.values() if isinstance(v, Optimizer)]
             record = local_checkpoint_record(self.local_sgd, module, optimizers)
             state = {**state, "local_sgd": record} if record is not None else state
-        super().save_checkpoint(path, state, storage_options, filter)
+        return state
 
     @override
-    def load_checkpoint(
-        self,
-        path: _PATH,
-        state: nn.Module | Optimizer | dict[str, nn.Module | Optimizer | Any] | None = None,
-        strict: bool = True,
-        weights_only: bool | None = None,
-    ) -> dict[str, Any]:
-        """As Fabric's, then this rank's own parameters, optimizer state and the local SGD record."""
-        remainder = super().load_checkpoint(path, state, strict, weights_only)
+    def _restore_own_state(self, remainder: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
+        """This rank's own parameters, optimizer state and the local SGD record."""
         module = self._trained
-        if self.local_sgd is None or module is None or not isinstance(state, dict):
-            return remainder
-        if not any(v is module for v in state.values()):
+        if self.local_sgd is None or module is None or not any(v is module for v in state.values()):
             return remainder
         record = remainder.pop("local_sgd", None)
         restore_local_record(self.local_sgd, module, record, self.global_rank)

@@ -16,20 +16,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from datetime import timedelta
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 import torch
-from lightning.fabric.accelerators import Accelerator
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.types import _PATH, Optimizable
 from torch import Tensor, nn
 from torch.optim import Optimizer
-from typing_extensions import override
+from typing_extensions import Unpack, override
 
 from lightning_dp_strategies.bucketing import CommStats, GradientBuckets
 from lightning_dp_strategies.bucketing.sync import GradientSync
@@ -44,15 +40,14 @@ from lightning_dp_strategies.core.options import (
     ConfigOption,
     ReductionOptions,
     RingAllReduceConfig,
-    check_backend,
     check_sharding,
-    check_start_method,
-    check_timeout,
     default_timeout,
+    lightning_arguments,
 )
 from lightning_dp_strategies.core.registry import register_name, register_with_launchers
 from lightning_dp_strategies.core.topology import check_own_reducer, check_two_level, layout_reducer
 from lightning_dp_strategies.fabric._checkpoints import load_sharded, save_sharded
+from lightning_dp_strategies.fabric.options import FABRIC_PLUGINS, FabricOptions
 from lightning_dp_strategies.reducers import CommHook, Reducer, ScatterReducer
 from lightning_dp_strategies.sharding import OptimizerSharding
 
@@ -79,12 +74,6 @@ class FabricRingAllReduceStrategy(DDPStrategy):
             see :mod:`lightning_dp_strategies.reducers`.
         broadcast_buffers: broadcast module buffers (BatchNorm statistics) from rank 0 before every training forward
             call (train mode, gradients enabled, outside ``no_backward_sync``), as torch DDP does.
-        nonfinite_grads: check the averaged gradients for NaN/Inf at every ``optimizer.step()``: ``None`` (no
-            check, the default), ``"skip"`` (skip the step on every rank alike, counted in
-            ``nonfinite.skipped_steps``) or ``"raise"`` (``FloatingPointError`` on every rank).
-        process_group_backend: ``"gloo"``, ``"nccl"``, ...; ``None`` picks by device.
-        timeout: collective timeout (``timedelta`` or seconds); ``None`` is 5 minutes on gloo, 30 on NCCL.
-        start_method: ``"popen"`` (scripts, the default), ``"spawn"``, ``"fork"`` (notebooks) or ``"forkserver"``.
         ddp_comm_hook: a torch DDP communication hook ``hook(state, bucket) -> Future`` that averages each bucket
             instead of ``reducer``, on any device and backend (see :mod:`lightning_dp_strategies.comm_hooks`).
         ddp_comm_state: the hook's ``state``; ``None`` gives it the strategy's gradient group.
@@ -96,6 +85,8 @@ class FabricRingAllReduceStrategy(DDPStrategy):
             stage 1, as :class:`~lightning_dp_strategies.RingAllReduceStrategy`): set up the module before (or
             with) its optimizers; ``fabric.save`` writes the whole optimizer state, ``fabric.load`` takes this
             rank's part of it.
+        **options: the shared keyword options (``nonfinite_grads``, ``timeout``, ...): see
+            :class:`~lightning_dp_strategies.fabric.options.FabricOptions`.
 
     Examples:
         >>> import lightning as L
@@ -112,27 +103,20 @@ class FabricRingAllReduceStrategy(DDPStrategy):
 
     def __init__(
         self,
-        accelerator: Accelerator | None = None,
-        parallel_devices: list[Any] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision: Precision | None = None,
         bucket_cap_mb: float = 25.0,
         first_bucket_cap_mb: float = 1.0,
         reducer: str | Reducer | None = None,
         broadcast_buffers: bool = True,
-        nonfinite_grads: Literal["skip", "raise"] | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | float | None = None,
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        two_level: bool | None = None,
+        shard_optimizer_state: bool = False,
         ddp_comm_state: object = None,
         ddp_comm_hook: CommHook | None = None,
         ddp_comm_wrapper: Callable[[CommHook], CommHook] | None = None,
-        two_level: bool | None = None,
-        shard_optimizer_state: bool = False,
+        **options: Unpack[FabricOptions],
     ) -> None:
-        check_start_method(start_method)
-        # configuration (validated before Fabric does anything)
+        fabric_options = lightning_arguments(
+            type(self).__name__, options, FabricOptions, FABRIC_PLUGINS
+        )  # validated before Fabric does anything
         self.reduction = ReductionOptions(reducer, ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper)
         self.config = RingAllReduceConfig(
             bucket_cap_mb,
@@ -144,18 +128,9 @@ class FabricRingAllReduceStrategy(DDPStrategy):
         check_two_level(self.config.two_level, self.reduction)
         check_sharding(self.config, self.reduction)
         check_own_reducer(type(self), FabricRingAllReduceStrategy, shard_optimizer_state)
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision=precision,
-            process_group_backend=check_backend(process_group_backend),
-            timeout=check_timeout(timeout),
-            start_method=start_method,
-        )
+        super().__init__(**fabric_options)
         # collaborators: runtime state (groups, reducer, buckets, no-sync flag, shards) and statistics
-        self.engine = BucketedEngine(self.config, self.reduction, nonfinite_grads)
+        self.engine = BucketedEngine(self.config, self.reduction, options.get("nonfinite_grads"))
         self._trained: nn.Module | None = None
         """The module set up with trainable parameters (the one the buckets average)."""
         self._buffer_hook: Any = None
@@ -329,10 +304,20 @@ class FabricRingAllReduceStrategy(DDPStrategy):
     ) -> None:
         """With sharded state: rank 0 writes the checkpoint while every rank sends its pieces of the optimizer state,
         one tensor at a time (the whole state, as one optimizer over the module saves it)."""
+        state = self._with_own_state(state)
         if not self.engine.sharded:
             super().save_checkpoint(path, state, storage_options, filter)
             return
         save_sharded(self, self.engine, path, state, storage_options, filter)
+
+    def _with_own_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """What ``fabric.save`` writes besides ``state`` (a subclass adds its own entries; default: nothing)."""
+        return state
+
+    def _restore_own_state(self, remainder: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
+        """After ``fabric.load`` filled ``state``: take this strategy's own entries out of ``remainder`` (what the file
+        holds beyond ``state``) and return the rest (default: all of it)."""
+        return remainder
 
     @override
     def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
@@ -352,10 +337,13 @@ class FabricRingAllReduceStrategy(DDPStrategy):
     ) -> dict[str, Any]:
         """With sharded state: each rank takes its pieces of the whole optimizer states in the file (saved by any
         strategy, at any world size)."""
-        if not self.engine.sharded or not isinstance(state, dict):
+        if not isinstance(state, dict):
             return super().load_checkpoint(path, state, strict, weights_only)
+        if not self.engine.sharded:
+            return self._restore_own_state(super().load_checkpoint(path, state, strict, weights_only), state)
         load = super().load_checkpoint
-        return load_sharded(self.engine, state, lambda proxy: load(path, proxy, strict, weights_only))
+        remainder = load_sharded(self.engine, state, lambda proxy: load(path, proxy, strict, weights_only))
+        return self._restore_own_state(remainder, state)
 
     # ------------------------------------------------------------------ teardown
     @override

@@ -347,7 +347,9 @@ class PipelineStats:
     steps: int = 0
     """Training steps run."""
     bubble_sum: float = 0.0
+    """The bubbles of the steps that reused a built stage, summed (see :attr:`mean_bubble`)."""
     measured_steps: int = 0
+    """Steps counted in ``bubble_sum`` (the first step of each batch shape builds its stage and is left out)."""
     p2p_bytes_sent: int = 0
     """Bytes this rank sent to neighbouring stages over all training steps (activations and their gradients)."""
     p2p_bytes_received: int = 0

@@ -27,12 +27,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import contextmanager
-from datetime import timedelta
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.optimizer import _optimizer_to_device
 from lightning.pytorch.plugins.precision import Precision
@@ -40,7 +38,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
 from torch.optim import Optimizer
-from typing_extensions import override
+from typing_extensions import Unpack, override
 
 from lightning_dp_strategies.bucketing import CommStats, GradientBuckets
 from lightning_dp_strategies.bucketing.sync import GradientSync
@@ -60,10 +58,8 @@ from lightning_dp_strategies.core.options import (
     BucketedConfig,
     ConfigOption,
     ReductionOptions,
-    check_backend,
-    check_start_method,
-    check_timeout,
     default_timeout,
+    lightning_arguments,
 )
 from lightning_dp_strategies.core.registry import register_with_launchers
 from lightning_dp_strategies.core.topology import check_own_reducer
@@ -71,6 +67,7 @@ from lightning_dp_strategies.plan import RING_ALLREDUCE, CostModel
 from lightning_dp_strategies.reducers import CommHook, Reducer
 from lightning_dp_strategies.sharding import OptimizerSharding
 from lightning_dp_strategies.strategies._trainer import with_resumed_sampler_epoch
+from lightning_dp_strategies.strategies.options import TRAINER_PLUGINS, StrategyOptions
 from lightning_dp_strategies.strategies.precision import (
     ClipByNorm,
     GlobalNormClipping,
@@ -88,8 +85,9 @@ class BucketedDataParallel(DDPStrategy):
     :class:`~lightning.pytorch.strategies.DDPStrategy`; the module is never wrapped. Checkpoints are written
     atomically (:class:`~lightning_dp_strategies.AtomicCheckpointIO`) unless a ``checkpoint_io`` is given.
 
-    ``config`` holds the strategy's options (a :class:`BucketedConfig` or a subclass of it); the other arguments are
-    :class:`~lightning_dp_strategies.RingAllReduceStrategy`'s of the same names.
+    ``config`` holds the strategy's options (a :class:`BucketedConfig` or a subclass of it); ``reducer`` and the
+    ``ddp_comm_*`` / ``model_averaging_period`` options are :class:`~lightning_dp_strategies.RingAllReduceStrategy`'s,
+    and the keyword ``options`` those of :class:`~lightning_dp_strategies.strategies.options.StrategyOptions`.
 
     Examples:
         >>> from lightning_dp_strategies.reducers import NativeReducer
@@ -120,37 +118,20 @@ class BucketedDataParallel(DDPStrategy):
     def __init__(
         self,
         config: BucketedConfig | None = None,
-        accelerator: pl.accelerators.Accelerator | None = None,
-        parallel_devices: list[Any] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: Precision | None = None,
         reducer: str | Reducer | None = None,
-        nonfinite_grads: Literal["skip", "raise"] | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | float | None = None,
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         ddp_comm_state: object = None,
         ddp_comm_hook: CommHook | None = None,
         ddp_comm_wrapper: Callable[[CommHook], CommHook] | None = None,
         model_averaging_period: int | None = None,
+        **options: Unpack[StrategyOptions],
     ) -> None:
-        check_start_method(start_method)
+        lightning_options = lightning_arguments(type(self).__name__, options, StrategyOptions, TRAINER_PLUGINS)
         reduction = ReductionOptions(reducer, ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper, model_averaging_period)
         config = config if config is not None else BucketedConfig()
         check_own_reducer(type(self), BucketedDataParallel, bool(getattr(config, "shard_optimizer_state", False)))
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            process_group_backend=check_backend(process_group_backend),
-            timeout=check_timeout(timeout),
-            start_method=start_method,
-        )
+        super().__init__(**lightning_options)
         self.config, self.reduction = config, reduction  # configuration
-        self.engine = BucketedEngine(config, reduction, nonfinite_grads)
+        self.engine = BucketedEngine(config, reduction, options.get("nonfinite_grads"))
         self._clipping: GlobalNormClipping | None = None
 
     # ------------------------------------------------------------------ what a subclass says

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from datetime import timedelta
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
-from typing_extensions import override
+from typing_extensions import Unpack, override
 
 from lightning_dp_strategies.core.engine import EngineView
 from lightning_dp_strategies.core.local_sgd import check_not_sharded, check_single_optimizer, local_options
@@ -27,6 +24,7 @@ from lightning_dp_strategies.plan import CostModel
 from lightning_dp_strategies.plan.formulas import LOCAL_SGD, local_sgd_cost_model
 from lightning_dp_strategies.reducers import Reducer
 from lightning_dp_strategies.strategies.bucketed import BucketedDataParallel
+from lightning_dp_strategies.strategies.options import StrategyOptions
 
 __all__ = ["LocalSGDStrategy"]
 
@@ -60,12 +58,10 @@ class LocalSGDStrategy(BucketedDataParallel):
         average_buffers: average floating-point buffers at each synchronisation.
         bucket_cap_mb: cap of the warm-up's gradient buckets in MiB.
         first_bucket_cap_mb: cap of the warm-up's first gradient bucket in MiB.
-        nonfinite_grads: ``None``, ``"skip"`` or ``"raise"`` on NaN/Inf in the gradients before each step.
-        process_group_backend: ``"gloo"``, ``"nccl"``, ...; ``None`` picks by device.
-        timeout: collective timeout (``timedelta`` or seconds); ``None`` is 5 minutes on gloo, 30 on NCCL.
-        start_method: ``"popen"`` (scripts, the default), ``"spawn"``, ``"fork"`` (notebooks) or ``"forkserver"``.
         shard_optimizer_state: refused (``True`` raises): between averages every rank steps its whole model, so
             it needs the whole optimizer state; see ``RingAllReduceStrategy(shard_optimizer_state=True)``.
+        **options: the shared keyword options (``nonfinite_grads``, ``timeout``, ...): see
+            :class:`~lightning_dp_strategies.strategies.options.StrategyOptions`.
 
     Examples:
         >>> import lightning as L
@@ -88,34 +84,14 @@ class LocalSGDStrategy(BucketedDataParallel):
         warmup_steps: int = 0,
         reducer: str | Reducer | None = None,
         average_buffers: bool = True,
-        accelerator: pl.accelerators.Accelerator | None = None,
-        parallel_devices: list[Any] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: Precision | None = None,
         bucket_cap_mb: float = 25.0,
         first_bucket_cap_mb: float = 1.0,
-        nonfinite_grads: Literal["skip", "raise"] | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | float | None = None,
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         shard_optimizer_state: bool = False,
+        **options: Unpack[StrategyOptions],
     ) -> None:
         check_not_sharded(shard_optimizer_state)
         local_config = LocalSGDConfig(sync_every, outer_optimizer, warmup_steps, average_buffers)
-        super().__init__(
-            config=BucketedConfig(bucket_cap_mb, first_bucket_cap_mb),
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            reducer=reducer,
-            nonfinite_grads=nonfinite_grads,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
-        )
+        super().__init__(BucketedConfig(bucket_cap_mb, first_bucket_cap_mb), reducer, **options)
         self.local_config = local_config  # configuration; the algorithm is the engine's, made at setup
         self.cost_model = local_sgd_cost_model(sync_every)  # type: ignore[misc]  # this instance's period
 

@@ -12,14 +12,11 @@ plugin's, and the strategy reads and writes the state under it, so checkpoints s
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable
 from typing import Any
 
-import lightning.pytorch as pl
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
-from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -57,6 +54,17 @@ def readable_by_wrapper(checkpoint: dict[str, Any], plugin: Precision) -> dict[s
     if key in checkpoint:
         checkpoint.setdefault(GlobalNormClipping.__qualname__, checkpoint[key])
     return checkpoint
+
+
+def _forwarded(name: str) -> Any:
+    """A method of :class:`GlobalNormClipping` that calls the wrapped plugin's method ``name`` with its arguments."""
+
+    def forward(self: GlobalNormClipping, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.inner, name)(*args, **kwargs)
+
+    forward.__name__ = forward.__qualname__ = name
+    forward.__doc__ = f"The wrapped plugin's ``{name}``."
+    return forward
 
 
 class GlobalNormClipping(Precision):
@@ -105,100 +113,25 @@ class GlobalNormClipping(Precision):
         self.inner.clip_grad_by_value(optimizer, clip_val)
 
     # ------------------------------------------------------------------ everything else: the plugin's
-    @override
-    def connect(self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]) -> Any:
-        return self.inner.connect(model, optimizers, lr_schedulers)
-
-    @override
-    def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
-        return self.inner.pre_backward(tensor, module)
-
-    @override
-    def backward(self, tensor: Tensor, model: pl.LightningModule, optimizer: Any, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
-        self.inner.backward(tensor, model, optimizer, *args, **kwargs)
-
-    @override
-    def post_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
-        return self.inner.post_backward(tensor, module)
-
-    @override
-    def optimizer_step(  # type: ignore[override]
-        self, optimizer: Any, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
-    ) -> Any:
-        return self.inner.optimizer_step(optimizer, model, closure, **kwargs)
-
-    @override
-    def main_params(self, optimizer: Optimizer) -> Any:
-        return self.inner.main_params(optimizer)
-
-    @override
-    def unscale_gradients(self, optimizer: Optimizer) -> None:
-        self.inner.unscale_gradients(optimizer)
-
-    @override
-    def convert_module(self, module: nn.Module) -> nn.Module:
-        return self.inner.convert_module(module)
-
-    @override
-    def convert_input(self, data: Any) -> Any:
-        return self.inner.convert_input(data)
-
-    @override
-    def convert_output(self, data: Any) -> Any:
-        return self.inner.convert_output(data)
-
-    @override
-    def tensor_init_context(self) -> AbstractContextManager:
-        return self.inner.tensor_init_context()
-
-    @override
-    def module_init_context(self) -> AbstractContextManager:
-        return self.inner.module_init_context()
-
-    @override
-    def forward_context(self) -> AbstractContextManager:
-        return self.inner.forward_context()
-
-    @contextmanager
-    @override
-    def train_step_context(self) -> Generator[None, None, None]:
-        with self.inner.train_step_context():
-            yield
-
-    @contextmanager
-    @override
-    def val_step_context(self) -> Generator[None, None, None]:
-        with self.inner.val_step_context():
-            yield
-
-    @contextmanager
-    @override
-    def test_step_context(self) -> Generator[None, None, None]:
-        with self.inner.test_step_context():
-            yield
-
-    @contextmanager
-    @override
-    def predict_step_context(self) -> Generator[None, None, None]:
-        with self.inner.predict_step_context():
-            yield
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        return self.inner.state_dict()
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.inner.load_state_dict(state_dict)
-
-    @override
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self.inner.on_load_checkpoint(checkpoint)
-
-    @override
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self.inner.on_save_checkpoint(checkpoint)
-
-    @override
-    def teardown(self) -> None:
-        self.inner.teardown()
+    connect = _forwarded("connect")
+    pre_backward = _forwarded("pre_backward")
+    backward = _forwarded("backward")
+    post_backward = _forwarded("post_backward")
+    optimizer_step = _forwarded("optimizer_step")
+    main_params = _forwarded("main_params")
+    unscale_gradients = _forwarded("unscale_gradients")
+    convert_module = _forwarded("convert_module")
+    convert_input = _forwarded("convert_input")
+    convert_output = _forwarded("convert_output")
+    tensor_init_context = _forwarded("tensor_init_context")
+    module_init_context = _forwarded("module_init_context")
+    forward_context = _forwarded("forward_context")
+    train_step_context = _forwarded("train_step_context")
+    val_step_context = _forwarded("val_step_context")
+    test_step_context = _forwarded("test_step_context")
+    predict_step_context = _forwarded("predict_step_context")
+    state_dict = _forwarded("state_dict")
+    load_state_dict = _forwarded("load_state_dict")
+    on_load_checkpoint = _forwarded("on_load_checkpoint")
+    on_save_checkpoint = _forwarded("on_save_checkpoint")
+    teardown = _forwarded("teardown")

@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import timedelta
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
-import lightning.pytorch as pl
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies.registry import _StrategyRegistry
-from lightning.pytorch.plugins.precision import Precision
-from typing_extensions import override
+from typing_extensions import Unpack, override
 
 from lightning_dp_strategies.core.module_state import broadcast_module_buffers
 from lightning_dp_strategies.core.options import ConfigOption, RingAllReduceConfig, check_sharding
@@ -19,6 +15,7 @@ from lightning_dp_strategies.core.topology import check_two_level, layout_reduce
 from lightning_dp_strategies.reducers import CommHook, Reducer, ScatterReducer
 from lightning_dp_strategies.strategies._trainer import should_log
 from lightning_dp_strategies.strategies.bucketed import BucketedDataParallel
+from lightning_dp_strategies.strategies.options import StrategyOptions
 
 __all__ = ["RingAllReduceConfig", "RingAllReduceStrategy"]
 
@@ -44,12 +41,6 @@ class RingAllReduceStrategy(BucketedDataParallel):
             as torch DDP does.
         log_comm_stats: log the per-step communication statistics (``comm/bytes_sent``, ...) to the
             LightningModule's logger every ``log_every_n_steps`` steps.
-        nonfinite_grads: check the reduced gradients for NaN/Inf before each optimizer step: ``None`` (no check,
-            the default), ``"skip"`` (skip the step on every rank alike, counted in ``nonfinite.skipped_steps``) or
-            ``"raise"`` (``FloatingPointError`` on every rank).
-        process_group_backend: ``"gloo"``, ``"nccl"``, ...; ``None`` picks by device.
-        timeout: collective timeout (``timedelta`` or seconds); ``None`` is 5 minutes on gloo, 30 on NCCL.
-        start_method: ``"popen"`` (scripts, the default), ``"spawn"``, ``"fork"`` (notebooks) or ``"forkserver"``.
         ddp_comm_hook: a torch DDP communication hook ``hook(state, bucket) -> Future`` (``allreduce_hook``,
             ``fp16_compress_hook``, ``powerSGD_hook``, ...) that averages each bucket instead of ``reducer``, on any
             device and backend, CPU/gloo included (see :mod:`lightning_dp_strategies.comm_hooks`).
@@ -70,6 +61,9 @@ class RingAllReduceStrategy(BucketedDataParallel):
             AdamW, ...); checkpoints hold the whole optimizer state, loadable by any strategy and at any world size.
             With the plain ring only (no other ``reducer``, hook, ``two_level=True`` or model averaging). See
             :mod:`lightning_dp_strategies.sharding`.
+        **options: Lightning's and the package's shared keyword options (``nonfinite_grads``, ``timeout``,
+            ``process_group_backend``, ``start_method``, ...): see
+            :class:`~lightning_dp_strategies.strategies.options.StrategyOptions`.
 
     Examples:
         >>> import lightning as L
@@ -85,51 +79,24 @@ class RingAllReduceStrategy(BucketedDataParallel):
 
     def __init__(
         self,
-        accelerator: pl.accelerators.Accelerator | None = None,
-        parallel_devices: list[Any] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: Precision | None = None,
         bucket_cap_mb: float = 25.0,
         first_bucket_cap_mb: float = 1.0,
         reducer: str | Reducer | None = None,
         broadcast_buffers: bool = True,
         log_comm_stats: bool = False,
-        nonfinite_grads: Literal["skip", "raise"] | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | float | None = None,
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        two_level: bool | None = None,
+        shard_optimizer_state: bool = False,
         ddp_comm_state: object = None,
         ddp_comm_hook: CommHook | None = None,
         ddp_comm_wrapper: Callable[[CommHook], CommHook] | None = None,
-        two_level: bool | None = None,
         model_averaging_period: int | None = None,
-        shard_optimizer_state: bool = False,
+        **options: Unpack[StrategyOptions],
     ) -> None:
-        super().__init__(
-            config=RingAllReduceConfig(
-                bucket_cap_mb,
-                first_bucket_cap_mb,
-                broadcast_buffers,
-                log_comm_stats,
-                two_level,
-                shard_optimizer_state,
-            ),
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            reducer=reducer,
-            nonfinite_grads=nonfinite_grads,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
-            ddp_comm_state=ddp_comm_state,
-            ddp_comm_hook=ddp_comm_hook,
-            ddp_comm_wrapper=ddp_comm_wrapper,
-            model_averaging_period=model_averaging_period,
+        config = RingAllReduceConfig(
+            bucket_cap_mb, first_bucket_cap_mb, broadcast_buffers, log_comm_stats, two_level, shard_optimizer_state
         )
+        hook = (ddp_comm_state, ddp_comm_hook, ddp_comm_wrapper, model_averaging_period)
+        super().__init__(config, reducer, *hook, **options)
         check_two_level(self.config.two_level, self.reduction)
         check_sharding(self.config, self.reduction)
 

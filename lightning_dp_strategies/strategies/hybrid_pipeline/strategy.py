@@ -33,20 +33,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from datetime import timedelta
 from typing import Any, ClassVar, Literal
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.callbacks import BaseFinetuning, ModelSummary as ModelSummaryCallback
-from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_summary import ModelSummary
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from typing_extensions import override
+from typing_extensions import Unpack, override
 
 from lightning_dp_strategies.bucketing.sync import destroy_groups
 from lightning_dp_strategies.core.checkpoint_io import atomic_write
@@ -71,6 +68,7 @@ from lightning_dp_strategies.strategies.hybrid_pipeline.refusals import (
 )
 from lightning_dp_strategies.strategies.hybrid_pipeline.steps import PipelineSteps
 from lightning_dp_strategies.strategies.hybrid_pipeline.summary import restore_summaries, stage_summary, summarize_with
+from lightning_dp_strategies.strategies.options import StrategyOptions
 from lightning_dp_strategies.strategies.precision import stored_under_plugin_name
 
 __all__ = ["HybridPipelineConfig", "HybridPipelineStrategy", "PipelineStats"]
@@ -117,17 +115,13 @@ class HybridPipelineStrategy(PipelineSteps, StreamedCheckpoints):
             ``log_every_n_steps``.
         measure_activations: record the peak bytes saved for backward in every step (``pipeline_stats``); costs a
             hook per saved tensor.
-        nonfinite_grads: check the reduced gradients for NaN/Inf before each optimizer step: ``None`` (no check,
-            the default), ``"skip"`` (skip the step on every rank alike, counted in ``nonfinite.skipped_steps``) or
-            ``"raise"`` (``FloatingPointError`` on every rank).
-        process_group_backend: ``"gloo"``, ``"nccl"``, ...; ``None`` picks by device.
-        timeout: collective timeout (``timedelta`` or seconds); ``None`` is 5 minutes on gloo, 30 on NCCL.
-        start_method: ``"popen"`` (default), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
         ddp_comm_hook: a torch DDP communication hook ``hook(state, bucket) -> Future`` (``allreduce_hook``,
             ``fp16_compress_hook``, ``powerSGD_hook``, ...) that averages the replicas' buckets instead of
             ``reducer``, on any device and backend, CPU/gloo included (see :mod:`lightning_dp_strategies.comm_hooks`).
         ddp_comm_state: the hook's ``state`` (e.g. ``PowerSGDState``); ``None`` gives it the gradient group.
         ddp_comm_wrapper: applied once as ``ddp_comm_wrapper(ddp_comm_hook)`` (e.g. ``fp16_compress_wrapper``).
+        **options: the shared keyword options (``nonfinite_grads``, ``timeout``, ...): see
+            :class:`~lightning_dp_strategies.strategies.options.StrategyOptions`.
 
     Examples:
         >>> import lightning as L
@@ -151,23 +145,15 @@ class HybridPipelineStrategy(PipelineSteps, StreamedCheckpoints):
         schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv"] = "1f1b",
         virtual_stages: int | None = None,
         balance: Sequence[int] | Literal["parameters", "time"] = "parameters",
-        accelerator: pl.accelerators.Accelerator | None = None,
-        parallel_devices: list[Any] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: Precision | None = None,
         bucket_cap_mb: float = 25.0,
         first_bucket_cap_mb: float = 1.0,
         reducer: str | Reducer | None = None,
         log_pipeline_stats: bool = False,
         measure_activations: bool = False,
-        nonfinite_grads: Literal["skip", "raise"] | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | float | None = None,
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         ddp_comm_state: object = None,
         ddp_comm_hook: CommHook | None = None,
         ddp_comm_wrapper: Callable[[CommHook], CommHook] | None = None,
+        **options: Unpack[StrategyOptions],
     ) -> None:
         super().__init__(
             config=HybridPipelineConfig(
@@ -181,19 +167,11 @@ class HybridPipelineStrategy(PipelineSteps, StreamedCheckpoints):
                 virtual_stages=virtual_stages,
                 measure_activations=measure_activations,
             ),
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
             reducer=reducer,
-            nonfinite_grads=nonfinite_grads,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
             ddp_comm_state=ddp_comm_state,
             ddp_comm_hook=ddp_comm_hook,
             ddp_comm_wrapper=ddp_comm_wrapper,
+            **options,
         )
         check_reducer_not_auto(reducer, type(self).__name__)
         self._init_runtime()
