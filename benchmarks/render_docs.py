@@ -99,10 +99,10 @@ def render(name: str) -> str:
     load, cores = m.get("load_average_at_start"), m.get("cpu_count")
     if load is not None and cores and load >= cores:
         lines += [
-            f"*Caveat:* the load average was {load} on {cores} cores when this run started: other work was "
-            "competing for the cores, or had just ended (the average counts the last minutes), and the timed "
-            "contenders' times may spread more than on an idle machine (byte and memory counts are unaffected); "
-            "rerun on an idle machine, with the script's defaults, for steadier ratios.",
+            f"*Caveat:* the load average was {load} on {cores} cores at the start: more runnable processes than "
+            "cores over the preceding minutes, so the timed contenders' times may spread more than on an idle "
+            "machine (byte and memory counts are unaffected); rerun on an idle machine, with the script's defaults, "
+            "for steadier ratios.",
             "",
         ]
     for note in data.get("notes", []):
