@@ -1,6 +1,6 @@
 """Benchmark the strategies on a simulated cluster: nodes joined by a 1 or 10 GbE-shaped link (``../shared/netsim``).
 
-For each link and layout (nodes x processes a node), every variant trains the same 13 M-parameter MLP (52 MB of fp32
+For each link and layout (nodes x processes a node), every variant trains the same 12.6 M-parameter MLP (50.4 MB of fp32
 gradients, SGD, batch 32 per rank) with Lightning's Trainer; the variants take turns launch by launch (the order
 flipped every launch), and each figure is the median over launches of the median steady-state step. Variants:
 
@@ -260,7 +260,7 @@ def main() -> None:
     parser.add_argument("--launches", type=int, default=2, help="launches of every variant, interleaved")
     parser.add_argument("--steps", type=int, default=16, help="optimizer steps per launch")
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of the median")
-    parser.add_argument("--width", type=int, default=1024, help="MLP width (default: 13.1 M parameters at depth 12)")
+    parser.add_argument("--width", type=int, default=1024, help="MLP width (default: 12.6 M parameters at depth 12)")
     parser.add_argument("--depth", type=int, default=12)
     parser.add_argument("--batch", type=int, default=32, help="samples per rank and step")
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="the package's bucket cap (ddp keeps 25)")

@@ -1,7 +1,7 @@
 """Local SGD and DiLoCo against ddp and ring+PowerSGD on a simulated cluster (``../shared/netsim``): time to loss.
 
 A held-out teacher-student task: a fixed random teacher (``width -> 64 -> 16``, tanh) labels Gaussian inputs, and a
-13 M-parameter student MLP (12 layers of 1024, tanh; the model of ``bench_cluster.py``) learns it with Adam (lr
+12.6 M-parameter student MLP (12 layers of 1024, tanh; the model of ``bench_cluster.py``) learns it with Adam (lr
 ``--lr``, batch 32 per rank) under mean-squared error. Every ``--eval-every`` optimizer steps the ranks' averaged
 model (for local SGD mid-period: the mean of the ranks' parameters, computed into a copy, so training is not
 disturbed) is scored on 2048 held-out samples; the time spent evaluating is left out of the wall time. Variants:
@@ -261,7 +261,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=192, help="optimizer steps of every variant but ddp")
     parser.add_argument("--ddp-steps", type=int, default=64, help="ddp's optimizer steps (its loss is the target)")
     parser.add_argument("--eval-every", type=int, default=8, help="steps between evaluations")
-    parser.add_argument("--width", type=int, default=1024, help="MLP width (13.1 M parameters at depth 12)")
+    parser.add_argument("--width", type=int, default=1024, help="MLP width (12.6 M parameters at depth 12)")
     parser.add_argument("--depth", type=int, default=12)
     parser.add_argument("--batch", type=int, default=32, help="samples per rank and step")
     parser.add_argument("--lr", type=float, default=3e-4, help="Adam's learning rate")

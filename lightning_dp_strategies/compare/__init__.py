@@ -12,7 +12,7 @@ module                    what it holds
 :mod:`.report`            the table, the JSON and the figure
 ========================  ==================================================================================
 
-The names below are imported on first use, so the command's parser reads :mod:`.spec` without importing torch.
+The names below are imported on first use: the command's parser reads :mod:`.spec` without importing the runner.
 """
 
 from __future__ import annotations
