@@ -29,6 +29,12 @@ if TYPE_CHECKING:  # what type checkers see; at run time each name is imported o
         reference_all_reduce as reference_all_reduce,
         ring_all_reduce as ring_all_reduce,
     )
+    from lightning_dp_strategies.comm.probe import (
+        probe_link as probe_link,
+    )
+    from lightning_dp_strategies.core.checkpoint_files import (
+        latest_checkpoint as latest_checkpoint,
+    )
     from lightning_dp_strategies.core.checkpoint_io import (
         AtomicCheckpointIO as AtomicCheckpointIO,
     )
@@ -46,22 +52,32 @@ if TYPE_CHECKING:  # what type checkers see; at run time each name is imported o
         FabricRingAllReduceStrategy as FabricRingAllReduceStrategy,
         FabricScatterGatherStrategy as FabricScatterGatherStrategy,
     )
+    from lightning_dp_strategies.local_sgd import (
+        diloco_outer_optimizer as diloco_outer_optimizer,
+    )
     from lightning_dp_strategies.plan import (
         Link as Link,
         Prediction as Prediction,
+        Reduction as Reduction,
+        Topology as Topology,
         Workload as Workload,
+        measure_compute as measure_compute,
         predict as predict,
     )
     from lightning_dp_strategies.reducers import (
         REDUCERS as REDUCERS,
+        AutoReducer as AutoReducer,
         CastCompression as CastCompression,
         GradBucket as GradBucket,
         NativeReducer as NativeReducer,
         PerTensorReducer as PerTensorReducer,
         PowerSGD as PowerSGD,
         Reducer as Reducer,
+        ReducerBase as ReducerBase,
+        ReducerWrapper as ReducerWrapper,
         RingReducer as RingReducer,
         bf16_compress as bf16_compress,
+        calibrate_cpu as calibrate_cpu,
         fp16_compress as fp16_compress,
         resolve_reducer as resolve_reducer,
     )

@@ -1,8 +1,8 @@
 """How the strategies are built: Lightning's base plus held collaborators, and the extension point's guarantees.
 
 Every registered strategy (Trainer and Fabric) is at most four classes of this package deep; the package swaps no
-object's class and installs no import hook; a subclass that only picks its reducer keeps the layout's two levels and
-is refused sharded optimizer state when it is made, naming why.
+object's class and installs no import hook; a subclass that only picks its reducer keeps the two levels it is asked
+for and is refused sharded optimizer state when it is made, naming why.
 """
 
 from __future__ import annotations
@@ -68,15 +68,16 @@ def test_a_reducer_of_your_own_is_refused_sharded_state_when_the_strategy_is_mad
 
 
 @pytest.mark.parametrize("own", [_OwnTrainer, _OwnFabric], ids=["trainer", "fabric"])
-def test_a_reducer_of_your_own_still_reduces_in_two_levels_across_nodes(own: type) -> None:
-    """Two nodes of two processes: the author's reducer becomes the hop across nodes, as the ``reducer=`` option's
-    would; one node: it reduces the buckets itself."""
-    strategy = own(parallel_devices=[torch.device("cpu")] * 2)
+def test_a_reducer_of_your_own_still_reduces_in_two_levels_when_asked(own: type) -> None:
+    """``two_level=True`` on two nodes of two processes: the author's reducer becomes the hop across nodes, as the
+    ``reducer=`` option's would; by default it reduces the buckets itself, in one flat ring."""
+    strategy = own(two_level=True, parallel_devices=[torch.device("cpu")] * 2)
     strategy.num_nodes = 2
     arranged = strategy.arrange_reducer(strategy.configure_reducer())
     assert isinstance(arranged, TwoLevelReducer) and type(arranged.inter_node) is NativeReducer
-    strategy.num_nodes = 1
-    assert type(strategy.arrange_reducer(strategy.configure_reducer())) is NativeReducer
+    flat = own(parallel_devices=[torch.device("cpu")] * 2)
+    flat.num_nodes = 2
+    assert type(flat.arrange_reducer(flat.configure_reducer())) is NativeReducer
 
 
 @pytest.mark.parametrize("own", [_OwnTrainer, _OwnFabric], ids=["trainer", "fabric"])

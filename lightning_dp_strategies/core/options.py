@@ -189,7 +189,7 @@ class RingAllReduceConfig(BucketedConfig):
         check_flag("shard_optimizer_state", self.shard_optimizer_state)
         if self.two_level is not None and not isinstance(self.two_level, bool):
             raise TypeError(
-                "`two_level` must be None (two levels when the job spans several nodes of several processes), True or "
+                "`two_level` must be None (the default: one flat ring, or both measured by reducer='auto'), True or "
                 f"False, got {self.two_level!r}."
             )
 

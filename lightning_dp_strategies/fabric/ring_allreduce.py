@@ -78,9 +78,8 @@ class FabricRingAllReduceStrategy(DDPStrategy):
             instead of ``reducer``, on any device and backend (see :mod:`lightning_dp_strategies.comm_hooks`).
         ddp_comm_state: the hook's ``state``; ``None`` gives it the strategy's gradient group.
         ddp_comm_wrapper: applied once as ``ddp_comm_wrapper(ddp_comm_hook)`` (e.g. ``fp16_compress_wrapper``).
-        two_level: reduce inside each node, then across nodes, then inside the node again; ``None`` (default): when
-            the job spans several nodes of several processes each (as
-            :class:`~lightning_dp_strategies.RingAllReduceStrategy`).
+        two_level: ``True``: reduce inside each node, then across nodes, then inside the node again; ``None``
+            (default) and ``False``: one flat ring (as :class:`~lightning_dp_strategies.RingAllReduceStrategy`).
         shard_optimizer_state: each rank keeps and steps the optimizer state of about 1/N of the parameters (ZeRO
             stage 1, as :class:`~lightning_dp_strategies.RingAllReduceStrategy`): set up the module before (or
             with) its optimizers; ``fabric.save`` writes the whole optimizer state, ``fabric.load`` takes this

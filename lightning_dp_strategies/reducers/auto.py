@@ -53,6 +53,9 @@ def _visible(logger: logging.Logger) -> logging.Logger:
     return logger
 
 
+LOSSY_MARGIN = 0.05
+"""How much faster (a fraction of the step) a lossy candidate must be predicted than the best lossless one."""
+
 ALLOWED = {"all": ("none", "bf16", "powersgd"), "lossless": ("none",)}
 """The named restrictions of :class:`AutoReducer`'s ``allow``; a tuple of ``"none"``, ``"bf16"``, ``"powersgd"``
 names the candidates itself."""
@@ -84,10 +87,15 @@ class AutoDecision:
         """A few lines for the log: the choice, the measured inputs, every candidate's predicted step."""
         t = self.topology
         inter, intra = t.inter.bandwidth_bytes_per_s / 1e6, t.intra_link.bandwidth_bytes_per_s / 1e6
+        links = (
+            f"inside the node {intra:.0f} MB/s"
+            if t.nodes == 1
+            else f"between nodes {inter:.0f} MB/s, inside a node {intra:.0f} MB/s"
+        )
         lines = [
             f"reducer='auto' chose {self.chosen!r} for {t.nodes} node(s) x {t.per_node} process(es): compute "
             f"{self.compute_seconds * 1e3:.1f} ms a step ({self.backward_seconds * 1e3:.1f} ms backward), link "
-            f"between nodes {inter:.0f} MB/s, inside a node {intra:.0f} MB/s.",
+            f"{links}.",
         ]
         for label, seconds in sorted(self.predicted_step_seconds.items(), key=lambda kv: kv[1]):
             lines.append(f"  {label:22s} {seconds * 1e3:9.1f} ms predicted" + (" <-" if label == self.chosen else ""))
@@ -102,7 +110,10 @@ def choose(
     topology: Topology,
     cpu: CpuCosts,
 ) -> tuple[str, dict[str, float]]:
-    """The candidate with the shortest predicted step (the first listed on a tie), and every candidate's prediction.
+    """The candidate with the shortest predicted step, and every candidate's prediction. A lossless candidate
+    (no compression) within :data:`LOSSY_MARGIN` of the fastest is kept over a lossy one: the step model is not
+    sharper than that, so a lossy reduction must be predicted clearly faster to be worth its rounding. Ties go to
+    the first listed.
 
     Examples:
         >>> from lightning_dp_strategies.plan import Link, Reduction, Topology, CpuCosts
@@ -114,13 +125,19 @@ def choose(
         'powersgd'
         >>> choose(options, buckets, 0.1, 0.06, Topology(2, 1, fast), cpu)[0]
         'plain'
+        >>> one_node = Topology(1, 2, fast)  # predicted alike: the lossless ring is kept
+        >>> choose({"bf16": Reduction("bf16"), "plain": Reduction()}, buckets[:1], 0.1, 0.06, one_node, CpuCosts())[0]
+        'plain'
     """
     backward = min(backward_seconds, compute_seconds)
     predicted = {
         label: buckets_step(buckets, compute_seconds, backward, topology, how, cpu).step_seconds
         for label, how in candidates.items()
     }
-    return min(predicted, key=predicted.__getitem__), predicted
+    fastest = min(predicted.values())
+    close = [label for label, how in candidates.items() if predicted[label] <= fastest * (1 + LOSSY_MARGIN)]
+    lossless = [label for label in close if candidates[label].compression == "none"]
+    return min(lossless or close, key=predicted.__getitem__), predicted
 
 
 def _allowed(allow: str | Sequence[str]) -> tuple[str, ...]:

@@ -65,7 +65,7 @@ class LocalSGDStrategy(BucketedDataParallel):
 
     Examples:
         >>> import lightning as L
-        >>> from lightning_dp_strategies.local_sgd import diloco_outer_optimizer
+        >>> from lightning_dp_strategies import diloco_outer_optimizer
         >>> strategy = LocalSGDStrategy(sync_every=16, outer_optimizer=diloco_outer_optimizer())
         >>> strategy.sync_every, strategy.cost_model.name
         (16, 'local_sgd')

@@ -48,9 +48,11 @@ class RingAllReduceStrategy(BucketedDataParallel):
         ddp_comm_wrapper: applied once as ``ddp_comm_wrapper(ddp_comm_hook)`` (e.g. ``fp16_compress_wrapper``).
         two_level: reduce each bucket inside the node, then across nodes between the ranks that hold the same
             shard, then inside the node again (:class:`~lightning_dp_strategies.reducers.two_level.TwoLevelReducer`):
-            a node sends ``2(n-1)/n`` of the gradient over its link instead of almost twice that. ``None`` (default):
-            on when the job spans several nodes of several processes each; ``reducer`` then reduces the hop across
-            nodes, so a compression wrapper compresses what crosses the slow link.
+            a node sends ``2(n-1)/n`` of the gradient over its link instead of almost twice that, and ``reducer``
+            reduces the hop across nodes, so a compression wrapper compresses what crosses the slow link. ``True``
+            on several nodes of several processes each where the link is slow (1 GbE: 0.75x the flat ring's step at
+            2 x 2 on the simulated cluster; 10 GbE: 1.17x, see ``docs/network.md``). ``None`` (default) and
+            ``False``: one flat ring; ``reducer="auto"`` measures both.
         model_averaging_period: post-local SGD, as Lightning's ``DDPStrategy`` runs it (there on CUDA only):
             with ``ddp_comm_state=PostLocalSGDState(...)`` and ``ddp_comm_hook=post_localSGD_hook``, the parameters
             are averaged every this many optimizer steps after the state's ``start_localSGD_iter`` (see

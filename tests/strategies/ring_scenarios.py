@@ -55,7 +55,7 @@ SCENARIOS = {
     "sgd": Scenario(extra={"log_comm_stats": True}),
     "adam3": Scenario(world=3, optimizer="adam", epochs=3, samples=45),  # 15 per rank: 4,4,4,3
     "sgd3": Scenario(world=3, epochs=3, samples=45),
-    # 2 nodes x 2 processes (LDPS_NUM_NODES=2): the buckets reduced in two levels by default, or flat
+    # 2 nodes x 2 processes (LDPS_NUM_NODES=2): the buckets reduced by one flat ring by default, or in two levels
     "nodes2x2": Scenario(world=4, samples=44),
     "adam2": Scenario(optimizer="adam"),
     "unused": Scenario(unused=True),
@@ -235,6 +235,8 @@ def make_strategy(scenario: Scenario, strategy: str) -> Any:
         return MinimalBucketed()
     if strategy == "flat":
         return lightning_dp_strategies.RingAllReduceStrategy(two_level=False)
+    if strategy == "two_level":
+        return lightning_dp_strategies.RingAllReduceStrategy(two_level=True)
     if strategy == "auto":  # the lossless candidates only, so that parity holds whichever it picks
         return lightning_dp_strategies.RingAllReduceStrategy(reducer=AutoReducer(allow="lossless", warmup_steps=4))
     return strategy

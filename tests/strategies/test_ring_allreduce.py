@@ -301,15 +301,15 @@ def test_two_nodes_through_torchrun_keep_parity(tmp_path: Path) -> None:
 @NUMERICS
 @pytest.mark.timeout(300)
 def test_two_nodes_of_two_processes_reduce_in_two_levels_at_parity(tmp_path: Path) -> None:
-    """2 nodes x 2 processes on loopback (the ranks numbered as torchrun numbers them on two nodes): the default
-    reduces inside each node, then across nodes, at the flat ring's tolerance (1e-5); `two_level=False` stays flat.
-    Per rank both send 2(N-1)/N = 1.5x the buffer, but the two-level one sends only a third of it (half a buffer)
-    across nodes, so a node sends 1x the buffer over its link instead of 1.5x."""
+    """2 nodes x 2 processes on loopback (the ranks numbered as torchrun numbers them on two nodes): the default is
+    one flat ring, as `two_level=False`; `two_level=True` reduces inside each node, then across nodes, at the flat
+    ring's tolerance (1e-5). Per rank both send 2(N-1)/N = 1.5x the buffer, but the two-level one sends only a third
+    of it (half a buffer) across nodes, so a node sends 1x the buffer over its link instead of 1.5x."""
     from tests.helpers.distributed import run_ranks
 
-    argv = ["nodes2x2,nodes2x2@flat,nodes2x2@auto", str(tmp_path)]
+    argv = ["nodes2x2,nodes2x2@two_level,nodes2x2@auto", str(tmp_path)]
     run_ranks("tests.strategies.ring_scenarios", argv, 4, timeout=280, env={"LDPS_NUM_NODES": "2"}, per_node=2)
-    two_level, flat = results(tmp_path, "nodes2x2"), results(tmp_path, "nodes2x2", strategy="flat")
+    two_level, flat = results(tmp_path, "nodes2x2", strategy="two_level"), results(tmp_path, "nodes2x2")
     assert_parity(two_level, "nodes2x2")
     assert_parity(flat, "nodes2x2")
     # reducer="auto" restricted to lossless candidates: after 4 warm-up steps (3 timed) it picks flat or two-level,
