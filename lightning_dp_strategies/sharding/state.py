@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_dp_strategies.bucketing import CommStats, GradientBuckets
+from lightning_dp_strategies.bucketing import GradientBuckets
 from lightning_dp_strategies.comm import CommCounter
 from lightning_dp_strategies.reducers.scatter import ScatterReducer
 from lightning_dp_strategies.sharding.checkpoint import ShardedSave, local_state
@@ -103,11 +103,7 @@ class OptimizerSharding:
         self.shards.check_bound()
         counter = CommCounter()
         self.gather.gather(self.shards.bound(optimizer).buckets, counter)
-        totals: CommStats = self.buckets.totals
-        totals.bytes_sent += counter.bytes_sent
-        totals.messages += counter.messages
-        totals.ring_operations += counter.operations
-        totals.comm_seconds += counter.seconds
+        self.buckets.totals.add_counter(counter)
 
     def piece_gradients(self) -> list[list[Tensor | None]]:
         """Each bound optimizer's pieces' ``.grad`` (what its gradient scaler will unscale), in binding order."""
