@@ -21,6 +21,8 @@ name            what it does                                                    
 ``ring``        this package's ring all-reduce (reduce-scatter + all-gather)    a communication thread
 ``native``      the backend's ``all_reduce`` (gloo's ring, NCCL's ring/tree)     the backend's own threads
 ``per_tensor``  one blocking ``all_reduce`` per gradient: the naive reference   the caller (blocks backward)
+``int8``        8 bits a value with a scale a block, summed in fp32 (lossy)     the caller
+``int4``        4 bits a value with a scale a block, summed in fp32 (lossy)     the caller
 ==============  ==============================================================  ==========================
 
 
@@ -35,6 +37,8 @@ none                  the fp32 bucket                                  yes (to s
 ``PowerSGD(rank=r)``  ``r(n + m)`` per ``n x m`` matrix, the rest fp32  low-rank; error feedback keeps what is lost
 ====================  ===============================================  ==========================================
 """
+
+import functools
 
 from lightning_dp_strategies.reducers.auto import AutoDecision, AutoReducer
 from lightning_dp_strategies.reducers.base import (
@@ -71,11 +75,14 @@ from lightning_dp_strategies.reducers.comm_hooks import (
     make_reducer,
 )
 from lightning_dp_strategies.reducers.powersgd import PowerSGD
+from lightning_dp_strategies.reducers.quantized import QuantizedReducer
 from lightning_dp_strategies.reducers.scatter import ScatterReducer
 from lightning_dp_strategies.reducers.thread import CommThread as CommThread
 from lightning_dp_strategies.reducers.two_level import TwoLevelReducer
 
 REDUCERS["auto"] = AutoReducer  # built on the others, so named here rather than beside them
+REDUCERS["int8"] = functools.partial(QuantizedReducer, 8)
+REDUCERS["int4"] = functools.partial(QuantizedReducer, 4)
 
 __all__ = [
     "REDUCERS",
@@ -90,6 +97,7 @@ __all__ = [
     "NativeReducer",
     "PerTensorReducer",
     "PowerSGD",
+    "QuantizedReducer",
     "ReduceKind",
     "Reducer",
     "ReducerBase",
