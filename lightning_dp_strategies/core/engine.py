@@ -97,7 +97,8 @@ class BucketedEngine:
 
     @property
     def step_stats(self) -> CommStats:
-        """Communication of the last optimizer step: its gradients, or the local SGD synchronisation it ended with."""
+        """Communication of the last optimizer step: its gradients, or the local SGD synchronisation it ended with,
+        and one run since (before validation, at the end of ``fit``)."""
         stats: CommStats = self.grad_sync.step_stats + self._averaged_step
         return stats
 
@@ -205,9 +206,12 @@ class BucketedEngine:
             self._averaged_step = self.local_sgd.stats - before
 
     def synchronize(self) -> None:
-        """Average the ranks' parameter changes now and apply the outer step (local SGD; nothing when in sync)."""
+        """Average the ranks' parameter changes now and apply the outer step (local SGD; nothing when in sync); what
+        it sends joins :attr:`step_stats` (the synchronisation before validation or at the end of ``fit``)."""
         if self.local_sgd is not None:
+            before = self.local_sgd.stats
             self.local_sgd.synchronize()
+            self._averaged_step = self._averaged_step + (self.local_sgd.stats - before)
 
     def clip_grad_norm(self, pieces: Sequence[Tensor], max_norm: float, device: torch.device) -> Tensor:
         """Clip this rank's pieces by the 2-norm over every rank's (each element lives on one rank)."""
