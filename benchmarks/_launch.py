@@ -5,8 +5,9 @@ Launching side:
 - :func:`run_ranks`: a function on N spawned local processes joined in one gloo group on loopback;
 - :func:`run_together`: several commands at once, each in its own session, every process group killed at the end;
 - :func:`torchrun_local`: ``torchrun`` with N processes on this machine;
-- :func:`simulated_cluster`, :func:`link_bandwidth` and :func:`torchrun_on_cluster`: ``../shared/netsim`` nodes
-  joined by shaped links, always taken down again, and ``torchrun`` on every node at once;
+- :func:`simulated_cluster`, :func:`link_bandwidth` and :func:`torchrun_on_cluster`: the simulated cluster
+  (``benchmarks/netsim.py``: network namespaces joined by ``tc``-shaped links; root and iproute2 needed), always
+  taken down again, and ``torchrun`` on every node at once;
 - :func:`launch_order`: the variants' turns, flipped every launch round.
 
 A script that torchrun starts is its own worker: :func:`worker_command` adds ``--worker VARIANT --out PATH`` and the
@@ -34,8 +35,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-NETSIM = Path(os.environ.get("NETSIM", ROOT.parent / "shared" / "netsim" / "netsim"))
-"""The simulated cluster's command (``$NETSIM`` replaces it); it needs root."""
+NETSIM = Path(os.environ.get("NETSIM", ROOT / "benchmarks" / "netsim.py"))
+"""The simulated cluster's program: the repository's ``benchmarks/netsim.py`` (needs root, Linux and iproute2), an
+executable file; ``$NETSIM`` names another with the same subcommands."""
+NETSIM_COMMAND = [sys.executable, str(NETSIM)] if NETSIM.suffix == ".py" else [str(NETSIM)]
+"""How :func:`netsim` starts :data:`NETSIM`: a Python file under this interpreter, anything else as it is."""
 
 QUIET_TRAINER: dict[str, Any] = {
     "logger": False,
@@ -162,8 +166,14 @@ def torchrun_local(nprocs: int, script: Sequence[str], what: str, timeout: float
 
 # ---------------------------------------------------------------------- the simulated cluster
 def netsim(*argv: str, env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
-    """``netsim ARGV...`` (see :data:`NETSIM`), its output captured; ``check``: raise when it fails."""
-    return subprocess.run([str(NETSIM), *argv], capture_output=True, text=True, env=env, check=check)
+    """``netsim ARGV...`` (see :data:`NETSIM`), its output captured; ``check``: raise ``RuntimeError`` with what it
+    printed (a refusal names its fix: run as root, install iproute2) when it fails."""
+    done = subprocess.run([*NETSIM_COMMAND, *argv], capture_output=True, text=True, env=env, check=False)
+    if check and done.returncode != 0:
+        raise RuntimeError(
+            f"netsim {' '.join(argv)} failed (exit status {done.returncode}):\n{done.stderr}{done.stdout}"
+        )
+    return done
 
 
 @contextmanager

@@ -1,4 +1,4 @@
-"""Benchmark the strategies on a simulated cluster: nodes joined by a 1 or 10 GbE-shaped link (``../shared/netsim``).
+"""Benchmark the strategies on a simulated cluster: nodes joined by a 1 or 10 GbE-shaped link (``netsim.py``).
 
 For each link and layout (nodes x processes a node), every variant trains the same 12.6 M-parameter MLP (50.4 MB of fp32
 gradients, SGD, batch 32 per rank) with Lightning's Trainer; the variants take turns launch by launch (the order
@@ -23,9 +23,14 @@ their median, and ``benchmarks/cluster_model.py`` predicts every ring variant's 
 Needs root (network namespaces): without it the script says so and exits with status 0. Always leaves the simulated
 cluster down.
 
+The simulated cluster is ``benchmarks/netsim.py`` (Linux, root and iproute2). ``--quick`` is a reviewer's short run
+(under a minute on 2 cores): one link, one layout, ``ddp`` and the flat ring, a small MLP, few steps, one launch, its
+JSON written to ``--json`` (by default a file in the temporary folder; never one of ``benchmarks/results``).
+
 Usage::
 
     python benchmarks/bench_cluster.py --links 1gbit --layouts 2x2 --json benchmarks/results/cluster.json
+    python benchmarks/bench_cluster.py --quick --json /tmp/cluster_quick.json
 """
 
 from __future__ import annotations
@@ -252,6 +257,33 @@ def table(cells: list[dict[str, Any]], variants: list[str]) -> dict[str, Any]:
     }
 
 
+QUICK = {
+    "links": ["1gbit"],
+    "layouts": ["2x1"],
+    "variants": ["ddp", "ring"],
+    "launches": 1,
+    "steps": 8,
+    "warmup": 3,
+    "width": 512,
+    "depth": 4,
+}
+"""What ``--quick`` sets, each where the command line left the default: one link, one layout, two variants, a small
+MLP (1.1 M parameters), one launch."""
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def apply_quick(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Give ``args`` the settings of :data:`QUICK` that the command line left at their defaults, and a ``--json`` in the
+    temporary folder when none is given; refuse a ``--json`` among the stored results (a quick run replaces none)."""
+    for name, value in QUICK.items():
+        if getattr(args, name) == parser.get_default(name):
+            setattr(args, name, value)
+    if args.json is None:
+        args.json = Path(tempfile.gettempdir()) / "cluster_quick.json"
+    if args.json.resolve().parent == RESULTS:
+        parser.error(f"--quick does not write into {RESULTS}: give --json another path (e.g. /tmp/cluster_quick.json)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--links", nargs="+", default=["1gbit", "10gbit"], help="tc rates of the links")
@@ -266,16 +298,19 @@ def main() -> None:
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="the package's bucket cap (ddp keeps 25)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--merge", action="store_true", help="keep the cells of --json that this run does not measure")
+    parser.add_argument("--quick", action="store_true", help="a short run: 1gbit, 2x1, ddp and ring, small MLP")
     args = parse_or_work(parser, worker)
     if args is None:
         return None
+    if args.quick:
+        apply_quick(args, parser)
     if os.geteuid() != 0:
         print("bench_cluster.py needs root for the simulated cluster (network namespaces and tc); nothing measured.")
         return None
     from _results import Report
     from cluster_model import auto_rows, prediction_rows
 
-    keys = ("links", "layouts", "variants", "launches", "steps", "warmup", "bucket_cap_mb")
+    keys = ("links", "layouts", "variants", "launches", "steps", "warmup", "bucket_cap_mb", "quick")
     settings = {k: getattr(args, k) for k in keys}
     report = Report("cluster", {**settings, "width": args.width, "depth": args.depth, "batch": args.batch})
     cells = []

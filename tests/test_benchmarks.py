@@ -5,6 +5,7 @@ Nothing here asserts on speed: the figures themselves are measured by running th
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -129,3 +130,94 @@ def test_zero_benchmark_builds_its_variants_and_tables_without_launching() -> No
     assert rows[1][:8] == ["1gbit", "2 x 1", "zero", "0.0", "0.505", 104, "1.04", "1.04-1.04"], rows
     assert len(bench_zero.phase_rows([cell])[1]) == len(bench_zero.PHASE_COLUMNS)
     assert "--layouts" in _run("bench_zero.py", "--help")
+
+
+def test_netsim_plans_namespaces_veths_and_shaping_both_ways_without_running_anything(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--dry-run up 2 1gbit`` prints the ip/tc commands and runs none (no root needed): a bridge namespace, per node
+    a namespace whose veth pair is made straight inside the namespaces, its address, and tbf on both ends."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import netsim
+
+    assert netsim.main(["--dry-run", "up", "2", "1gbit"]) == 0
+    plan = capsys.readouterr().out.splitlines()
+    prefix = netsim.prefix()
+    assert plan[0] == f"ip netns add {prefix}br"
+    for node in (0, 1):
+        veth = f"ip link add n{node} netns {prefix}{node} type veth peer name b{node} netns {prefix}br"
+        assert veth in plan
+        assert f"ip -n {prefix}{node} addr add 10.77.0.{node + 1}/24 dev n{node}" in plan
+        tbf = "root tbf rate 1gbit burst 256kb latency 50ms"
+        assert f"tc -n {prefix}{node} qdisc add dev n{node} {tbf}" in plan  # what the node sends
+        assert f"tc -n {prefix}br qdisc add dev b{node} {tbf}" in plan  # what it receives
+    assert not any(line.startswith("ip link add") and "netns" not in line for line in plan)  # nothing left in ours
+    assert netsim.down_plan(netsim.Cluster(prefix, 2))[-1] == ["ip", "netns", "del", f"{prefix}br"]
+    env = netsim.node_env(netsim.Cluster(prefix, 2), 1)
+    assert (env["MASTER_ADDR"], env["NODE_RANK"], env["NNODES"]) == ("10.77.0.1", "1", "2")
+    assert (env["NETSIM_ADDR"], env["GLOO_SOCKET_IFNAME"]) == ("10.77.0.2", "n1")
+
+
+def test_netsim_refuses_at_once_without_root_or_iproute2(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without root, or without ``ip``/``tc``, every command that would touch the network stops before doing anything
+    and says how to fix it; the benchmarks' launcher uses this simulator unless ``$NETSIM`` names another."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import _launch
+    import netsim
+
+    monkeypatch.setattr(netsim.os, "geteuid", lambda: 1000)
+    ran: list[object] = []
+    monkeypatch.setattr(netsim.subprocess, "run", lambda *a, **k: ran.append(a))
+    for command in (["up", "2", "1gbit"], ["down"], ["bandwidth"], ["torchrun", "1", "x.py"]):
+        with pytest.raises(SystemExit) as refused:
+            netsim.main(command)
+        assert refused.value.code == 2
+        assert "needs root" in capsys.readouterr().err
+    monkeypatch.setattr(netsim.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(netsim.shutil, "which", lambda tool: None if tool == "tc" else "/usr/sbin/ip")
+    with pytest.raises(SystemExit):
+        netsim.main(["up", "2", "1gbit"])
+    assert "tc not found: install iproute2" in capsys.readouterr().err
+    assert ran == []
+    if "NETSIM" not in os.environ:
+        assert _launch.NETSIM == BENCHMARKS / "netsim.py" and _launch.NETSIM_COMMAND[0] == sys.executable
+
+
+def test_cluster_benchmark_quick_mode_never_writes_the_stored_results() -> None:
+    """``--quick`` fills in one link, one layout and a small model, and refuses a ``--json`` in benchmarks/results."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(BENCHMARKS / "bench_cluster.py"),
+            "--quick",
+            "--json",
+            str(BENCHMARKS / "results" / "x.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 2 and "--quick does not write into" in done.stderr, done.stderr
+
+
+def test_planning_benchmark_prices_a_nominal_link_with_the_cpu_costs_without_a_cluster() -> None:
+    """The planning benchmark's prediction from made-up local measurements: the wire alone, then with the CPU's costs
+    (a nominal link adds the ring's adds and socket copies), then with compute twice as slow; no cluster started."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import bench_planning
+
+    cpu = {"add": 2e-10, "add_low": 3e-10, "cast": 3e-10, "powersgd": 1e-9, "powersgd_rank": 4, "overlap": 1.0}
+    local = {"compute_s": 0.2, "backward_s": 0.13, "cpu": cpu}
+    wire = bench_planning.predict_ms(local, 1.25e9, 2, 2, 8, with_cpu=False)
+    planned = bench_planning.predict_ms(local, 1.25e9, 2, 2, 8, with_cpu=True)
+    assert 200 < wire < planned
+    cell = {"link": "10gbit", "nodes": 2, "per_node": 2, "launches_ms": {"default": [300.0], "flat": [310.0]}}
+    bench_planning.add_predictions(cell, local, {**local, "compute_s": 0.4, "backward_s": 0.26}, seq=8)
+    assert cell["predicted_ms"]["planned"] == pytest.approx(planned)
+    assert cell["error"]["wire"] == pytest.approx(wire / 300 - 1)
+    assert cell["predicted_ms"]["shared_cores"] > planned + 150
+    assert bench_planning.rows([cell])[0][:5] == ["10gbit", "2 x 2", 300, 310, "0.97"]
+    assert "--layouts" in _run("bench_planning.py", "--help")

@@ -27,7 +27,7 @@ is shared by the streams that cross it at once.
 module                 what it holds
 =====================  ===================================================================
 ``plan.sizing``        bucket boundaries, ring bytes per rank, divisors
-``plan.link``          :class:`Link`: latency and bandwidth, fitted from measurements
+``plan.link``          :class:`Link`: latency and bandwidth, fitted, or nominal
 ``plan.cluster``       :class:`Topology` (nodes, processes a node, links), :class:`CpuCosts`
 ``plan.model``         :class:`Workload`, :class:`Prediction`
 ``plan.step``          :func:`ring_step`: the bucketed ring's step, :class:`Reduction`

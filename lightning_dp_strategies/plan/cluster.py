@@ -74,7 +74,9 @@ class CpuCosts:
     Measure them on the machine that trains (:func:`lightning_dp_strategies.reducers.calibrate_cpu` does, in a few
     seconds); the defaults are zero, which prices the ring alone. A link measured by
     :func:`~lightning_dp_strategies.comm.probe.probe_link` already holds the ring's fp32 adds, so the step model
-    charges ``add`` only as the baseline a 16-bit ring's adds are priced against (``add_low - add`` a byte summed).
+    charges ``add`` there only as the baseline a 16-bit ring's adds are priced against (``add_low - add`` a byte
+    summed); on a nominal link (``Link.nominal``) it also prices the ring's own fp32 adds and socket copies with
+    ``add`` (see :mod:`lightning_dp_strategies.plan.step`).
 
     Args:
         add: summing a received fp32 chunk into the bucket, per fp32 byte.

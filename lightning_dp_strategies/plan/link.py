@@ -13,14 +13,24 @@ __all__ = ["Link"]
 class Link:
     """A point-to-point link: ``seconds = messages * latency_s + bytes / bandwidth_bytes_per_s``.
 
+    A link is, by default, what :func:`~lightning_dp_strategies.comm.probe.probe_link` measures on the live job: the
+    ring's own throughput, its fp32 adds and socket copies included. ``wire_only=True`` marks a data-sheet figure
+    instead (:meth:`nominal`: ``Link.nominal(125e6)`` for 1 GbE): the wire alone, to which the step model adds the
+    local work the probe would have included, priced with :class:`~lightning_dp_strategies.plan.CpuCosts` (see
+    :mod:`lightning_dp_strategies.plan.step`).
+
     Examples:
         >>> link = Link(latency_s=1e-5, bandwidth_bytes_per_s=1e9)
         >>> round(link.seconds(messages=2, nbytes=1e6), 6)
         0.00102
+        >>> Link.nominal(125e6).wire_only  # 1 GbE as the data sheet says
+        True
     """
 
     latency_s: float
     bandwidth_bytes_per_s: float
+    wire_only: bool = False
+    """The wire alone (a nominal bandwidth), not a probe's fit: the step model adds the ring's local work."""
 
     def __post_init__(self) -> None:
         if not self.bandwidth_bytes_per_s > 0 or math.isinf(self.bandwidth_bytes_per_s):
@@ -30,6 +40,11 @@ class Link:
             )
         if not self.latency_s >= 0:
             raise ValueError(f"Link latency must be >= 0 seconds per message, got {self.latency_s!r}.")
+
+    @classmethod
+    def nominal(cls, bandwidth_bytes_per_s: float, latency_s: float = 5e-5) -> Link:
+        """A link from its nominal figures (``wire_only=True``): ``125e6`` bytes/s for 1 GbE, ``1.25e9`` for 10 GbE."""
+        return cls(latency_s, bandwidth_bytes_per_s, wire_only=True)
 
     def seconds(self, messages: float, nbytes: float) -> float:
         """Time to send ``messages`` messages carrying ``nbytes`` bytes in all, one after the other."""

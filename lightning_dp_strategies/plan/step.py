@@ -21,8 +21,16 @@ processes of a node that cross at once share the node's link (``bandwidth / k`` 
 node's link with one stream. A :class:`~lightning_dp_strategies.plan.Link` is the ring's own throughput as
 :func:`~lightning_dp_strategies.comm.probe.probe_link` measures it, fp32 adds included; the rest of the local work is
 priced with :class:`~lightning_dp_strategies.plan.CpuCosts`: a 16-bit ring's casts and the extra cost of its adds,
-PowerSGD's factor work. The two-level reducer cuts a bucket into pieces also with one process a node (its hop across
-nodes then runs a ring per piece).
+PowerSGD's factor work. A nominal link (``Link.nominal(125e6)``, ``wire_only=True``: the data sheet's bandwidth, not
+a probe) holds none of the ring's own local work, so the model adds what the probe would have timed, after the wire
+of each phase and on the CPU: the fp32 adds of the ``(N-1)/N`` of the bytes a reduce-scatter sums (``CpuCosts.add`` a
+byte), and the socket copies, one of every byte sent and one of every byte received (``2(N-1)/N`` of the bytes each
+way for an all-reduce, half that for a reduce-scatter or an all-gather), each priced as an fp32 add of that byte
+(both stream bucket-sized buffers through memory; ``calibrate_cpu`` does not time a socket copy of its own). Without
+``CpuCosts`` (all zero) a nominal link prices the wire alone, as a probed one does.
+
+The two-level reducer cuts a bucket into pieces also with one process a node (its hop across nodes then runs a ring
+per piece).
 
 The phases share the process's CPU: a phase keeps it busy for the probe's ``busy`` share of a ring's time (scaled to
 the largest share any probe saw, what the process gets of a core) plus all of its local work, and the CPU serves the
@@ -127,16 +135,37 @@ def _plus_local(phase: Phase, seconds: float) -> Phase:
     return phase[0] + seconds, phase[1] + seconds, phase[2] + seconds
 
 
+def _ring_local(nbytes: float, ranks: int, link: Link, cpu: CpuCosts, copies: int, adds: int) -> float:
+    """The local work a probe's link holds and a nominal one (``link.wire_only``) lacks, for a ring phase of
+    ``nbytes`` (as they cross the wire) over ``ranks``: ``copies`` socket copies and ``adds`` fp32 adds of each of the
+    ``(N-1)/N`` of the bytes a half ring moves, every one at ``cpu.add`` a byte (an all-reduce: 4 and 1; a
+    reduce-scatter: 2 and 1; an all-gather: 2 and 0). Zero for a probed link.
+
+    Examples:
+        >>> cpu = CpuCosts(add=1e-10)  # 0.1 ns a byte
+        >>> round(_ring_local(1e8, 2, Link.nominal(1.25e9), cpu, copies=4, adds=1), 6)  # 5 x half of 100 MB
+        0.025
+        >>> _ring_local(1e8, 2, Link(0.0, 1.25e9), cpu, copies=4, adds=1)  # a probe's link holds them already
+        0.0
+    """
+    if not link.wire_only or ranks < 2:
+        return 0.0
+    return (copies + adds) * (ranks - 1) / ranks * nbytes * cpu.add
+
+
 def _compressed_ring(
     nbytes: float, ranks: int, link: Link, busy: tuple[float, float], how: Reduction, cpu: CpuCosts, streams: int = 1
 ) -> Phase:
     """A ring all-reduce of ``nbytes`` fp32 bytes compressed as ``how`` says (not PowerSGD): the wire at the link's
     rate, which holds the ring's own fp32 adds (see the module docstring), plus what a 16-bit ring adds to it: its
-    casts, and what its slower adds cost beyond fp32's on the bytes it sums. ``busy``: (the link's, the largest)."""
+    casts, and what its slower adds cost beyond fp32's on the bytes it sums; on a nominal link, the ring's own adds and
+    socket copies too (:func:`_ring_local`). ``busy``: (the link's, the largest)."""
     if how.compression not in ("bf16", "fp16"):
-        return _on_ring(_ring(nbytes, ranks, link, streams), *busy)
+        ring = _on_ring(_ring(nbytes, ranks, link, streams), *busy)
+        return _plus_local(ring, _ring_local(nbytes, ranks, link, cpu, copies=4, adds=1))
     wire = nbytes / 2
     extra = (ranks - 1) / ranks * wire * max(0.0, cpu.add_low - cpu.add) + cpu.cast * nbytes
+    extra += _ring_local(wire, ranks, link, cpu, copies=4, adds=1)
     return _plus_local(_on_ring(_ring(wire, ranks, link, streams), *busy), extra)
 
 
@@ -149,11 +178,14 @@ def _phases(
     if how.two_level and n > 1:
         across = _compressed_ring(nbytes / n, m, t.inter, (t.inter_busy, share), how, cpu, streams=n)
         inside = _on_ring(_half_ring(nbytes, n, t.intra_link), t.intra_busy if t.intra else t.inter_busy, share)
-        return [inside, across, inside]
+        scatter = _plus_local(inside, _ring_local(nbytes, n, t.intra_link, cpu, copies=2, adds=1))
+        gather = _plus_local(inside, _ring_local(nbytes, n, t.intra_link, cpu, copies=2, adds=0))
+        return [scatter, across, gather]
     busy = t.flat_busy if t.flat is not None else t.inter_busy if m > 1 or t.intra is None else t.intra_busy
     if how.compression == "powersgd":
         ring = _on_ring(2 * _ring(payload / 2, t.world_size, t.flat_link), busy, share)
-        return [_plus_local(ring, cpu.powersgd * matrix_bytes)]
+        local = cpu.powersgd * matrix_bytes + 2 * _ring_local(payload / 2, t.world_size, t.flat_link, cpu, 4, 1)
+        return [_plus_local(ring, local)]
     return [_compressed_ring(nbytes, t.world_size, t.flat_link, (busy, share), how, cpu)]
 
 
@@ -216,6 +248,14 @@ def buckets_step(
         >>> t = buckets_step([(50e6, [])], 0.1, 0.0, Topology(2, 1, gbe), Reduction("bf16"))
         >>> round(t.step_seconds, 3)  # 25 MB of bf16 cross at 125 MB/s after 0.1 s of compute
         0.3
+
+        A nominal link adds the ring's adds and socket copies: 5 x 25 MB at 0.2 ns a byte, 25 ms.
+
+        >>> cpu = CpuCosts(add=2e-10)
+        >>> probed = buckets_step([(50e6, [])], 0.1, 0.0, Topology(2, 1, gbe), Reduction(), cpu)
+        >>> nominal = buckets_step([(50e6, [])], 0.1, 0.0, Topology(2, 1, Link.nominal(1.25e8, 0.0)), Reduction(), cpu)
+        >>> round(probed.step_seconds, 3), round(nominal.step_seconds, 3)
+        (0.5, 0.525)
     """
     if backward_seconds > compute_seconds:
         raise ValueError(f"backward_seconds ({backward_seconds}) cannot exceed compute_seconds ({compute_seconds}).")
