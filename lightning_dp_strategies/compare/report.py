@@ -260,6 +260,9 @@ def _loss_panel(ax: Axes, results: Sequence[RunResult]) -> None:
             handles.append(Line2D([], [], linestyle="none", label=f"{r.strategy}: {reason}"))
     if handles:
         ax.legend(handles=handles, fontsize="x-small", title="coinciding curves agree", title_fontsize="x-small")
-    ax.set_title("training loss (global batch)")
-    ax.set_xlabel("optimizer step")
+    ax.set_title("training loss of each step's global batch")
+    # the table's "final loss" is another measurement: the whole training set, after the last step
+    ax.set_xlabel(
+        "optimizer step (the table's final loss: the whole training set after the last step)", fontsize="small"
+    )
     ax.set_ylabel("training loss")
