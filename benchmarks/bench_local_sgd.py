@@ -1,4 +1,4 @@
-"""Local SGD and DiLoCo against ddp and ring+PowerSGD on a simulated cluster (``../shared/netsim``): time to loss.
+"""Local SGD and DiLoCo against ddp and ring+PowerSGD on a simulated cluster (``benchmarks/netsim.py``): time to loss.
 
 A held-out teacher-student task: a fixed random teacher (``width -> 64 -> 16``, tanh) labels Gaussian inputs, and a
 12.6 M-parameter student MLP (12 layers of 1024, tanh; the model of ``bench_cluster.py``) learns it with Adam (lr

@@ -1,6 +1,6 @@
 """A worker SIGKILLed mid-epoch on a simulated 2-node cluster under ``torchrun --max-restarts 1`` (c10d rendezvous).
 
-Needs root: ``../shared/netsim`` makes two nodes (10.77.0.1, 10.77.0.2) joined by a shaped link, and each node's
+Needs root: ``benchmarks/netsim.py`` makes two nodes (10.77.0.1, 10.77.0.2) joined by a shaped link, and each node's
 torchrun agent is started on its own node with ``netsim exec`` (elastic runs cannot use ``netsim torchrun``)::
 
     node i: torchrun --nnodes 2 --nproc-per-node 1 --max-restarts 1 --rdzv-backend c10d

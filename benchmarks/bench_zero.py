@@ -10,7 +10,7 @@ Adam state) with ``torch.optim.Adam`` and Lightning's Trainer, batch 32 per rank
 
 Settings (``--links`` x ``--layouts``): ``loopback`` runs NODES x PROCS processes on this machine (gloo over
 loopback, no root needed); a tc rate such as ``1gbit`` runs NODES simulated nodes of PROCS processes each, joined by
-links of that rate (``../shared/netsim``; needs root: without it those settings are skipped with a message and the
+links of that rate (``benchmarks/netsim.py``; needs root: without it those settings are skipped with a message and the
 script exits with status 0). Every process runs one thread (``OMP_NUM_THREADS=1``).
 
 In each setting the variants take turns launch by launch (the order flipped every launch); a figure is the median
