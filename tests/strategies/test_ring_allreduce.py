@@ -25,6 +25,7 @@ NUMERICS = pytest.mark.numerics
 
 
 TOLERANCE = 1e-5
+NAMES = "'ring', 'native', 'per_tensor', 'auto', 'int8', 'int4'"  # the reducer names an error lists
 HOOKS = ["hook_allreduce", "hook_unused", "hook_fp16", "hook_powersgd"]
 # the scenarios of one world size share one launch (each launch costs seconds of imports, a fit does not)
 WORLD_2 = ["sgd", "sgd@ddp", "adam2", "unused", "accumulate", "clip", "manual", "bf16", *HOOKS]
@@ -185,8 +186,14 @@ def test_notebook_form_trains_where_popen_is_refused(tmp_path: Path) -> None:
         ({"start_method": "thread"}, r"use one of \['popen', 'spawn', 'fork', 'forkserver'\]"),
         ({"process_group_backend": "nccI"}, "Unknown `process_group_backend`"),
         ({"timeout": -1}, "`timeout` must be a datetime.timedelta or a positive number of seconds"),
-        ({"reducer": "tree"}, r"Unknown reducer 'tree': use one of \['ring', 'native', 'per_tensor', 'auto'\]"),
-        ({"reducer": 42}, r"`reducer` must be one of \['ring', 'native', 'per_tensor', 'auto'\] or a callable"),
+        (
+            {"reducer": "tree"},
+            r"Unknown reducer 'tree': use one of \['ring', 'native', 'per_tensor', 'auto', 'int8', 'int4'\]",
+        ),
+        (
+            {"reducer": 42},
+            r"`reducer` must be one of \['ring', 'native', 'per_tensor', 'auto', 'int8', 'int4'\] or a callable",
+        ),
         ({"shard_optimizer_state": 1}, "`shard_optimizer_state` must be True or False"),
         ({"shard_optimizer_state": True, "two_level": True}, "cannot be combined with `two_level=True`"),
         ({"shard_optimizer_state": True, "reducer": "auto"}, "cannot be combined with `reducer='auto'`"),
