@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import subprocess
 import sys
 import tempfile
 import threading
@@ -29,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _launch import NETSIM, child_env, run_together, simulated_cluster
+from _launch import NETSIM, child_env, netsim, run_together, simulated_cluster
 
 PORT = 29577
 TOLERANCE = 1e-6
@@ -94,9 +93,9 @@ def link_outage(seconds: float, outdir: Path) -> None:
     """Once the job has written its first checkpoint, take node 1's link down for ``seconds``, then up again."""
     while not (outdir / "last.ckpt").exists():
         time.sleep(0.1)
-    subprocess.run(["ip", "-n", "ldpsnet1", "link", "set", "n1", "down"], check=True)
+    netsim("link", "1", "down")
     time.sleep(seconds)
-    subprocess.run(["ip", "-n", "ldpsnet1", "link", "set", "n1", "up"], check=True)
+    netsim("link", "1", "up")
 
 
 def try_strategy(strategy: str, args: argparse.Namespace, folder: Path, env: dict[str, str]) -> list[dict[str, Any]]:

@@ -15,6 +15,7 @@ Usage (``python benchmarks/netsim.py`` or ``benchmarks/netsim.py``)::
     netsim.py torchrun 2 train.py --my-args   # torchrun with 2 processes on every node at once; waits for all
     netsim.py exec 1 CMD...        # CMD on node 1 with MASTER_ADDR, MASTER_PORT, NODE_RANK, NNODES, NETSIM_ADDR
                                    # and GLOO_SOCKET_IFNAME set
+    netsim.py link 1 down          # cut node 1's link (``up`` restores it): a node lost to the network
     netsim.py status
     netsim.py down                 # remove every namespace it made (always, at the end)
     netsim.py --dry-run up 2 1gbit # print the ip/tc commands instead of running them (no root needed)
@@ -257,6 +258,18 @@ def in_node(cluster: Cluster, node: str | int, command: Sequence[str]) -> list[s
     return ["ip", "netns", "exec", cluster.namespace(int(node)), *command]
 
 
+def link_plan(cluster: Cluster, node: int, state: str) -> list[list[str]]:
+    """The command that takes node ``node``'s link ``state`` (``"up"`` or ``"down"``), from inside its namespace.
+
+    Examples:
+        >>> link_plan(Cluster("ldpsim", 2), 1, "down")
+        [['ip', '-n', 'ldpsim1', 'link', 'set', 'n1', 'down']]
+    """
+    if state not in ("up", "down") or not 0 <= node < cluster.nodes:
+        raise NetsimError(f"link takes a node 0..{cluster.nodes - 1} and 'up' or 'down', got {node} {state!r}.")
+    return [["ip", "-n", cluster.namespace(node), "link", "set", cluster.interface(node), state]]
+
+
 def exec_node(node: str, command: Sequence[str]) -> None:
     """Replace this process by ``command`` on node ``node``, with :func:`node_env`."""
     require_root_and_iproute2()
@@ -339,6 +352,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(status_line())
     elif command == "bandwidth":
         bandwidth()
+    elif command == "link" and len(rest) == 2 and rest[0].isdigit():
+        if not dry_run:
+            require_root_and_iproute2()
+        run_plan(link_plan(load(), int(rest[0]), rest[1]), dry_run)
     elif command == "exec" and len(rest) >= 2:
         exec_node(rest[0], rest[1:])
     elif command == "torchrun" and len(rest) >= 2:

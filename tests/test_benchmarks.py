@@ -156,6 +156,12 @@ def test_netsim_plans_namespaces_veths_and_shaping_both_ways_without_running_any
     env = netsim.node_env(netsim.Cluster(prefix, 2), 1)
     assert (env["MASTER_ADDR"], env["NODE_RANK"], env["NNODES"]) == ("10.77.0.1", "1", "2")
     assert (env["NETSIM_ADDR"], env["GLOO_SOCKET_IFNAME"]) == ("10.77.0.2", "n1")
+    # a node lost to the network (bench_restart.py's outage): its own end of its link, inside its namespace
+    cluster = netsim.Cluster(prefix, 2)
+    assert netsim.link_plan(cluster, 1, "down") == [["ip", "-n", f"{prefix}1", "link", "set", "n1", "down"]]
+    with pytest.raises(SystemExit):
+        netsim.link_plan(cluster, 2, "down")  # no node 2: a refusal naming the nodes and states it takes
+    assert "'up' or 'down'" in capsys.readouterr().err
 
 
 def test_netsim_refuses_at_once_without_root_or_iproute2(
