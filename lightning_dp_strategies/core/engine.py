@@ -191,10 +191,11 @@ class BucketedEngine:
         """What a non-finite gradient is reported under: the parameters, or this rank's pieces named after them."""
         return self.sharding.named_pieces(named) if self.sharded else list(named)
 
-    def after_step(self, optimizer: Optimizer) -> None:
+    def after_step(self, optimizer: Optimizer | Any) -> None:
         """After an optimizer step: post-local SGD's averaging, the sharded parameters all-gathered, the step's
-        communication recorded, then local SGD's count (synchronising at the end of a period)."""
-        if self.model_averager is not None:
+        communication recorded, then local SGD's count (synchronising at the end of a period). ``optimizer`` may be
+        any steppable (Fabric's ``Optimizable``): only a torch optimizer's parameters are averaged or gathered."""
+        if self.model_averager is not None and hasattr(optimizer, "param_groups"):
             params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
             self.model_averager.after_step(params)
         if self.sharded and hasattr(optimizer, "param_groups"):

@@ -7,7 +7,7 @@ from lightning_dp_strategies.reducers import AutoReducer, PowerSGD, Reducer
 from lightning_dp_strategies.reducers.comm_hooks import CommHookReducer
 from lightning_dp_strategies.reducers.two_level import TwoLevelReducer
 
-__all__ = ["check_own_reducer", "check_two_level", "layout_reducer", "uses_two_level"]
+__all__ = ["check_own_reducer", "check_two_level", "layout_reducer"]
 
 
 def check_two_level(two_level: bool | None, reduction: ReductionOptions) -> None:
@@ -44,33 +44,18 @@ def _needs_whole_buckets(reduction: ReductionOptions, reducer: Reducer | None) -
     )
 
 
-def uses_two_level(
-    two_level: bool | None, nodes: int, per_node: int, reduction: ReductionOptions, reducer: Reducer | None = None
-) -> bool:
-    """Whether the buckets are reduced in two levels: only when asked (``two_level=True``). The default (``None``) is
-    one flat ring: measured on a simulated cluster, two levels were 0.75x the flat ring's step over 1 GbE with two
-    processes a node but 1.17x over 10 GbE, so they are not a safe default; ``reducer="auto"`` measures both.
-    ``nodes``, ``per_node``, ``reduction`` and ``reducer`` are the layout and reducer it is asked for.
-
-    Examples:
-        >>> uses_two_level(None, 2, 2, ReductionOptions()), uses_two_level(True, 2, 2, ReductionOptions())
-        (False, True)
-        >>> uses_two_level(False, 4, 8, ReductionOptions()), uses_two_level(True, 1, 2, ReductionOptions())
-        (False, True)
-    """
-    return bool(two_level)
-
-
 def layout_reducer(
-    two_level: bool | None, nodes: int, per_node: int, reduction: ReductionOptions, reducer: Reducer | None = None
+    two_level: bool | None, per_node: int, reduction: ReductionOptions, reducer: Reducer | None = None
 ) -> Reducer:
     """The reducer of the buckets for this layout: ``reducer`` (default: the ``reducer=`` option's or the hook's) as
-    it is, or as the hop across nodes of a :class:`~lightning_dp_strategies.reducers.two_level.TwoLevelReducer`.
+    it is, or, with ``two_level=True``, as the hop across nodes (``per_node`` processes a node) of a
+    :class:`~lightning_dp_strategies.reducers.two_level.TwoLevelReducer`. ``None`` (the default) is one flat ring;
+    ``reducer="auto"`` decides between one and two levels itself (``docs/network.md`` shows both measured).
 
     Examples:
-        >>> type(layout_reducer(True, 2, 2, ReductionOptions("native"))).__name__
+        >>> type(layout_reducer(True, 2, ReductionOptions("native"))).__name__
         'TwoLevelReducer'
-        >>> type(layout_reducer(None, 2, 2, ReductionOptions("native"))).__name__
+        >>> type(layout_reducer(None, 2, ReductionOptions("native"))).__name__
         'NativeReducer'
     """
     reducer = reduction.make_reducer() if reducer is None else reducer
@@ -80,9 +65,9 @@ def layout_reducer(
         raise ValueError(
             f"`two_level=True` cannot be combined with the reducer {type(reducer).__name__} that `configure_reducer` "
             "returned: it reduces whole buckets, and the hop across nodes carries a flat shard of one. Pass "
-            "`two_level=None` (two levels where they serve) or `two_level=False`."
+            "`two_level=None` (the default: one flat ring)."
         )
-    if uses_two_level(two_level, nodes, per_node, reduction, reducer):
+    if two_level:
         return TwoLevelReducer(per_node, inter_node=reducer)
     return reducer
 

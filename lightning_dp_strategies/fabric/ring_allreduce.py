@@ -147,7 +147,7 @@ class FabricRingAllReduceStrategy(DDPStrategy):
         ``two_level``); with ``shard_optimizer_state`` the reduce-scattering ring instead."""
         if self.config.shard_optimizer_state:
             return ScatterReducer()
-        return layout_reducer(self.config.two_level, self.num_nodes, self.num_processes, self.reduction, reducer)
+        return layout_reducer(self.config.two_level, self.num_processes, self.reduction, reducer)
 
     # ------------------------------------------------------------------ the collaborators, as users read them
     grad_sync = EngineView[GradientSync]()
@@ -250,12 +250,12 @@ class FabricRingAllReduceStrategy(DDPStrategy):
     def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
         """The non-finite check first (the gradients are reduced by now; a ``closure`` is wrapped instead), then the
         step and what follows it (sharded parameters gathered, statistics, local SGD's count)."""
-        if self._trained is not None and isinstance(optimizer, Optimizer):
-            named = self.engine.guarded_parameters(self._trained.named_parameters())
+        checked = self.engine.nonfinite.mode is not None and self._trained is not None
+        if checked and isinstance(optimizer, Optimizer):
+            named = self.engine.guarded_parameters(self._trained.named_parameters())  # type: ignore[union-attr]
             kwargs = self.engine.nonfinite.check_step(kwargs, optimizer, named, self.root_device)
         output = super().optimizer_step(optimizer, **kwargs)
-        if isinstance(optimizer, Optimizer):
-            self.engine.after_step(optimizer)
+        self.engine.after_step(optimizer)  # every step is counted, whatever optimizer Fabric steps
         return output
 
     @contextmanager

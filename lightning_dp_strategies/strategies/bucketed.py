@@ -314,8 +314,9 @@ class BucketedDataParallel(DDPStrategy):
     # ------------------------------------------------------------------ checkpoints
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The module's ``state_dict`` (every rank holds the whole model); begins a checkpoint's save."""
-        self.engine.sharding.begin_save()
+        """The module's ``state_dict`` (every rank holds the whole model); begins a sharded checkpoint's save."""
+        if self.engine.sharded:
+            self.engine.sharding.begin_save()
         return super().lightning_module_state_dict()
 
     @override

@@ -49,10 +49,9 @@ class RingAllReduceStrategy(BucketedDataParallel):
         two_level: reduce each bucket inside the node, then across nodes between the ranks that hold the same
             shard, then inside the node again (:class:`~lightning_dp_strategies.reducers.two_level.TwoLevelReducer`):
             a node sends ``2(n-1)/n`` of the gradient over its link instead of almost twice that, and ``reducer``
-            reduces the hop across nodes, so a compression wrapper compresses what crosses the slow link. ``True``
-            on several nodes of several processes each where the link is slow (1 GbE: 0.75x the flat ring's step at
-            2 x 2 on the simulated cluster; 10 GbE: 1.17x, see ``docs/network.md``). ``None`` (default) and
-            ``False``: one flat ring; ``reducer="auto"`` measures both.
+            reduces the hop across nodes, so a compression wrapper compresses what crosses the slow link: for several
+            processes a node over a slow link (see ``docs/network.md``). ``None`` (default) and ``False``: one flat
+            ring; ``reducer="auto"`` measures both.
         model_averaging_period: post-local SGD, as Lightning's ``DDPStrategy`` runs it (there on CUDA only):
             with ``ddp_comm_state=PostLocalSGDState(...)`` and ``ddp_comm_hook=post_localSGD_hook``, the parameters
             are averaged every this many optimizer steps after the state's ``start_localSGD_iter`` (see
@@ -123,7 +122,7 @@ class RingAllReduceStrategy(BucketedDataParallel):
         ``two_level``); with ``shard_optimizer_state`` the reduce-scattering ring instead."""
         if self.config.shard_optimizer_state:
             return ScatterReducer()
-        return layout_reducer(self.config.two_level, self.num_nodes, self.num_processes, self.reduction, reducer)
+        return layout_reducer(self.config.two_level, self.num_processes, self.reduction, reducer)
 
     @override
     def _fingerprint_options(self) -> dict[str, Any]:
