@@ -30,16 +30,20 @@ import os
 import time
 import uuid
 from datetime import timedelta
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.utilities.distributed import _destroy_dist_connection
 
+from lightning_dp_strategies.core.options import default_timeout
+
 __all__ = [
     "agree_on_attempt",
     "attempt_store",
     "init_restart_safe_process_group",
+    "init_strategy_process_group",
     "shares_agent_store",
 ]
 
@@ -163,3 +167,28 @@ def init_restart_safe_process_group(
     if "nccl" in backend:  # as Lightning's own initialisation: torch warns about an NCCL group left at exit
         atexit.register(_destroy_dist_connection)
     return True
+
+
+class DistributedStrategy(Protocol):
+    """What :func:`init_strategy_process_group` reads of a Lightning DDP strategy (Trainer's or Fabric's)."""
+
+    cluster_environment: ClusterEnvironment | None
+    _timeout: timedelta | None
+
+    @property
+    def root_device(self) -> torch.device: ...
+
+    def _get_process_group_backend(self) -> str: ...
+
+
+def init_strategy_process_group(strategy: DistributedStrategy) -> None:
+    """:func:`init_restart_safe_process_group` for ``strategy``, its world ranks already set: its backend, its device,
+    and its collective timeout, which is set to ``default_timeout(backend)`` when none was given.
+
+    Lightning's own initialisation (``super().setup_distributed()``) follows it and uses the same timeout.
+    """
+    backend = strategy._get_process_group_backend()
+    if strategy._timeout is None:
+        strategy._timeout = default_timeout(backend)
+    assert strategy.cluster_environment is not None
+    init_restart_safe_process_group(strategy.cluster_environment, backend, strategy._timeout, strategy.root_device)

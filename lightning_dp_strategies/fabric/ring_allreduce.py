@@ -31,7 +31,7 @@ from lightning_dp_strategies.bucketing import CommStats, GradientBuckets
 from lightning_dp_strategies.bucketing.sync import GradientSync
 from lightning_dp_strategies.core.agreement import bucketed_options, check_ranks_agree, model_fingerprint
 from lightning_dp_strategies.core.checkpoint_io import AtomicByDefault
-from lightning_dp_strategies.core.elastic import init_restart_safe_process_group
+from lightning_dp_strategies.core.elastic import init_strategy_process_group
 from lightning_dp_strategies.core.engine import BucketedEngine, EngineView
 from lightning_dp_strategies.core.launch import check_interactive_launch
 from lightning_dp_strategies.core.module_state import broadcast_module_buffers, sync_module_states
@@ -41,7 +41,6 @@ from lightning_dp_strategies.core.options import (
     ReductionOptions,
     RingAllReduceConfig,
     check_sharding,
-    default_timeout,
     lightning_arguments,
 )
 from lightning_dp_strategies.core.registry import register_name, register_with_launchers
@@ -178,12 +177,8 @@ class FabricRingAllReduceStrategy(DDPStrategy):
     # ------------------------------------------------------------------ setup
     @override
     def _setup_distributed(self) -> None:
-        backend = self._get_process_group_backend()
-        if self._timeout is None:
-            self._timeout = default_timeout(backend)
         self._set_world_ranks()
-        assert self.cluster_environment is not None
-        init_restart_safe_process_group(self.cluster_environment, backend, self._timeout, self.root_device)
+        init_strategy_process_group(self)
         super()._setup_distributed()
         reducer = self.arrange_reducer(self.configure_reducer())
         self.engine.make_groups([list(range(self.world_size))], self.global_rank, self._process_group_backend, reducer)

@@ -49,7 +49,7 @@ from lightning_dp_strategies.core.agreement import (
     require_trainable,
 )
 from lightning_dp_strategies.core.checkpoint_io import AtomicByDefault
-from lightning_dp_strategies.core.elastic import init_restart_safe_process_group
+from lightning_dp_strategies.core.elastic import init_strategy_process_group
 from lightning_dp_strategies.core.engine import BucketedEngine, EngineView
 from lightning_dp_strategies.core.launch import check_interactive_launch
 from lightning_dp_strategies.core.module_state import sync_module_states
@@ -58,7 +58,6 @@ from lightning_dp_strategies.core.options import (
     BucketedConfig,
     ConfigOption,
     ReductionOptions,
-    default_timeout,
     lightning_arguments,
 )
 from lightning_dp_strategies.core.registry import register_with_launchers
@@ -197,13 +196,10 @@ class BucketedDataParallel(DDPStrategy):
     # ------------------------------------------------------------------ setup
     @override
     def setup_distributed(self) -> None:
-        backend = self._get_process_group_backend()
-        if self._timeout is None:
-            self._timeout = default_timeout(backend)
         self.set_world_ranks()
-        assert self.cluster_environment is not None
-        init_restart_safe_process_group(self.cluster_environment, backend, self._timeout, self.root_device)
+        init_strategy_process_group(self)
         super().setup_distributed()
+        backend = self._get_process_group_backend()
         self.engine.start_model_averaging(self.world_size, self.global_rank, self.num_processes, backend)
         reducer = self.arrange_reducer(self.configure_reducer())
         self.engine.make_groups(self.grad_group_ranks(), self.global_rank, self._process_group_backend, reducer)
