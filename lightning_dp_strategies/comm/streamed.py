@@ -40,24 +40,16 @@ def _scratch(flat: Tensor, slots: int, pieces: int, stride: int, workspace: Tens
 
 
 class _StreamedRing:
-    """The state of one streamed all-reduce of ``flat`` (or of one of its halves: ``gather=False`` stops after the
-    reduce-scatter, ``scatter=False`` runs the all-gather alone): its pieces, the receive scratch, the messages in
-    flight.
+    """The state of one streamed all-reduce of ``flat`` (or of one of its halves: the reduce-scatter alone where
+    :meth:`start` is told ``gather=False``, the all-gather alone where :meth:`start` is not called): its pieces, the
+    receive scratch, the messages in flight, what this rank sent.
 
     Tags keep the messages apart: reduce-scatter step s piece k is ``s * P + k``, all-gather step s is
     ``(N - 1 + s) * P + k``. Reduce-scatter receives are double-buffered in the scratch (step s in slot ``s % 2``).
     """
 
     def __init__(
-        self,
-        flat: Tensor,
-        group: dist.ProcessGroup | None,
-        counter: CommCounter | None,
-        workspace: Tensor | None,
-        duplex: dist.ProcessGroup | None,
-        pieces: int,
-        gather: bool = True,
-        scatter: bool = True,
+        self, flat: Tensor, group: dist.ProcessGroup | None, duplex: dist.ProcessGroup | None, pieces: int
     ) -> None:
         pg = group if group is not None else dist.group.WORLD
         assert pg is not None
@@ -65,15 +57,17 @@ class _StreamedRing:
         # group ranks: ProcessGroup.send/recv address peers by them
         self.nxt, self.prv = (self.rank + 1) % self.size, (self.rank - 1) % self.size
         self.send_pg, self.recv_pg = _duplex_sides(pg, duplex)
-        self.counter = counter
+        self.sent = CommCounter()
+        """The bytes and messages :meth:`send` sent (:meth:`finish` adds them to the caller's counter)."""
         self.steps = self.size - 1
         self.pieces = pieces
         chunks = flat.tensor_split(self.size)
         self.split = [c.tensor_split(pieces) for c in chunks]
-        stride = -(-chunks[0].numel() // pieces)  # scratch row per piece, so re-posting row k never touches row k+1
+        self.stride = -(-chunks[0].numel() // pieces)  # scratch row per piece: re-posting row k never touches k+1
         self.slots = min(2, self.steps)
-        self.scratch = _scratch(flat, self.slots, pieces, stride, workspace) if scatter else flat.new_empty(0, 0, 0)
-        self.gather = gather
+        self.scratch = flat.new_empty(0, 0, 0)
+        """The reduce-scatter's receive buffer, ``(slots, pieces, stride)``, made by :meth:`start`."""
+        self.gather = True
         """Whether the reduced chunks go on into the all-gather (else each rank keeps only its own)."""
         self.sends: list[dist.Work] = []
         self.incoming: list[list[tuple[dist.Work | None, Tensor]]] = [[] for _ in range(self.steps)]
@@ -84,9 +78,8 @@ class _StreamedRing:
         """Send ``piece`` to the next rank (empty pieces are skipped) and count it."""
         if piece.numel():
             self.sends.append(self.send_pg.send([piece], self.nxt, tag))
-            if self.counter is not None:
-                self.counter.bytes_sent += piece.numel() * piece.element_size()
-                self.counter.messages += 1
+            self.sent.bytes_sent += piece.numel() * piece.element_size()
+            self.sent.messages += 1
 
     def recv(self, piece: Tensor, tag: int) -> dist.Work | None:
         """Post a receive into ``piece`` from the previous rank; ``None`` for an empty piece."""
@@ -103,8 +96,12 @@ class _StreamedRing:
             chunk = self.split[(self.rank - s) % self.size]
             self.gathered[s].append(self.recv(chunk[k], (self.steps + s) * self.pieces + k))
 
-    def start(self) -> None:
-        """Post the first reduce-scatter receives (and the all-gather's, if early), then send this rank's chunk."""
+    def start(self, flat: Tensor, workspace: Tensor | None, gather: bool) -> None:
+        """Start the reduce-scatter of ``flat`` (and the all-gather after it, if ``gather``): make the receive scratch
+        (a view of ``workspace`` where it fits), post the first reduce-scatter receives (and the all-gather's, if
+        early), then send this rank's chunk."""
+        self.scratch = _scratch(flat, self.slots, self.pieces, self.stride, workspace)
+        self.gather = gather
         for s in range(self.slots):
             for k in range(self.pieces):
                 self.post_reduce_scatter(s, k)
@@ -150,10 +147,12 @@ class _StreamedRing:
                     chunk = self.split[(self.rank - step) % self.size]
                     self.send(chunk[k], (self.steps + step + 1) * self.pieces + k)
 
-    def finish(self) -> None:
-        """Wait for every send still in flight."""
+    def finish(self, counter: CommCounter | None) -> None:
+        """Wait for every send still in flight, then add what this rank sent to ``counter`` (if any)."""
         for work in self.sends:
             work.wait()
+        if counter is not None:
+            counter.add(self.sent)
 
 
 def streamed_ring_all_reduce(
@@ -207,12 +206,12 @@ def streamed_ring_all_reduce(
         >>> flat.tensor_split(2)[(dist.get_rank() + 1) % 2]  # doctest: +SKIP
         tensor([3., 3.])
     """
-    ring = _StreamedRing(flat, group, counter, workspace, duplex, pieces, gather=gather)
-    ring.start()
+    ring = _StreamedRing(flat, group, duplex, pieces)
+    ring.start(flat, workspace, gather)
     ring.reduce_scatter(average)
     if gather:
         ring.all_gather()
-    ring.finish()
+    ring.finish(counter)
 
 
 def streamed_ring_all_gather(
@@ -224,10 +223,10 @@ def streamed_ring_all_gather(
 ) -> None:
     """The all-gather half of :func:`streamed_ring_all_reduce`: each rank's chunk ``(rank + 1) % N`` of ``flat``
     travels round the ring in place, so that every rank ends with every rank's chunk."""
-    ring = _StreamedRing(flat, group, counter, None, duplex, pieces, scatter=False)
+    ring = _StreamedRing(flat, group, duplex, pieces)
     for k in range(ring.pieces):
         ring.post_all_gather(k)
     for k, piece in enumerate(ring.split[(ring.rank + 1) % ring.size]):
         ring.send(piece, ring.steps * ring.pieces + k)
     ring.all_gather()
-    ring.finish()
+    ring.finish(counter)
