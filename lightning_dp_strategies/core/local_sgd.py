@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lightning_dp_strategies.local_sgd import (
+    OUTER_PRECISIONS,
     LocalSGD,
     LocalSGDConfig,
     OuterOptimizerFactory,
@@ -20,6 +21,7 @@ from lightning_dp_strategies.local_sgd import (
 )
 
 __all__ = [
+    "STREAMING_DEFAULTS",
     "LocalSGD",
     "LocalSGDConfig",
     "OuterOptimizerFactory",
@@ -28,6 +30,7 @@ __all__ = [
     "diloco_outer_optimizer",
     "gather_to_zero",
     "local_checkpoint_record",
+    "local_config",
     "local_options",
     "make_outer_optimizer",
     "restore_local_record",
@@ -51,6 +54,42 @@ def check_not_sharded(shard_optimizer_state: object) -> None:
             "own, so every rank needs the whole optimizer state. To save optimizer memory, train with "
             "`RingAllReduceStrategy(shard_optimizer_state=True)`; to save traffic, keep local SGD unsharded."
         )
+
+
+STREAMING_DEFAULTS: dict[str, Any] = {
+    "sync_every": 16,
+    "fragments": 4,
+    "delay": 1,
+    "mixing": 0.5,
+    "outer_precision": "int4",
+    "outer_optimizer": diloco_outer_optimizer(),
+}
+"""The options the registered name ``"streaming_diloco"`` stands for: DiLoCo's outer optimizer, four fragments each
+synchronised every 16 steps, the change sent as 4 bits during one inner step and mixed half-and-half."""
+
+
+def local_config(
+    shard_optimizer_state: object, reducer: object, outer_precision: str, **options: Any
+) -> LocalSGDConfig:
+    """The strategy's :class:`LocalSGDConfig`, after the checks that span options: sharding is refused, and so is a
+    ``reducer`` beside an 8- or 4-bit ``outer_precision`` (which sends through its own quantized reduction).
+
+    Examples:
+        >>> local_config(False, None, "int4", sync_every=8, fragments=2).fragments
+        2
+        >>> local_config(False, "native", "int8")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: `outer_precision='int8'` sends the change through its own 8-bit reduction, ...
+    """
+    check_not_sharded(shard_optimizer_state)
+    if outer_precision in OUTER_PRECISIONS[2:] and reducer is not None:
+        raise ValueError(
+            f"`outer_precision={outer_precision!r}` sends the change through its own {outer_precision[3:]}-bit "
+            f"reduction, so `reducer={reducer!r}` would go unused. Drop `reducer=`, or pass "
+            "`outer_precision='fp32'` (or 'bf16') to average through that reducer."
+        )
+    return LocalSGDConfig(outer_precision=outer_precision, **options)
 
 
 def check_single_optimizer(optimizers: Sequence[object], strategy: str) -> None:
@@ -77,4 +116,8 @@ def local_options(config: LocalSGDConfig) -> dict[str, Any]:
         "warmup_steps": config.warmup_steps,
         "outer_optimizer": None if outer is None else getattr(outer, "__qualname__", "callable"),
         "average_buffers": config.average_buffers,
+        "fragments": config.fragments,
+        "delay": config.delay,
+        "mixing": config.mixing,
+        "outer_precision": config.outer_precision,
     }

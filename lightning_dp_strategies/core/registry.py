@@ -84,13 +84,18 @@ def register_name(
 
 
 def register_with_launchers(
-    registry: _StrategyRegistry, name: str, strategy: type, description: str, where: str = "the Trainer"
+    registry: _StrategyRegistry,
+    name: str,
+    strategy: type,
+    description: str,
+    where: str = "the Trainer",
+    **init_params: Any,
 ) -> None:
-    """Register ``name`` and its ``_spawn`` / ``_notebook`` variants (see :data:`LAUNCHERS`) for ``strategy``."""
+    """Register ``name`` and its ``_spawn`` / ``_notebook`` variants (see :data:`LAUNCHERS`) for ``strategy``, each
+    made with ``init_params``."""
     for suffix, start_method, how in LAUNCHERS:
-        register_name(
-            registry, name + suffix, strategy, f"{description}; launcher {how}", where, start_method=start_method
-        )
+        params = {"start_method": start_method, **init_params}
+        register_name(registry, name + suffix, strategy, f"{description}; launcher {how}", where, **params)
 
 
 def discover(package: str, base: type) -> list[type]:

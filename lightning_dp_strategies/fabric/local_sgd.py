@@ -4,18 +4,19 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from lightning.fabric.strategies.registry import _StrategyRegistry
 from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import Unpack, override
 
 from lightning_dp_strategies.core.engine import EngineView
-from lightning_dp_strategies.core.local_sgd import check_not_sharded, local_options
+from lightning_dp_strategies.core.local_sgd import STREAMING_DEFAULTS, local_config, local_options
 from lightning_dp_strategies.core.options import ConfigOption
+from lightning_dp_strategies.core.registry import register_with_launchers
 from lightning_dp_strategies.fabric.options import FabricOptions
 from lightning_dp_strategies.fabric.ring_allreduce import FabricRingAllReduceStrategy
 from lightning_dp_strategies.local_sgd import (
     LocalSGD,
-    LocalSGDConfig,
     OuterOptimizerFactory,
     local_checkpoint_record,
     restore_local_record,
@@ -46,6 +47,10 @@ class FabricLocalSGDStrategy(FabricRingAllReduceStrategy):
         first_bucket_cap_mb: cap of the warm-up's first gradient bucket in MiB.
         shard_optimizer_state: refused (``True`` raises): between averages every rank steps its whole model, so
             it needs the whole optimizer state; see ``RingAllReduceStrategy(shard_optimizer_state=True)``.
+        fragments: streaming DiLoCo: runs of parameters synchronised in staggered turns (1: all at once).
+        delay: streaming DiLoCo: inner steps that run while a fragment's change travels (0: the loop waits).
+        mixing: streaming DiLoCo: the weight of the rank's own values when a fragment's global values are merged in.
+        outer_precision: how the change travels: ``"fp32"``, ``"bf16"``, ``"int8"`` or ``"int4"``.
         **options: the shared keyword options (``nonfinite_grads``, ``timeout``, ...): see
             :class:`~lightning_dp_strategies.fabric.options.FabricOptions`.
 
@@ -69,14 +74,37 @@ class FabricLocalSGDStrategy(FabricRingAllReduceStrategy):
         bucket_cap_mb: float = 25.0,
         first_bucket_cap_mb: float = 1.0,
         shard_optimizer_state: bool = False,
+        fragments: int = 1,
+        delay: int = 0,
+        mixing: float = 0.0,
+        outer_precision: str = "fp32",
         **options: Unpack[FabricOptions],
     ) -> None:
-        check_not_sharded(shard_optimizer_state)
-        self.local_config = LocalSGDConfig(sync_every, outer_optimizer, warmup_steps, average_buffers)
+        self.local_config = local_config(
+            shard_optimizer_state,
+            reducer,
+            outer_precision,
+            sync_every=sync_every,
+            outer_optimizer=outer_optimizer,
+            warmup_steps=warmup_steps,
+            average_buffers=average_buffers,
+            fragments=fragments,
+            delay=delay,
+            mixing=mixing,
+        )
         caps = (bucket_cap_mb, first_bucket_cap_mb)
         super().__init__(*caps, reducer=reducer, broadcast_buffers=False, two_level=False, **options)
 
     local_sgd = EngineView[LocalSGD | None]()  # the algorithm (``None`` before setup)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        super().register_strategies(strategy_registry)
+        description = "Streaming DiLoCo: fragments synchronised in turns, 4-bit changes sent during the inner steps"
+        register_with_launchers(
+            strategy_registry, "streaming_diloco", cls, f"{description} (Fabric)", "Fabric", **STREAMING_DEFAULTS
+        )
 
     # ------------------------------------------------------------------ setup
     @override
@@ -138,3 +166,7 @@ class FabricLocalSGDStrategy(FabricRingAllReduceStrategy):
     outer_optimizer = ConfigOption[OuterOptimizerFactory | None]("local_config")
     warmup_steps = ConfigOption[int]("local_config")
     average_buffers = ConfigOption[bool]("local_config")
+    fragments = ConfigOption[int]("local_config")
+    delay = ConfigOption[int]("local_config")
+    mixing = ConfigOption[float]("local_config")
+    outer_precision = ConfigOption[str]("local_config")

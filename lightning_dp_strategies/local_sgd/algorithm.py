@@ -1,7 +1,12 @@
-"""The runtime of local SGD for one module: anchor, outer optimizer, position in the period, synchronisation."""
+"""The runtime of local SGD for one module: anchor, outer optimizer, position in the period, synchronisation; and
+streaming DiLoCo's fragments in flight."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -11,8 +16,27 @@ from torch.optim import Optimizer
 from lightning_dp_strategies.bucketing.stats import CommStats
 from lightning_dp_strategies.local_sgd.averaging import FlatAverager, averageable
 from lightning_dp_strategies.local_sgd.config import LocalSGDConfig, make_outer_optimizer
+from lightning_dp_strategies.local_sgd.streaming import OuterChannel, split_fragments, turns
 
-__all__ = ["LocalSGD"]
+__all__ = ["InFlight", "LocalSGD"]
+
+
+@dataclass
+class InFlight:
+    """A fragment's outer gradient on its way: averaged on the channel's thread, applied at phase ``apply_at``."""
+
+    fragment: int
+    apply_at: int
+    future: concurrent.futures.Future[list[Tensor]] | None = None
+    averaged: list[Tensor] | None = None
+    """The averaged change (and buffers), once received: what a checkpoint keeps."""
+
+    def result(self) -> list[Tensor]:
+        if self.averaged is None:
+            assert self.future is not None
+            self.averaged = self.future.result()
+            self.future = None
+        return self.averaged
 
 
 class LocalSGD:
@@ -20,8 +44,15 @@ class LocalSGD:
 
     A strategy calls :meth:`start` once the module is in place (rank 0's weights on every rank), :meth:`after_step`
     after every optimizer step, and :meth:`synchronize` where every rank must hold the same parameters (before
-    validation, at the end of training). Configuration is ``config``; runtime state is ``anchor``, ``outer``, ``steps``
-    and ``since_sync``; statistics are ``syncs`` and the averager's ``counter``.
+    validation, at the end of training). Configuration is ``config``; runtime state is ``anchor``, ``outer``,
+    ``steps``, ``phase``, ``since_sync`` and ``in_flight``; statistics are ``syncs``, ``exposed_seconds`` and the
+    averager's ``counter``.
+
+    With one fragment and no delay, each period ends in one synchronisation of the whole model (local SGD, DiLoCo).
+    Streaming DiLoCo (``config.streams``) synchronises fragment ``p`` at its turn of every period (see
+    :mod:`~lightning_dp_strategies.local_sgd.streaming`): its change ``anchor_p - params_p`` leaves then; ``delay``
+    steps later the average is applied by the outer optimizer to ``anchor_p``, and the rank's own values become
+    ``mixing * params_p + (1 - mixing) * anchor_p``.
 
     Examples:
         >>> from lightning_dp_strategies.reducers import NativeReducer
@@ -35,17 +66,27 @@ class LocalSGD:
     def __init__(self, config: LocalSGDConfig, averager: FlatAverager) -> None:
         self.config = config
         self.averager = averager
+        self.channel = OuterChannel() if config.delay > 0 else None
+        """The thread the averager's reductions run on (with a delay); ``None``: the caller's thread."""
         # runtime state
         self.params: list[nn.Parameter] = []
         self.buffers: list[Tensor] = []
         self.anchor: list[Tensor] = []
         self.outer: Optimizer | None = None
+        self.fragments: list[list[int]] = []
+        self.turns: list[int] = []
         self.steps = 0
         """Optimizer steps taken since training began (the warm-up's included)."""
+        self.phase = 0
+        """Local steps since the warm-up or the last synchronisation of the whole model: the position in the period."""
         self.since_sync = 0
-        """Local steps since the last synchronisation (the position in the period)."""
+        """Local steps since every rank last held the same parameters."""
+        self.in_flight: list[InFlight] = []
         # statistics
         self.syncs = 0
+        """Outer steps applied: one a period (a fragment's turn with streaming), one a synchronisation of all."""
+        self.exposed_seconds = 0.0
+        """Time the training loop waited for the averaging (a delay hides the rest)."""
 
     # ------------------------------------------------------------------ setup
     def start(self, module: nn.Module) -> None:
@@ -54,11 +95,14 @@ class LocalSGD:
         self.buffers = [b for b in module.buffers() if averageable(b)] if self.config.average_buffers else []
         self.anchor = [p.detach().to(torch.float32, copy=True).requires_grad_(True) for p in self.params]
         self.outer = make_outer_optimizer(self.config.outer_optimizer, self.anchor)
+        self.fragments = split_fragments(self.params, self.config.fragments)
+        self.turns = [turn % self.config.sync_every for turn in turns(self.config.fragments, self.config.sync_every)]
 
     @property
     def stats(self) -> CommStats:
-        """What the synchronisations sent so far, as gradient statistics count it (all of it exposed)."""
-        return CommStats.from_counter(self.averager.counter, exposed=True)
+        """What the synchronisations sent so far, as gradient statistics count it; exposed: what the loop waited."""
+        stats = CommStats.from_counter(self.averager.counter)
+        return dataclasses.replace(stats, exposed_seconds=self.exposed_seconds)
 
     @property
     def averages_gradients(self) -> bool:
@@ -68,51 +112,128 @@ class LocalSGD:
     @property
     def in_sync(self) -> bool:
         """Whether every rank holds the same parameters now (in the warm-up, or right after a synchronisation)."""
-        return self.since_sync == 0
+        return self.since_sync == 0 and not self.in_flight
 
     # ------------------------------------------------------------------ each step
     def after_step(self) -> bool:
-        """Count an optimizer step; synchronise when the period is complete. Returns whether it synchronised."""
+        """Count an optimizer step; apply the averages due and send the fragments whose turn it is. Returns whether
+        an outer step was applied."""
         self.steps += 1
         if self.steps <= self.config.warmup_steps:
             if self.steps == self.config.warmup_steps:
                 self._reset_anchor()
             return False
+        self.phase += 1
         self.since_sync += 1
-        if self.since_sync >= self.config.sync_every:
-            self.synchronize()
-            return True
-        return False
+        applied = False
+        while self.in_flight and self.in_flight[0].apply_at <= self.phase:
+            self._apply(self.in_flight.pop(0))
+            applied = True
+        for fragment, turn in enumerate(self.turns):
+            if self.phase % self.config.sync_every == turn:
+                applied |= self._send(fragment)
+        return applied
 
     def synchronize(self) -> None:
-        """Average the pseudo-gradients (and buffers) in one all-reduce and apply the outer step (collective)."""
+        """Apply the averages in flight, then average the whole model's change (and buffers) in one reduction and
+        apply the outer step, so every rank holds the same parameters; the period starts again (collective)."""
+        while self.in_flight:
+            self._apply(self.in_flight.pop(0))
         if self.in_sync:
+            self.phase = 0
             return
+        everything = list(range(len(self.params)))
         with torch.no_grad():
-            deltas = [a - p.detach().to(torch.float32) for a, p in zip(self.anchor, self.params, strict=True)]
-            self.averager.average([*deltas, *self.buffers])
-            if self.outer is None:
-                for anchor, delta in zip(self.anchor, deltas, strict=True):
-                    anchor.sub_(delta)
-            else:
-                for anchor, delta in zip(self.anchor, deltas, strict=True):
-                    anchor.grad = delta
-                self.outer.step()
-                self.outer.zero_grad(set_to_none=True)
-            for param, anchor in zip(self.params, self.anchor, strict=True):
-                param.copy_(anchor)
-        self.since_sync = 0
-        self.syncs += 1
+            averaged = self._changes(everything)
+            self._average(averaged)
+        self._outer_step(everything, averaged, exact=True)
+        self.phase = 0
 
     def restart(self) -> None:
         """Make the current parameters the anchor, at the start of a period (a model loaded from elsewhere)."""
         self._reset_anchor()
-        self.since_sync = 0
+        self.phase = self.since_sync = 0
+        self.in_flight = []
+
+    def close(self) -> None:
+        """Wait for the reductions in flight and stop the channel's thread."""
+        for pending in self.in_flight:
+            pending.result()
+        if self.channel is not None:
+            self.channel.close()
 
     def _reset_anchor(self) -> None:
         with torch.no_grad():
             for anchor, param in zip(self.anchor, self.params, strict=True):
                 anchor.copy_(param)
+
+    # ------------------------------------------------------------------ one fragment's turn
+    def _changes(self, indices: list[int]) -> list[Tensor]:
+        """The changes ``anchor - params`` of ``indices`` in fp32, then copies of the buffers (with the last
+        fragment, or the whole model)."""
+        changes = [self.anchor[i] - self.params[i].detach().to(torch.float32) for i in indices]
+        if indices and indices[-1] == len(self.params) - 1:
+            changes += [b.detach().clone() for b in self.buffers]
+        return changes
+
+    def _send(self, fragment: int) -> bool:
+        """Send ``fragment``'s change: applied now without a delay (returns True), else in flight."""
+        indices = self.fragments[fragment]
+        with torch.no_grad():
+            changes = self._changes(indices)
+        if self.channel is None:
+            self._average(changes)
+            self._outer_step(indices, changes, exact=self.config.exact_turns and self.config.fragments == 1)
+            return True
+        future = self.channel.submit(lambda: self._averaged(changes))
+        self.in_flight.append(InFlight(fragment, self.phase + self.config.delay, future))
+        return False
+
+    def _averaged(self, changes: list[Tensor]) -> list[Tensor]:
+        self.averager.average(changes)
+        return changes
+
+    def _average(self, tensors: list[Tensor]) -> None:
+        """Average ``tensors`` over the ranks (through the channel when there is one), counting the wait."""
+        start = time.perf_counter()
+        if self.channel is None:
+            self.averager.average(tensors)
+        else:
+            self.channel.run(lambda: self.averager.average(tensors))
+        self.exposed_seconds += time.perf_counter() - start
+
+    def _apply(self, pending: InFlight) -> None:
+        start = time.perf_counter()
+        averaged = pending.result()
+        self.exposed_seconds += time.perf_counter() - start
+        exact = self.config.exact_turns and self.config.fragments == 1
+        self._outer_step(self.fragments[pending.fragment], averaged, exact)
+
+    def _outer_step(self, indices: list[int], averaged: list[Tensor], exact: bool) -> None:
+        """The outer optimizer's step on the anchors of ``indices`` with their averaged change, the new values merged
+        into the parameters (replacing them where ``mixing`` is 0 or ``exact``), the averaged buffers copied."""
+        changes, buffers = averaged[: len(indices)], averaged[len(indices) :]
+        anchors = [self.anchor[i] for i in indices]
+        with torch.no_grad():
+            if self.outer is None:
+                for anchor, change in zip(anchors, changes, strict=True):
+                    anchor.sub_(change)
+            else:
+                for anchor, change in zip(anchors, changes, strict=True):
+                    anchor.grad = change
+                self.outer.step()
+                self.outer.zero_grad(set_to_none=True)
+            for i, anchor in zip(indices, anchors, strict=True):
+                param = self.params[i]
+                if exact or self.config.mixing == 0:
+                    param.copy_(anchor)
+                else:
+                    param.copy_(torch.lerp(anchor, param.detach().to(torch.float32), self.config.mixing))
+            for buffer, value in zip(self.buffers, buffers, strict=False):
+                buffer.copy_(value)
+        self.syncs += 1
+        if exact:
+            self.since_sync = 0
 
     # ------------------------------------------------------------------ checkpoints
     def averaged_state(self, state: dict[str, Any]) -> dict[str, Any]:
@@ -122,19 +243,26 @@ class LocalSGD:
         if self.in_sync:
             return state
         averaged = {k: v.detach().clone() if isinstance(v, Tensor) and averageable(v) else v for k, v in state.items()}
-        self.averager.average([v for v in averaged.values() if isinstance(v, Tensor) and averageable(v)])
+        self._average([v for v in averaged.values() if isinstance(v, Tensor) and averageable(v)])
         return averaged
 
     def state_dict(self) -> dict[str, Any]:
-        """What resumes the run besides the module and the inner optimizer: anchor, outer state, position."""
+        """What resumes the run besides the module and the inner optimizer: anchor, outer state, position, and the
+        averages in flight (received first)."""
         return {
             "sync_every": self.config.sync_every,
             "warmup_steps": self.config.warmup_steps,
+            "fragments": self.config.fragments,
             "steps": self.steps,
+            "phase": self.phase,
             "since_sync": self.since_sync,
             "syncs": self.syncs,
             "anchor": [a.detach().clone() for a in self.anchor],
             "outer": self.outer.state_dict() if self.outer is not None else None,
+            "in_flight": [
+                {"fragment": p.fragment, "apply_at": p.apply_at, "averaged": [t.clone() for t in p.result()]}
+                for p in self.in_flight
+            ],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -144,9 +272,19 @@ class LocalSGD:
                 f"The checkpoint's local SGD anchor has {len(state['anchor'])} tensors, this model trains "
                 f"{len(self.anchor)} parameters. Resume with the model the checkpoint was saved from."
             )
+        saved_fragments = int(state.get("fragments", 1))
+        in_flight = state.get("in_flight", [])
+        if in_flight and (saved_fragments != self.config.fragments or self.channel is None):
+            raise ValueError(
+                f"This checkpoint was saved by streaming DiLoCo with fragments={saved_fragments} and averages in "
+                f"flight; resume it with the same `fragments` and a `delay` (this run: fragments="
+                f"{self.config.fragments}, delay={self.config.delay})."
+            )
         with torch.no_grad():
             for mine, saved in zip(self.anchor, state["anchor"], strict=True):
                 mine.copy_(saved)
         if self.outer is not None and state["outer"] is not None:
             self.outer.load_state_dict(state["outer"])
         self.steps, self.since_sync, self.syncs = int(state["steps"]), int(state["since_sync"]), int(state["syncs"])
+        self.phase = int(state.get("phase", self.since_sync))
+        self.in_flight = [InFlight(int(p["fragment"]), int(p["apply_at"]), averaged=p["averaged"]) for p in in_flight]

@@ -15,14 +15,37 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_dp_strategies.comm import CommCounter
-from lightning_dp_strategies.reducers import GradBucket, Reducer, close_reducer, setup_reducer
+from lightning_dp_strategies.reducers import (
+    GradBucket,
+    QuantizedReducer,
+    Reducer,
+    bf16_compress,
+    close_reducer,
+    setup_reducer,
+)
 
-__all__ = ["FlatAverager", "PeriodicAverager", "averageable"]
+__all__ = ["FlatAverager", "PeriodicAverager", "averageable", "outer_reducer"]
 
 
 def averageable(tensor: Tensor) -> bool:
     """Whether a buffer is averaged: floating point (``num_batches_tracked`` and other counters are not)."""
     return tensor.is_floating_point() or tensor.is_complex()
+
+
+def outer_reducer(precision: str, reducer: Reducer) -> Reducer:
+    """The reducer that sends the outer gradient in ``precision``: ``reducer`` itself (``"fp32"``), ``reducer`` on a
+    bf16 copy (``"bf16"``), or the 8- or 4-bit :class:`~lightning_dp_strategies.reducers.QuantizedReducer`.
+
+    Examples:
+        >>> from lightning_dp_strategies.reducers import NativeReducer
+        >>> outer_reducer("int4", NativeReducer())
+        QuantizedReducer(bits=4, block=128)
+    """
+    if precision == "bf16":
+        return bf16_compress(reducer)
+    if precision in ("int8", "int4"):
+        return QuantizedReducer(int(precision[3:]))
+    return reducer
 
 
 class FlatAverager:

@@ -9,7 +9,16 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-__all__ = ["LocalSGDConfig", "OuterOptimizerFactory", "diloco_outer_optimizer", "make_outer_optimizer"]
+__all__ = [
+    "OUTER_PRECISIONS",
+    "LocalSGDConfig",
+    "OuterOptimizerFactory",
+    "diloco_outer_optimizer",
+    "make_outer_optimizer",
+]
+
+OUTER_PRECISIONS = ("fp32", "bf16", "int8", "int4")
+"""How the outer gradient (the parameter change) travels: as it is, as bf16, or as 8 or 4 bits with a scale a block."""
 
 OuterOptimizerFactory = Callable[[list[Tensor]], Optimizer]
 """``factory(anchor_parameters) -> torch.optim.Optimizer``: makes the outer optimizer once, at setup."""
@@ -59,10 +68,41 @@ class LocalSGDConfig:
     """Optimizer steps at the start whose gradients are averaged every step (post-local SGD)."""
     average_buffers: bool = True
     """Average floating-point buffers (BatchNorm statistics) at each synchronisation."""
+    fragments: int = 1
+    """Streaming: runs of consecutive parameters synchronised in staggered turns, each every ``sync_every`` steps."""
+    delay: int = 0
+    """Streaming: local steps between a fragment's outer gradient leaving and its average being applied."""
+    mixing: float = 0.0
+    """Streaming: the weight of the rank's own parameters when a fragment's new global value is merged into them
+    (``0``: replaced by the global value)."""
+    outer_precision: str = "fp32"
+    """How the outer gradient travels (:data:`OUTER_PRECISIONS`)."""
 
     def __post_init__(self) -> None:
         meaning = "optimizer steps between synchronisations; 1 averages every step"
         _check_count("sync_every", self.sync_every, 1, meaning)
+        _check_count("fragments", self.fragments, 1, "runs of parameters synchronised in turns; 1: the whole model")
+        _check_count("delay", self.delay, 0, "local steps a fragment's outer gradient travels during; 0: none")
+        if self.delay >= self.sync_every:
+            raise ValueError(
+                f"`delay={self.delay}` must be less than `sync_every={self.sync_every}`: a fragment's average must "
+                "be applied before its next turn. Lower `delay` or raise `sync_every`."
+            )
+        if self.fragments > self.sync_every:
+            raise ValueError(
+                f"`fragments={self.fragments}` turns cannot fit in a period of `sync_every={self.sync_every}` steps "
+                "(at most one fragment leaves a step). Pass `fragments` at most `sync_every`."
+            )
+        if isinstance(self.mixing, bool) or not isinstance(self.mixing, (int, float)) or not 0 <= self.mixing < 1:
+            raise ValueError(
+                f"`mixing` must be a number in [0, 1) (the weight of the rank's own parameters when a fragment's "
+                f"global value is merged in; 0: replaced, 0.5: the streaming DiLoCo paper's), got {self.mixing!r}."
+            )
+        if self.outer_precision not in OUTER_PRECISIONS:
+            raise ValueError(
+                f"`outer_precision` must be one of {', '.join(map(repr, OUTER_PRECISIONS))}, got "
+                f"{self.outer_precision!r}."
+            )
         _check_count("warmup_steps", self.warmup_steps, 0, "optimizer steps that average gradients first; 0: none")
         if self.outer_optimizer is not None and not callable(self.outer_optimizer):
             raise TypeError(
@@ -72,6 +112,16 @@ class LocalSGDConfig:
             )
         if not isinstance(self.average_buffers, bool):
             raise TypeError(f"`average_buffers` must be True or False, got {self.average_buffers!r}.")
+
+    @property
+    def streams(self) -> bool:
+        """Whether this is streaming DiLoCo (fragments, a delay or mixing) rather than one synchronisation a period."""
+        return self.fragments > 1 or self.delay > 0 or self.mixing > 0
+
+    @property
+    def exact_turns(self) -> bool:
+        """Whether a fragment's turn leaves every rank with the same values of it (no mixing with its own)."""
+        return self.mixing == 0
 
 
 def make_outer_optimizer(factory: OuterOptimizerFactory | None, anchor: list[Tensor]) -> Optimizer | None:

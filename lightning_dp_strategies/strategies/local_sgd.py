@@ -6,16 +6,22 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import lightning.pytorch as pl
+from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import Unpack, override
 
 from lightning_dp_strategies.core.engine import EngineView
-from lightning_dp_strategies.core.local_sgd import check_not_sharded, check_single_optimizer, local_options
+from lightning_dp_strategies.core.local_sgd import (
+    STREAMING_DEFAULTS,
+    check_single_optimizer,
+    local_config,
+    local_options,
+)
 from lightning_dp_strategies.core.options import BucketedConfig, ConfigOption
+from lightning_dp_strategies.core.registry import register_with_launchers
 from lightning_dp_strategies.local_sgd import (
     LocalSGD,
-    LocalSGDConfig,
     OuterOptimizerFactory,
     local_checkpoint_record,
     restore_local_record,
@@ -60,8 +66,21 @@ class LocalSGDStrategy(BucketedDataParallel):
         first_bucket_cap_mb: cap of the warm-up's first gradient bucket in MiB.
         shard_optimizer_state: refused (``True`` raises): between averages every rank steps its whole model, so
             it needs the whole optimizer state; see ``RingAllReduceStrategy(shard_optimizer_state=True)``.
+        fragments: streaming DiLoCo: runs of consecutive parameters (about equal in size) synchronised in staggered
+            turns, each every ``sync_every`` steps, so a turn sends ``1/fragments`` of the model (1: all at once).
+        delay: streaming DiLoCo: inner steps that run while a fragment's change is averaged on a background thread;
+            the average is applied after them (``0``: at once, the loop waits). Less than ``sync_every``.
+        mixing: streaming DiLoCo: the weight of the rank's own values when a fragment's new global values are merged
+            in (``0``: replaced; ``0.5`` suits a delay).
+        outer_precision: how the change travels: ``"fp32"`` (through ``reducer``), ``"bf16"`` (``reducer`` on a
+            bf16 copy), ``"int8"`` or ``"int4"`` (8 or 4 bits with a scale a block of 128 values, summed in fp32, on
+            any backend, gloo included).
         **options: the shared keyword options (``nonfinite_grads``, ``timeout``, ...): see
             :class:`~lightning_dp_strategies.strategies.options.StrategyOptions`.
+
+    ``fragments=1, delay=0, mixing=0, outer_precision="fp32"`` (the defaults) is local SGD or DiLoCo as above. The
+    name ``"streaming_diloco"`` stands for :data:`~lightning_dp_strategies.core.local_sgd.STREAMING_DEFAULTS`:
+    DiLoCo's outer optimizer, ``sync_every=16, fragments=4, delay=1, mixing=0.5, outer_precision="int4"``.
 
     Examples:
         >>> import lightning as L
@@ -87,15 +106,36 @@ class LocalSGDStrategy(BucketedDataParallel):
         bucket_cap_mb: float = 25.0,
         first_bucket_cap_mb: float = 1.0,
         shard_optimizer_state: bool = False,
+        fragments: int = 1,
+        delay: int = 0,
+        mixing: float = 0.0,
+        outer_precision: str = "fp32",
         **options: Unpack[StrategyOptions],
     ) -> None:
-        check_not_sharded(shard_optimizer_state)
-        local_config = LocalSGDConfig(sync_every, outer_optimizer, warmup_steps, average_buffers)
+        config = local_config(
+            shard_optimizer_state,
+            reducer,
+            outer_precision,
+            sync_every=sync_every,
+            outer_optimizer=outer_optimizer,
+            warmup_steps=warmup_steps,
+            average_buffers=average_buffers,
+            fragments=fragments,
+            delay=delay,
+            mixing=mixing,
+        )
         super().__init__(BucketedConfig(bucket_cap_mb, first_bucket_cap_mb), reducer, **options)
-        self.local_config = local_config  # configuration; the algorithm is the engine's, made at setup
+        self.local_config = config  # configuration; the algorithm is the engine's, made at setup
         self.cost_model = local_sgd_cost_model(sync_every)  # type: ignore[misc]  # this instance's period
 
     local_sgd = EngineView[LocalSGD | None]()  # the algorithm (``None`` before setup)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        super().register_strategies(strategy_registry)
+        description = "Streaming DiLoCo: fragments synchronised in turns, 4-bit changes sent during the inner steps"
+        register_with_launchers(strategy_registry, "streaming_diloco", cls, description, **STREAMING_DEFAULTS)
 
     # ------------------------------------------------------------------ setup
     @property
@@ -184,5 +224,9 @@ class LocalSGDStrategy(BucketedDataParallel):
     outer_optimizer = ConfigOption[OuterOptimizerFactory | None]("local_config")
     warmup_steps = ConfigOption[int]("local_config")
     average_buffers = ConfigOption[bool]("local_config")
+    fragments = ConfigOption[int]("local_config")
+    delay = ConfigOption[int]("local_config")
+    mixing = ConfigOption[float]("local_config")
+    outer_precision = ConfigOption[str]("local_config")
     bucket_cap_mb = ConfigOption[float]()
     first_bucket_cap_mb = ConfigOption[float]()

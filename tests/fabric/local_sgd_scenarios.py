@@ -5,7 +5,10 @@ scenario writes ``OUTDIR/{scenario}-rank{r}.pt``:
 
 - ``h1``: ``FabricLocalSGDStrategy(sync_every=1)`` with SGD; ``h1-ring``: the same loop under ``"ring_allreduce"``;
 - ``full``: Adam inside, DiLoCo outside, H = 4, 12 steps, ``fabric.save`` after step 6 (mid-period);
-  ``resumed``: a fresh model and optimizer, ``fabric.load`` of that file, steps 7 to 12.
+  ``resumed``: a fresh model and optimizer, ``fabric.load`` of that file, steps 7 to 12;
+- ``stream-full`` / ``stream-resumed``: the same with streaming DiLoCo (two fragments, a delay of one step, 4-bit
+  changes), saved with fragment 0's change in flight; ``as-diloco-full`` / ``as-diloco-resumed``: the streaming
+  options at their DiLoCo values.
 """
 
 from __future__ import annotations
@@ -45,9 +48,13 @@ def parity(out: Path, name: str, strategy: Any) -> None:
     torch.save({"params": params(model)}, out / f"{name}-rank{fabric.global_rank}.pt")
 
 
-def resume(out: Path) -> None:
+STREAM = {"fragments": 2, "delay": 1, "mixing": 0.5, "outer_precision": "int4"}
+AS_DILOCO = {"fragments": 1, "delay": 0, "mixing": 0.0, "outer_precision": "fp32"}
+
+
+def resume(out: Path, prefix: str = "", **streaming: Any) -> None:
     def setup() -> tuple[L.Fabric, Any, Any, FabricLocalSGDStrategy]:
-        strategy = FabricLocalSGDStrategy(sync_every=4, outer_optimizer=diloco_outer_optimizer())
+        strategy = FabricLocalSGDStrategy(sync_every=4, outer_optimizer=diloco_outer_optimizer(), **streaming)
         fabric = L.Fabric(strategy=strategy, accelerator="cpu", devices=WORLD)
         fabric.launch()
         model = make_model()
@@ -57,17 +64,18 @@ def resume(out: Path) -> None:
     fabric, model, opt, strategy = setup()
     steps = batches(fabric)
     train(fabric, model, opt, steps[:6])
-    fabric.save(out / "mid-period.ckpt", {"model": model, "optimizer": opt, "step": 6})
+    fabric.save(out / f"{prefix}mid-period.ckpt", {"model": model, "optimizer": opt, "step": 6})
     train(fabric, model, opt, steps[6:])
     strategy.synchronize()
-    torch.save({"params": params(model), "syncs": strategy.local_sgd.syncs}, out / f"full-rank{fabric.global_rank}.pt")
+    result = {"params": params(model), "syncs": strategy.local_sgd.syncs}
+    torch.save(result, out / f"{prefix}full-rank{fabric.global_rank}.pt")
 
     fabric, model, opt, strategy = setup()
-    remainder = fabric.load(out / "mid-period.ckpt", {"model": model, "optimizer": opt})
+    remainder = fabric.load(out / f"{prefix}mid-period.ckpt", {"model": model, "optimizer": opt})
     train(fabric, model, opt, steps[remainder["step"] :])
     strategy.synchronize()
     result = {"params": params(model), "syncs": strategy.local_sgd.syncs, "remainder": sorted(remainder)}
-    torch.save(result, out / f"resumed-rank{fabric.global_rank}.pt")
+    torch.save(result, out / f"{prefix}resumed-rank{fabric.global_rank}.pt")
 
 
 if __name__ == "__main__":
@@ -75,3 +83,5 @@ if __name__ == "__main__":
     parity(outdir, "h1", FabricLocalSGDStrategy(sync_every=1))
     parity(outdir, "h1-ring", "ring_allreduce")
     resume(outdir)
+    resume(outdir, "stream-", **STREAM)
+    resume(outdir, "as-diloco-", **AS_DILOCO)

@@ -56,6 +56,26 @@ def test_fabric_save_mid_period_and_load_resume_the_uninterrupted_run(runs: Path
     assert max_diff(full[0]["params"], full[1]["params"]) == 0
 
 
+@pytest.mark.timeout(300)
+def test_streaming_diloco_resumes_with_a_fragment_in_flight(runs: Path) -> None:
+    record = torch.load(runs / "stream-mid-period.ckpt", weights_only=False)["local_sgd"]
+    assert [(p["fragment"], p["apply_at"]) for p in record["in_flight"]] == [(0, 7)]  # left at step 6
+    full, resumed = results(runs, "stream-full"), results(runs, "stream-resumed")
+    for a, b in zip(full, resumed, strict=True):
+        assert max_diff(a["params"], b["params"]) <= TOLERANCE
+        assert a["syncs"] == b["syncs"] == 7  # six fragment turns and the synchronisation at the end
+    assert max_diff(full[0]["params"], full[1]["params"]) == 0
+    assert max_diff(full[0]["params"], results(runs, "full")[0]["params"]) > 1e-3  # not DiLoCo's training
+
+
+@pytest.mark.timeout(300)
+def test_streaming_with_its_diloco_values_is_fabric_diloco(runs: Path) -> None:
+    """The ``full`` run (DiLoCo, H = 4, 12 steps) and the same with the streaming options at their DiLoCo values."""
+    for name in ("as-diloco-full", "as-diloco-resumed"):
+        for a, b in zip(results(runs, name), results(runs, "full"), strict=True):
+            assert max_diff(a["params"], b["params"]) <= TOLERANCE, name
+
+
 def test_the_fabric_name_resolves_and_bad_options_fail_when_made() -> None:
     import lightning as L
 
@@ -69,3 +89,8 @@ def test_the_fabric_name_resolves_and_bad_options_fail_when_made() -> None:
         FabricLocalSGDStrategy(warmup_steps=-2)
     with pytest.raises(ValueError, match="every rank needs the whole optimizer state"):
         FabricLocalSGDStrategy(shard_optimizer_state=True)
+    with pytest.raises(ValueError, match="Drop `reducer=`"):
+        FabricLocalSGDStrategy(outer_precision="int8", reducer="ring")
+    streaming = L.Fabric(strategy="streaming_diloco", accelerator="cpu", devices=2).strategy
+    assert isinstance(streaming, FabricLocalSGDStrategy)
+    assert (streaming.sync_every, streaming.fragments, streaming.delay, streaming.outer_precision) == (16, 4, 1, "int4")

@@ -22,12 +22,18 @@ from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostL
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_dp_strategies import LocalSGDStrategy, RingAllReduceStrategy, bf16_compress
-from lightning_dp_strategies.local_sgd import diloco_outer_optimizer
+from lightning_dp_strategies.comm.quantized import dequantize, quantize
+from lightning_dp_strategies.comm.shards import chunk_range
+from lightning_dp_strategies.local_sgd import diloco_outer_optimizer, split_fragments
 
 WORLD = 2
 SAMPLES = 44  # 22 per rank: batches of 4,4,4,4,4,2 (an uneven final batch), 6 steps per epoch
 PER_RANK_BATCH = 4
 EPOCHS = 2
+
+
+STREAM: dict[str, Any] = {"fragments": 2, "delay": 1, "mixing": 0.5}
+STREAM_INT4: dict[str, Any] = {**STREAM, "outer_precision": "int4"}
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,23 @@ SCENARIOS = {
     "postlocal4": Scenario(strategy="ring_allreduce", post_local=(4, True)),
     "postlocal4_local": Scenario(strategy="ring_allreduce", post_local=(4, False)),
     "several_optimizers": Scenario(manual=True, extra={"several_optimizers": True}),
+    # streaming DiLoCo, H = 4, two fragments (turns at steps 2 and 4 of the period), the change applied a step later
+    "stream_fp32": Scenario(diloco=True, optimizer="adam", extra={"streaming": STREAM}),
+    "stream_int8": Scenario(diloco=True, optimizer="adam", extra={"streaming": {**STREAM, "outer_precision": "int8"}}),
+    "stream_int4": Scenario(diloco=True, optimizer="adam", extra={"streaming": {**STREAM, "outer_precision": "int4"}}),
+    # fragment 0 leaves at step 6 and is applied at step 7: a checkpoint after step 6 holds it in flight
+    "stream_full": Scenario(diloco=True, optimizer="adam", checkpoint=True, extra={"streaming": STREAM_INT4}),
+    "stream_resumed": Scenario(
+        diloco=True, optimizer="adam", resume_from="stream_full", extra={"streaming": STREAM_INT4}
+    ),
+    "stream_validate": Scenario(diloco=True, optimizer="adam", validate=True, extra={"streaming": STREAM}),
+    # the streaming options at their DiLoCo values: the "diloco" scenario's training
+    "stream_as_diloco": Scenario(
+        sync_every=5,
+        diloco=True,
+        optimizer="adam",
+        extra={"streaming": {"fragments": 1, "delay": 0, "mixing": 0.0, "outer_precision": "fp32"}},
+    ),
 }
 
 
@@ -139,7 +162,11 @@ def make_strategy(scenario: Scenario) -> Any:
     outer = diloco_outer_optimizer() if scenario.diloco else None
     reducer = bf16_compress("ring") if scenario.reducer == "bf16" else scenario.reducer
     return LocalSGDStrategy(
-        sync_every=scenario.sync_every, outer_optimizer=outer, warmup_steps=scenario.warmup, reducer=reducer
+        sync_every=scenario.sync_every,
+        outer_optimizer=outer,
+        warmup_steps=scenario.warmup,
+        reducer=reducer,
+        **scenario.extra.get("streaming", {}),
     )
 
 
@@ -230,6 +257,77 @@ def reference_diloco(sync_every: int, optimizer: str = "adam") -> dict[str, Tens
                 sync()
     if steps % sync_every:
         sync()
+    return {n: p.detach().clone() for n, p in replicas[0].named_parameters()}
+
+
+def _average(per_rank: list[list[Tensor]], bits: int | None) -> list[Tensor]:
+    """The ranks' tensors averaged as the strategy's reduction averages them: in fp32, or with each rank's chunk of
+    the flat vector quantized to ``bits``, summed in fp32 by its owner and quantized again (2 ranks)."""
+    flats = [torch.cat([t.reshape(-1) for t in tensors]) for tensors in per_rank]
+    if bits is None:
+        mean = sum(flats) / WORLD
+    else:
+        chunks = []
+        for j in range(WORLD):
+            a, b = chunk_range(flats[0].numel(), WORLD, j)
+            total = torch.stack([dequantize(quantize(f[a:b], bits)) for f in flats]).sum(dim=0) / WORLD
+            chunks.append(dequantize(quantize(total, bits)))
+        mean = torch.cat(chunks)
+    out, start = [], 0
+    for t in per_rank[0]:
+        out.append(mean[start : start + t.numel()].view_as(t))
+        start += t.numel()
+    return out
+
+
+def reference_streaming(sync_every: int, stream: dict[str, Any], optimizer: str = "adam") -> dict[str, Tensor]:
+    """Streaming DiLoCo written out: two replicas on their own shards; fragment ``p`` leaves at the steps ``s`` with
+    ``s % H == (p + 1) * H // K % H``; ``delay`` steps later the averaged change takes one Nesterov SGD step on the
+    fragment's anchor, and each replica's fragment becomes ``mixing * own + (1 - mixing) * anchor``. At the end, what
+    is in flight is applied and the whole model is synchronised once (replaced by the anchor)."""
+    fragments, delay, mixing = stream["fragments"], stream["delay"], stream["mixing"]
+    bits = {"int8": 8, "int4": 4}.get(stream.get("outer_precision", "fp32"))
+    x, y = make_data().tensors
+    replicas = [make_body() for _ in range(WORLD)]
+    inner = [make_optimizer(optimizer, m.parameters()) for m in replicas]
+    anchor = [p.detach().clone().requires_grad_(True) for p in replicas[0].parameters()]
+    outer = torch.optim.SGD(anchor, lr=0.7, momentum=0.9, nesterov=True)
+    runs = split_fragments(anchor, fragments)
+    leaves = [(p + 1) * sync_every // fragments % sync_every for p in range(fragments)]
+
+    def changes(indices: list[int]) -> list[list[Tensor]]:
+        return [[anchor[i].detach() - list(m.parameters())[i].detach() for i in indices] for m in replicas]
+
+    def apply(indices: list[int], averaged: list[Tensor], merge: bool) -> None:
+        with torch.no_grad():
+            for i, change in zip(indices, averaged, strict=True):
+                anchor[i].grad = change
+            outer.step()
+            outer.zero_grad(set_to_none=True)
+            for m in replicas:
+                params = list(m.parameters())
+                for i in indices:
+                    params[i].copy_(torch.lerp(anchor[i], params[i], mixing) if merge else anchor[i])
+
+    in_flight: list[tuple[int, list[int], list[Tensor]]] = []
+    step = 0
+    for epoch in range(EPOCHS):
+        for shards in rank_shards(epoch):
+            for model, opt, shard in zip(replicas, inner, shards, strict=True):
+                F.cross_entropy(model(x[shard]), y[shard]).backward()
+                opt.step()
+                opt.zero_grad()
+            step += 1
+            while in_flight and in_flight[0][0] <= step:
+                _, indices, averaged = in_flight.pop(0)
+                apply(indices, averaged, merge=True)
+            for p, leave in enumerate(leaves):
+                if step % sync_every == leave:
+                    in_flight.append((step + delay, runs[p], _average(changes(runs[p]), bits)))
+    for _, indices, averaged in in_flight:
+        apply(indices, averaged, merge=True)
+    everything = list(range(len(anchor)))
+    apply(everything, _average(changes(everything), bits), merge=False)
     return {n: p.detach().clone() for n, p in replicas[0].named_parameters()}
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.helpers.distributed import run_ranks
-from tests.strategies.local_sgd_scenarios import WORLD, make_body, reference_diloco
+from tests.strategies.local_sgd_scenarios import STREAM, WORLD, make_body, reference_diloco, reference_streaming
 
 TOLERANCE = 1e-6
 NAMES = [
@@ -33,6 +33,13 @@ NAMES = [
     "postlocal1",
     "postlocal4",
     "postlocal4_local",
+    "stream_fp32",
+    "stream_int8",
+    "stream_int4",
+    "stream_full",
+    "stream_resumed",
+    "stream_validate",
+    "stream_as_diloco",
 ]
 
 
@@ -125,6 +132,54 @@ def test_bf16_reducer_halves_the_bytes_of_the_average(runs: Path) -> None:
 
 
 @pytest.mark.timeout(600)
+def test_streaming_diloco_equals_a_hand_written_streaming_loop(runs: Path) -> None:
+    """Two fragments in turns, each change applied one step after it left and mixed half-and-half: the same as
+    :func:`reference_streaming`, in fp32 and with the change sent as 8 bits (the reference quantizes the same
+    chunks); every rank ends on the same model."""
+    for name, precision in [("stream_fp32", "fp32"), ("stream_int8", "int8")]:
+        ranks = results(runs, name)
+        reference = reference_streaming(4, {**STREAM, "outer_precision": precision})
+        for result in ranks:
+            assert max_diff(params(result), reference) <= TOLERANCE, name
+            assert result["syncs"] == 6 + 1  # fragment turns at steps 2,4,6,8,10,12 (the last applied at the end)
+        assert max_diff(ranks[0]["state"], ranks[1]["state"]) == 0
+    assert max_diff(params(results(runs, "stream_fp32")[0]), reference_diloco(sync_every=4)) > 1e-3
+
+
+@pytest.mark.timeout(600)
+def test_streaming_with_its_diloco_values_is_diloco(runs: Path) -> None:
+    for mine, theirs in zip(results(runs, "stream_as_diloco"), results(runs, "diloco"), strict=True):
+        assert max_diff(mine["state"], theirs["state"]) <= TOLERANCE
+        assert mine["syncs"] == theirs["syncs"] == 3
+
+
+@pytest.mark.timeout(600)
+def test_4_bit_changes_send_an_eighth_of_the_bytes(runs: Path) -> None:
+    fp32, int8, int4 = (results(runs, name)[0] for name in ("stream_fp32", "stream_int8", "stream_int4"))
+    assert 0.25 <= int8["averaged_bytes"] / fp32["averaged_bytes"] <= 0.30  # 1 byte a value, a 4-byte scale a 128
+    assert 0.125 <= int4["averaged_bytes"] / fp32["averaged_bytes"] <= 0.17
+    assert 0 < max_diff(fp32["state"], int4["state"]) <= 5e-2  # 4-bit rounding of the change
+
+
+@pytest.mark.timeout(600)
+def test_resume_with_a_fragment_in_flight_equals_the_uninterrupted_run(runs: Path) -> None:
+    record = torch.load(runs / "stream_full" / "epoch=0.ckpt", weights_only=False)["local_sgd"]
+    assert (record["steps"], record["phase"]) == (6, 6)
+    assert [(p["fragment"], p["apply_at"]) for p in record["in_flight"]] == [(0, 7)]  # left at step 6
+    for full, resumed in zip(results(runs, "stream_full"), results(runs, "stream_resumed"), strict=True):
+        assert max_diff(full["state"], resumed["state"]) <= TOLERANCE
+        assert resumed["steps"] == 12 and resumed["syncs"] == full["syncs"]
+
+
+@pytest.mark.timeout(600)
+def test_streaming_validation_sees_one_model_on_every_rank(runs: Path) -> None:
+    ranks = results(runs, "stream_validate")
+    validated = [[r["val_params"] for r in result["records"]] for result in ranks]
+    assert len(validated[0]) == 2
+    assert all(torch.equal(a, b) for a, b in zip(*validated, strict=True)), "validation saw different models"
+
+
+@pytest.mark.timeout(600)
 def test_ring_allreduce_runs_torchs_post_local_sgd_with_model_averaging_period(runs: Path) -> None:
     """``PostLocalSGDState(start_localSGD_iter=3)``, ``post_localSGD_hook``, ``model_averaging_period``: averages after
     steps 4, 8 and 12 (torch's ``PeriodicModelAverager`` schedule) on CPU/gloo."""
@@ -200,6 +255,12 @@ def test_compare_runs_it_and_reports_what_its_averages_send(tmp_path: Path) -> N
         ({"average_buffers": "yes"}, TypeError, r"`average_buffers` must be True or False"),
         ({"reducer": "tree"}, ValueError, r"Unknown reducer 'tree'"),
         ({"shard_optimizer_state": True}, ValueError, r"every rank needs the whole optimizer state"),
+        ({"fragments": 0}, ValueError, r"`fragments` must be an int >= 1"),
+        ({"sync_every": 4, "delay": 4}, ValueError, r"must be applied before its next turn"),
+        ({"sync_every": 4, "fragments": 5}, ValueError, r"Pass `fragments` at most `sync_every`"),
+        ({"mixing": 1.0}, ValueError, r"`mixing` must be a number in \[0, 1\)"),
+        ({"outer_precision": "int2"}, ValueError, r"`outer_precision` must be one of 'fp32', 'bf16'"),
+        ({"outer_precision": "int4", "reducer": "native"}, ValueError, r"Drop `reducer=`"),
     ],
 )
 def test_bad_options_fail_when_the_strategy_is_made(options: dict[str, Any], error: type, fix: str) -> None:
