@@ -11,7 +11,8 @@ Launching side:
 - :func:`launch_order`: the variants' turns, flipped every launch round.
 
 A script that torchrun starts is its own worker: :func:`worker_command` adds ``--worker VARIANT --out PATH`` and the
-settings the ranks need, and :func:`parse_or_work` runs the worker when the command line has them. The worker side:
+settings the ranks need, and :func:`parse_or_work` runs the worker when the command line has them;
+:func:`add_comparison_arguments` and :func:`add_mlp_arguments` declare the options such scripts share. The worker side:
 :data:`QUIET_TRAINER`, :func:`cluster_trainer` (a quiet CPU Trainer for the processes torchrun started) and
 :func:`fit_rank`.
 
@@ -251,6 +252,28 @@ def parse_or_work(
         plot(args.plot, args.figure)
         return None
     return args
+
+
+def add_mlp_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--width``, ``--depth`` and ``--batch``: the MLP a rank trains (``depth`` width x width layers) and the
+    samples it takes a step, as :func:`fit_rank` reads them."""
+    parser.add_argument("--width", type=int, default=1024, help="MLP width (default: 12.6 M parameters at depth 12)")
+    parser.add_argument("--depth", type=int, default=12)
+    parser.add_argument("--batch", type=int, default=32, help="samples per rank and step")
+
+
+def add_comparison_arguments(parser: argparse.ArgumentParser, variants: Sequence[str]) -> None:
+    """The options of a comparison launched in interleaved rounds (:func:`launch_order`) on the MLP:
+    ``--variants`` (default: all of ``variants``), ``--launches``, ``--steps``, ``--warmup``, the MLP's
+    (:func:`add_mlp_arguments`), ``--bucket-cap-mb``, ``--json`` and ``--merge``."""
+    parser.add_argument("--variants", nargs="+", default=list(variants), choices=variants)
+    parser.add_argument("--launches", type=int, default=2, help="launches of every variant, interleaved")
+    parser.add_argument("--steps", type=int, default=16, help="optimizer steps per launch")
+    parser.add_argument("--warmup", type=int, default=5, help="steps left out of the medians")
+    add_mlp_arguments(parser)
+    parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="the package's bucket cap (ddp keeps 25)")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--merge", action="store_true", help="keep the cells of --json that this run does not measure")
 
 
 def cluster_trainer(strategy: Any, max_steps: int, callbacks: list[Any]) -> Any:

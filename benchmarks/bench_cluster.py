@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from _launch import (
+    add_comparison_arguments,
     fit_rank,
     launch_order,
     link_bandwidth,
@@ -288,16 +289,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--links", nargs="+", default=["1gbit", "10gbit"], help="tc rates of the links")
     parser.add_argument("--layouts", nargs="+", default=["2x1", "2x2", "4x1"], help="NODESxPROCESSES a node")
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    parser.add_argument("--launches", type=int, default=2, help="launches of every variant, interleaved")
-    parser.add_argument("--steps", type=int, default=16, help="optimizer steps per launch")
-    parser.add_argument("--warmup", type=int, default=5, help="steps left out of the median")
-    parser.add_argument("--width", type=int, default=1024, help="MLP width (default: 12.6 M parameters at depth 12)")
-    parser.add_argument("--depth", type=int, default=12)
-    parser.add_argument("--batch", type=int, default=32, help="samples per rank and step")
-    parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="the package's bucket cap (ddp keeps 25)")
-    parser.add_argument("--json", type=Path, help="also write the results here")
-    parser.add_argument("--merge", action="store_true", help="keep the cells of --json that this run does not measure")
+    add_comparison_arguments(parser, VARIANTS)
     parser.add_argument("--quick", action="store_true", help="a short run: 1gbit, 2x1, ddp and ring, small MLP")
     args = parse_or_work(parser, worker)
     if args is None:

@@ -252,7 +252,7 @@ def plot(path: Path, figure: Path) -> None:
 
 
 def main() -> None:
-    from _launch import parse_or_work
+    from _launch import add_mlp_arguments, parse_or_work
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layouts", nargs="+", type=int, default=[2, 4], help="nodes (one process each)")
@@ -261,9 +261,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=192, help="optimizer steps of every variant but ddp")
     parser.add_argument("--ddp-steps", type=int, default=64, help="ddp's optimizer steps (its loss is the target)")
     parser.add_argument("--eval-every", type=int, default=8, help="steps between evaluations")
-    parser.add_argument("--width", type=int, default=1024, help="MLP width (12.6 M parameters at depth 12)")
-    parser.add_argument("--depth", type=int, default=12)
-    parser.add_argument("--batch", type=int, default=32, help="samples per rank and step")
+    add_mlp_arguments(parser)
     parser.add_argument("--lr", type=float, default=3e-4, help="Adam's learning rate")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--add-to", type=Path, help="keep the other layouts of this stored result in the new one")

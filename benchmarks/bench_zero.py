@@ -43,6 +43,7 @@ from typing import Any
 
 from _launch import (
     ROOT,
+    add_comparison_arguments,
     fit_rank,
     launch_order,
     link_bandwidth,
@@ -389,16 +390,7 @@ def main() -> None:
     parser.add_argument(
         "--layouts", nargs="+", default=["2x1", "4x1"], help="NODESxPROCS a node (loopback: NODES*PROCS processes)"
     )
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    parser.add_argument("--launches", type=int, default=2, help="launches of every variant, interleaved")
-    parser.add_argument("--steps", type=int, default=16, help="optimizer steps per launch")
-    parser.add_argument("--warmup", type=int, default=5, help="steps left out of the medians")
-    parser.add_argument("--width", type=int, default=1024, help="MLP width (default: 12.6 M parameters at depth 12)")
-    parser.add_argument("--depth", type=int, default=12)
-    parser.add_argument("--batch", type=int, default=32, help="samples per rank and step")
-    parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="the package's bucket cap (ddp keeps 25)")
-    parser.add_argument("--json", type=Path, help="also write the results here")
-    parser.add_argument("--merge", action="store_true", help="keep the cells of --json that this run does not measure")
+    add_comparison_arguments(parser, VARIANTS)
     args = parse_or_work(parser, worker, plot, figure=ROOT / "docs" / "figures" / "zero.png")
     if args is None:
         return None
