@@ -16,9 +16,13 @@ Usage (``python benchmarks/netsim.py`` or ``benchmarks/netsim.py``)::
     netsim.py exec 1 CMD...        # CMD on node 1 with MASTER_ADDR, MASTER_PORT, NODE_RANK, NNODES, NETSIM_ADDR
                                    # and GLOO_SOCKET_IFNAME set
     netsim.py link 1 down          # cut node 1's link (``up`` restores it): a node lost to the network
+    netsim.py counters             # every node's bytes sent and received so far, read on the bridge's ends
     netsim.py status
     netsim.py down                 # remove every namespace it made (always, at the end)
     netsim.py --dry-run up 2 1gbit # print the ip/tc commands instead of running them (no root needed)
+
+From Python, :class:`LinkSampler` records every node's link counters every few tens of milliseconds while a run
+goes on, and :func:`peak_window` finds the most bytes in any one-second window of such a series.
 
 Environment: ``PYTHON`` (the interpreter ``torchrun`` runs under; default this one), ``NETSIM_LOGS`` (where
 ``torchrun`` writes ``netsim-node{i}.log``; default ``/tmp``), ``NETSIM_PREFIX`` (the namespaces' name prefix,
@@ -33,9 +37,11 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 BURST = "256kb"
 """The token bucket's depth: a probe must move far more than this to see the rate (``bandwidth`` sends 64 MiB)."""
@@ -334,6 +340,108 @@ def bandwidth() -> None:
         receiver.wait()
 
 
+# ---------------------------------------------------------------------- link counters
+COUNTERS = """
+import sys, time
+interval, names = float(sys.argv[1]), sys.argv[2:]
+stats = [open(f"/sys/class/net/{n}/statistics/{k}_bytes") for n in names for k in ("rx", "tx")]
+def read(f):
+    f.seek(0)
+    return f.read().strip()
+while True:
+    print(repr(time.time()), *map(read, stats), flush=True)
+    if interval <= 0:
+        break
+    time.sleep(interval)
+"""
+"""Run in the bridge's namespace (where ``ip netns exec`` mounts its own ``/sys``): prints the wall time and, per
+bridge end ``b{i}``, its received bytes (what node ``i`` sent) and its sent bytes (what node ``i`` received), every
+``interval`` seconds (once for 0)."""
+
+
+@dataclass
+class LinkSampler:
+    """Every node's link counters sampled every ``interval`` seconds from the bridge's namespace while it runs.
+
+    ``start()`` launches one small sampler process (standard library only), ``stop()`` ends it and returns the
+    samples: ``(wall time, [bytes node i sent so far], [bytes node i received so far])``, counted on the bridge's
+    end of each link (Ethernet frames with their IP and TCP headers, as the link carries them).
+    """
+
+    cluster: Cluster
+    interval: float = 0.05
+    process: subprocess.Popen[str] | None = field(default=None, repr=False)
+    output: Any = field(default=None, repr=False)  # a file, not a pipe: a pipe nobody reads fills and stalls it
+
+    def command(self, interval: float) -> list[str]:
+        """The sampler's command line (``interval`` 0: one sample)."""
+        ends = [f"b{i}" for i in range(self.cluster.nodes)]
+        return ["ip", "netns", "exec", self.cluster.bridge, sys.executable, "-c", COUNTERS, str(interval), *ends]
+
+    def start(self) -> LinkSampler:
+        """Start sampling (needs root and the cluster up)."""
+        require_root_and_iproute2()
+        self.output = tempfile.TemporaryFile("w+")
+        self.process = subprocess.Popen(self.command(self.interval), stdout=self.output, text=True)
+        return self
+
+    def stop(self) -> list[tuple[float, list[int], list[int]]]:
+        """Stop sampling; the samples taken."""
+        if self.process is None:
+            return []
+        self.process.terminate()
+        self.process.wait(timeout=30)
+        self.output.seek(0)
+        out = self.output.read()
+        self.output.close()
+        self.process = self.output = None
+        return parse_counters(out)
+
+
+def parse_counters(text: str) -> list[tuple[float, list[int], list[int]]]:
+    """The samples in the sampler's output (a line cut short by ``stop`` is dropped).
+
+    Examples:
+        >>> parse_counters("1.5 10 20 30 40\\n1.6 11 21\\n")
+        [(1.5, [10, 30], [20, 40])]
+    """
+    samples = []
+    lines = [line.split() for line in text.splitlines()]
+    width = max((len(f) for f in lines), default=0)
+    for fields in lines:
+        if len(fields) == width and width >= 3:
+            values = [int(v) for v in fields[1:]]
+            samples.append((float(fields[0]), values[0::2], values[1::2]))
+    return samples
+
+
+def peak_window(times: Sequence[float], counts: Sequence[float], window: float = 1.0) -> float:
+    """The most a cumulative counter grew between two samples at most ``window`` seconds apart: the most bytes in any
+    ``window`` of the series (sampled every ``interval``, it is seen to within an interval's bytes).
+
+    Examples:
+        >>> peak_window([0.0, 0.5, 1.0, 1.5, 2.0], [0, 0, 100, 300, 300])
+        300.0
+    """
+    best, j = 0.0, 0
+    for i in range(len(times)):
+        j = max(j, i)
+        while j + 1 < len(times) and times[j + 1] - times[i] <= window + 1e-9:
+            j += 1
+        best = max(best, float(counts[j] - counts[i]))
+    return best
+
+
+def counters() -> None:
+    """Print every node's bytes sent and received so far."""
+    require_root_and_iproute2()
+    sampler = LinkSampler(load())
+    out = subprocess.run(sampler.command(0), capture_output=True, text=True, check=True).stdout
+    for _, sent, received in parse_counters(out):
+        for node, (s, r) in enumerate(zip(sent, received, strict=True)):
+            print(f"node {node}: sent {s} bytes, received {r} bytes")
+
+
 USAGE = "\n".join(line for line in (__doc__ or "").split("Environment")[0].splitlines() if line.startswith("    "))
 """The subcommands, as the module's docstring lists them."""
 
@@ -352,6 +460,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(status_line())
     elif command == "bandwidth":
         bandwidth()
+    elif command == "counters":
+        counters()
     elif command == "link" and len(rest) == 2 and rest[0].isdigit():
         if not dry_run:
             require_root_and_iproute2()

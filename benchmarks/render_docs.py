@@ -1,5 +1,5 @@
-"""Regenerate the result tables of the docs (``docs/benchmarks.md``, ``docs/network.md``, ``docs/sharding.md``) from
-the stored runs in ``benchmarks/results/*.json``.
+"""Regenerate the result tables of the docs (``docs/benchmarks.md``, ``docs/network.md``, ``docs/sharding.md``,
+``docs/slow_links.md``) from the stored runs in ``benchmarks/results/*.json``.
 
 Each table sits between markers named after its result file::
 
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = (ROOT / "docs" / "benchmarks.md", ROOT / "docs" / "network.md", ROOT / "docs" / "sharding.md")
+PAGES = tuple(ROOT / "docs" / page for page in ("benchmarks.md", "network.md", "sharding.md", "slow_links.md"))
 RESULTS = ROOT / "benchmarks" / "results"
 
 COMMANDS = {
@@ -44,6 +44,7 @@ COMMANDS = {
     "local_sgd": "python benchmarks/bench_local_sgd.py",
     "network_guide": "python benchmarks/cluster_model.py --guide",
     "zero": "python benchmarks/bench_zero.py",
+    "lm": "python benchmarks/bench_lm.py --links 200mbit 1gbit --nodes 2",
 }
 """The command that produces each result file (without ``--json``), shown where the file is missing."""
 

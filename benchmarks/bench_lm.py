@@ -1,0 +1,441 @@
+"""Training over slow links: a byte-level Transformer LM on the simulated cluster, time to ddp's validation loss.
+
+The task is ``benchmarks/lm_task.py``: a 7.2 M-parameter byte-level causal Transformer (4 blocks of width 384, tied
+byte embedding, context 128) trained with AdamW on the standard library's ``pydoc_data.topics`` text, the last 10%
+held out. Every variant trains the same model from the same seed on the same global batch sequence (8 windows a
+process and step) for the same training-time budget (``--budget`` seconds, evaluations left out), one process a
+simulated node with one thread. Every ``--eval-seconds`` of training the ranks' averaged model (for local SGD
+mid-period: the mean of the ranks' parameters, in a copy) is scored on 64 held-out windows; the clock stops meanwhile.
+Variants (one line each in :data:`VARIANTS`):
+
+    ddp                    Lightning's own DDP
+    ring_allreduce         the package's ring all-reduce (registered name)
+    ring_allreduce_auto    the ring with reducer="auto" (it times a few steps, then picks a reducer)
+    powersgd               RingAllReduceStrategy(reducer=PowerSGD("ring", rank=4))
+    local_sgd              LocalSGDStrategy(sync_every=8), inner AdamW
+    diloco                 LocalSGDStrategy(sync_every=16, outer_optimizer=diloco_outer_optimizer()), inner AdamW
+    streaming_diloco_int8  streaming DiLoCo: 4 fragments, outer gradients sent in int8, merged 1 step later
+    streaming_diloco_int4  the same in int4
+
+A variant the installed package cannot build yet is skipped and listed in the JSON. While a variant runs, the host
+samples every node's link counters every 50 ms (``netsim.LinkSampler``): the JSON holds the bytes the nodes sent while
+training (headers included), per step, and the peak: the most bytes one node sent in any one-second window. Time to
+quality is each variant's training time to reach ddp's final validation loss (interpolated between the evaluations
+around the first one at or below it), against ddp's own. Needs root (network namespaces); without it the script
+says so and exits with status 0. Always leaves the cluster down. ``--dry-run`` prints the plan; ``--quick`` is a
+short run (one cell, two variants, 20 s).
+``--plot`` draws validation loss against training time, one panel per link x nodes cell.
+
+Usage::
+
+    python benchmarks/bench_lm.py --links 200mbit --nodes 2 --json benchmarks/results/lm.json
+    python benchmarks/bench_lm.py --links 1gbit --nodes 2 --add-to benchmarks/results/lm.json --json ...
+    python benchmarks/bench_lm.py --plot benchmarks/results/lm.json --figure docs/figures/lm_loss_time.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+# ``_launch`` and ``netsim`` are imported where they are used: tests load this file by its path
+ROOT = Path(__file__).resolve().parents[1]
+STREAMING = "fragments=4, delay=1, mixing=0.5"
+
+VARIANTS: dict[str, str] = {
+    "ddp": '"ddp"',
+    "ring_allreduce": '"ring_allreduce"',
+    "ring_allreduce_auto": '"ring_allreduce_auto"',
+    "powersgd": 'RingAllReduceStrategy(reducer=PowerSGD("ring", rank=4))',
+    "local_sgd": "LocalSGDStrategy(sync_every=8)",
+    "diloco": "LocalSGDStrategy(sync_every=16, outer_optimizer=diloco_outer_optimizer())",
+    "streaming_diloco_int8": f'LocalSGDStrategy(sync_every=16, outer_optimizer=diloco_outer_optimizer(), {STREAMING}, outer_precision="int8")',  # noqa: E501
+    "streaming_diloco_int4": f'LocalSGDStrategy(sync_every=16, outer_optimizer=diloco_outer_optimizer(), {STREAMING}, outer_precision="int4")',  # noqa: E501
+}
+"""Each variant's ``Trainer(strategy=...)``, as Python evaluated over the package's names."""
+
+
+def make_strategy(variant: str) -> Any:
+    """The Trainer's ``strategy=`` for ``variant`` (``TypeError`` where the package lacks an option it names)."""
+    import lightning_dp_strategies as ldp
+    from lightning_dp_strategies.core.local_sgd import diloco_outer_optimizer
+
+    names = {"diloco_outer_optimizer": diloco_outer_optimizer, **{n: getattr(ldp, n) for n in ldp.__all__}}
+    return eval(VARIANTS[variant], {"__builtins__": {}}, names)
+
+
+def available(variant: str) -> bool:
+    """Whether the installed package builds ``variant``."""
+    try:
+        make_strategy(variant)
+    except (TypeError, ValueError, AttributeError):
+        return False
+    return True
+
+
+# ---------------------------------------------------------------------- one rank
+def worker(args: argparse.Namespace) -> None:
+    """One rank of one launch (started by torchrun on every simulated node)."""
+    import torch
+    from _launch import cluster_trainer
+    from lm_task import TrainWindows, corpus, lightning_module, val_batches
+    from torch.utils.data import DataLoader
+
+    torch.set_num_threads(1)  # the simulated nodes share the machine's cores
+    import lightning as L
+
+    config = lm_config(args)
+    train, val = corpus()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    L.seed_everything(0)
+    module = lightning_module(config)
+    clock = clock_callback(args.budget, args.eval_seconds, val_batches(val, config.context, count=64))
+    trainer = cluster_trainer(make_strategy(args.worker), args.max_steps, [clock])
+    data = DataLoader(TrainWindows(train, config, rank, world, seed=1), batch_size=None)
+    trainer.fit(module, data)
+    if trainer.global_rank == 0:
+        tokens = world * config.tokens_per_step
+        result = {"variant": args.worker, "points": clock.points, "segments": clock.segments, "steps": clock.step_s}
+        result["tokens_per_step"] = tokens
+        Path(args.out).write_text(json.dumps(result))
+
+
+def lm_config(args: argparse.Namespace) -> Any:
+    from lm_task import LMConfig
+
+    return LMConfig(args.d_model, args.layers, args.heads, args.context, args.batch, args.lr)
+
+
+def clock_callback(budget: float, eval_seconds: float, batches: list[Any]) -> Any:
+    """A callback that keeps the training clock (evaluations left out), scores the averaged model every
+    ``eval_seconds`` of it on ``batches`` (rank 0), and stops the fit once ``budget`` seconds have passed. Rank 0
+    decides and broadcasts the decision every step, so the ranks agree."""
+    import copy
+
+    import lightning as L
+    import torch
+    import torch.distributed as dist
+    from lm_task import evaluate
+
+    class Clock(L.Callback):
+        def __init__(self) -> None:
+            self.points: list[dict[str, float]] = []
+            self.segments: list[list[float]] = []  # wall-time [start, end] of each stretch of training
+            self.step_s: list[float] = []
+            self.start = self.paused = self.last = self.next_eval = 0.0
+
+        def elapsed(self) -> float:
+            return time.perf_counter() - self.start - self.paused
+
+        def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+            dist.barrier()
+            self.points.append(self.evaluate(trainer, module, 0, 0.0))
+            dist.barrier()
+            self.start, self.paused, self.next_eval = time.perf_counter(), 0.0, eval_seconds
+            self.segments.append([time.time(), 0.0])
+
+        def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *_: Any) -> None:
+            now = self.elapsed()
+            self.step_s.append(now - self.last)
+            flags = torch.tensor([float(now >= self.next_eval), float(now >= budget)])
+            dist.broadcast(flags, 0)
+            if flags[0] or flags[1]:
+                self.segments[-1][1] = time.time()
+                pause = time.perf_counter()
+                self.points.append(self.evaluate(trainer, module, trainer.global_step, now))
+                dist.barrier()
+                self.next_eval = now + eval_seconds
+                self.paused += time.perf_counter() - pause
+                trainer.should_stop = bool(flags[1])
+                self.segments.append([time.time(), 0.0])
+            self.last = self.elapsed()
+
+        def on_train_end(self, *_: Any) -> None:
+            self.segments.pop()  # the stretch opened after the last evaluation trained nothing
+
+        def evaluate(self, trainer: L.Trainer, module: L.LightningModule, step: int, now: float) -> dict[str, Any]:
+            local = getattr(trainer.strategy, "local_sgd", None)
+            state = module.state_dict() if local is None else local.averaged_state(module.state_dict())
+            loss = float("nan")
+            if trainer.global_rank == 0:
+                model: Any = copy.deepcopy(module.model)
+                model.load_state_dict({k.removeprefix("model."): v for k, v in state.items()})
+                loss = evaluate(model, batches)
+            return {"step": step, "seconds": now, "val_loss": loss}
+
+    return Clock()
+
+
+# ---------------------------------------------------------------------- launching
+WORKER_SETTINGS = ("d_model", "layers", "heads", "context", "batch", "lr", "budget", "eval_seconds", "max_steps")
+
+
+def launch(variant: str, args: argparse.Namespace, folder: Path, nodes: int) -> dict[str, Any]:
+    """One launch of ``variant`` on the cluster that is up, one process a node, its links sampled meanwhile."""
+    import netsim
+    from _launch import torchrun_on_cluster, worker_command
+
+    out = folder / f"{variant}.json"
+    sampler = netsim.LinkSampler(netsim.load(), interval=args.sample_interval).start()
+    try:
+        torchrun_on_cluster(1, worker_command(__file__, variant, out, args, WORKER_SETTINGS), folder, variant)
+    finally:
+        samples = sampler.stop()
+    result: dict[str, Any] = json.loads(out.read_text())
+    result.update(traffic(samples, result["segments"], nodes))
+    return result
+
+
+def traffic(samples: list[Any], segments: list[list[float]], nodes: int) -> dict[str, Any]:
+    """Bytes each node sent while training (the stretches in ``segments``; set-up and evaluations left out), and the
+    most one node sent in any one-second window of training time."""
+    from netsim import peak_window
+
+    def training(t: float) -> float | None:  # training time at wall time t, None outside the stretches
+        done = 0.0
+        for start, end in segments:
+            if start <= t <= end:
+                return done + t - start
+            done += end - start
+        return None
+
+    clock: list[float] = []  # training time at the end of each sampled interval that lies in training
+    sent: list[list[float]] = [[] for _ in range(nodes)]  # bytes each node sent, cumulative over those intervals
+    for (t0, s0, _), (t1, s1, _) in itertools.pairwise(samples):
+        at = training((t0 + t1) / 2)
+        if at is None:
+            continue
+        if not clock:  # where the count starts: zero bytes one interval before the first
+            clock.append(at - (t1 - t0) / 2)
+            for series in sent:
+                series.append(0.0)
+        clock.append(at + (t1 - t0) / 2)
+        for node in range(nodes):
+            sent[node].append(sent[node][-1] + s1[node] - s0[node])
+    totals = [series[-1] if series else 0.0 for series in sent]
+    peaks = [peak_window(clock, series, 1.0) for series in sent]
+    return {"sent_bytes": totals, "peak_bytes_1s": peaks, "samples": len(samples)}
+
+
+def crossing(points: list[dict[str, Any]], target: float) -> float | None:
+    """The training time at which the loss first reaches ``target``, interpolated linearly between the two
+    evaluations around it; ``None`` if it never does.
+
+    Examples:
+        >>> crossing([{"seconds": 0, "val_loss": 5.0}, {"seconds": 10, "val_loss": 3.0}], 4.0)
+        5.0
+    """
+    for before, after in itertools.pairwise(points):
+        if after["val_loss"] <= target:
+            drop = before["val_loss"] - after["val_loss"]
+            share = (before["val_loss"] - target) / drop if drop > 0 else 1.0
+            return float(before["seconds"] + share * (after["seconds"] - before["seconds"]))
+    return None
+
+
+def summarize(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """ddp's final loss as the target; per variant the time to reach it, the loss at the budget, steps and bytes."""
+    target = runs["ddp"]["points"][-1]["val_loss"] if "ddp" in runs else None
+    ddp_seconds = crossing(runs["ddp"]["points"], target) if target is not None else None
+    rows = {}
+    for variant, run in runs.items():
+        points, last = run["points"], run["points"][-1]
+        reached = crossing(points, target) if target is not None else None
+        steps = max(1, last["step"])
+        rows[variant] = {
+            "steps": last["step"],
+            "tokens": last["step"] * run["tokens_per_step"],
+            "seconds": last["seconds"],
+            "seconds_per_step": last["seconds"] / steps,
+            "median_step_s": statistics.median(run["steps"][3:] or run["steps"]),
+            "final_loss": last["val_loss"],
+            "seconds_to_target": reached,
+            "ratio_to_ddp": reached / ddp_seconds if reached is not None and ddp_seconds else None,
+        }
+        if "sent_bytes" in run:  # a run whose link counters were sampled
+            rows[variant]["sent_mb_per_step"] = sum(run["sent_bytes"]) / len(run["sent_bytes"]) / steps / 1e6
+            rows[variant]["sent_mb"] = sum(run["sent_bytes"]) / 1e6
+            rows[variant]["peak_mb_per_s"] = max(run["peak_bytes_1s"]) / 1e6
+    return {"target_loss": target, "ddp_seconds": ddp_seconds, "variants": rows}
+
+
+def measure_cell(link: str, nodes: int, variants: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    """Every variant on ``nodes`` nodes over ``link``, one after another."""
+    from _launch import link_bandwidth, simulated_cluster
+
+    runs: dict[str, dict[str, Any]] = {}
+    failed: dict[str, str] = {}
+    with simulated_cluster(nodes, link), tempfile.TemporaryDirectory(prefix="lm-") as tmp:
+        bandwidth = link_bandwidth()
+        for variant in variants:
+            try:
+                runs[variant] = launch(variant, args, Path(tmp), nodes)
+            except (RuntimeError, OSError) as failure:  # one failed variant does not lose the others
+                failed[variant] = str(failure)[-2000:]
+                print(f"  {link} {nodes} nodes {variant}: failed\n{failed[variant]}")
+                continue
+            last = runs[variant]["points"][-1]
+            mb = sum(runs[variant]["sent_bytes"]) / 1e6
+            print(f"  {link} {nodes} nodes {variant:22s} {last['step']:4d} steps {last['val_loss']:.4f} {mb:.0f} MB")
+    cell = {"link": link, "nodes": nodes, "per_node": 1, "bandwidth": bandwidth, "runs": runs, "failed": failed}
+    return {**cell, **summarize(runs)}
+
+
+# ---------------------------------------------------------------------- tables and the figure
+COLUMNS = ["link", "nodes", "variant", "steps", "s/step", "final loss", "s to ddp's loss", "/ ddp"]
+COLUMNS += ["MB sent/step/node", "peak MB/s"]
+
+
+def table(cells: list[dict[str, Any]]) -> list[list[Any]]:
+    """One row per cell and variant."""
+    rows = []
+    for cell in cells:
+        for variant, row in cell["variants"].items():
+            reached, ratio = row["seconds_to_target"], row["ratio_to_ddp"]
+            rows.append(
+                [
+                    cell["link"],
+                    cell["nodes"],
+                    variant,
+                    row["steps"],
+                    f"{row['seconds_per_step']:.2f}",
+                    f"{row['final_loss']:.3f}",
+                    f"{reached:.0f}" if reached is not None else "not reached",
+                    f"{ratio:.2f}" if ratio is not None else "-",
+                    f"{row['sent_mb_per_step']:.2f}" if "sent_mb_per_step" in row else "-",
+                    f"{row['peak_mb_per_s']:.1f}" if "peak_mb_per_s" in row else "-",
+                ]
+            )
+    return rows
+
+
+def plot(path: Path, figure: Path) -> None:
+    """Validation loss against training time, one panel per link x nodes cell, from a stored result."""
+    import matplotlib
+    from _results import save_figure
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = json.loads(path.read_text())["cells"]
+    fig, axes = plt.subplots(1, len(cells), figsize=(6 * len(cells), 4.2), squeeze=False)
+    for ax, cell in zip(axes[0], cells, strict=True):
+        for variant, run in cell["runs"].items():
+            style = "-" if variant in ("ddp", "ring_allreduce", "ring_allreduce_auto", "powersgd") else "--"
+            points = run["points"]
+            label = variant.replace("_allreduce", "")
+            ax.plot([p["seconds"] for p in points], [p["val_loss"] for p in points], style, lw=1.6, label=label)
+        if cell["target_loss"] is not None:
+            ax.axhline(cell["target_loss"], color="gray", lw=0.8)
+        ax.set(title=f"{cell['nodes']} nodes over {cell['link']}", xlabel="training time (s)")
+        ax.set(ylabel="held-out loss (nats/byte)")
+        ax.legend(fontsize=8)
+    save_figure(fig, figure)
+
+
+# ---------------------------------------------------------------------- the command
+def plan(args: argparse.Namespace, variants: list[str]) -> list[str]:
+    """What a run would do, one line per cell."""
+    lines = []
+    for nodes in args.nodes:
+        for link in args.links:
+            lines.append(f"{link} x {nodes} nodes: {', '.join(variants)} ({args.budget:.0f} s of training each)")
+    return lines
+
+
+def arguments() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--links", nargs="+", default=["200mbit", "1gbit"], help="tc rates of the links")
+    parser.add_argument("--nodes", nargs="+", type=int, default=[2, 4], help="node counts (one process each)")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--budget", type=float, default=60.0, help="training seconds of every variant")
+    parser.add_argument("--eval-seconds", type=float, default=10.0, help="training seconds between evaluations")
+    parser.add_argument("--max-steps", type=int, default=100_000, help="a cap on steps besides the budget")
+    parser.add_argument("--d-model", type=int, default=384)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=6)
+    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=8, help="windows a process and step")
+    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW's learning rate")
+    parser.add_argument("--sample-interval", type=float, default=0.05, help="seconds between link samples")
+    parser.add_argument("--quick", action="store_true", help="one cell (200mbit x 2), ddp and local_sgd, 20 s each")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan and exit")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--add-to", type=Path, help="keep the other cells of this stored result in the new one")
+    return parser
+
+
+def main() -> None:
+    from _launch import parse_or_work
+
+    parser = arguments()
+    args = parse_or_work(parser, worker, plot, figure=ROOT / "docs" / "figures" / "lm_loss_time.png")
+    if args is None:
+        return
+    if args.quick:
+        args.links, args.nodes, args.variants, args.budget, args.eval_seconds = ["200mbit"], [2], [], 20.0, 5.0
+        args.variants = ["ddp", "local_sgd"]
+    skipped = [v for v in args.variants if not available(v)]
+    variants = [v for v in args.variants if v not in skipped]
+    for line in plan(args, variants) + [f"skipped (not in the installed package): {', '.join(skipped)}"] * bool(
+        skipped
+    ):
+        print(line)
+    if args.dry_run:
+        return
+    if os.geteuid() != 0:
+        print("bench_lm.py needs root for the simulated cluster (network namespaces and tc); nothing measured.")
+        return
+    cells = [measure_cell(link, nodes, variants, args) for nodes in args.nodes for link in args.links]
+    save(cells, args, skipped)
+
+
+def save(cells: list[dict[str, Any]], args: argparse.Namespace, skipped: list[str]) -> None:
+    import lightning
+    from _results import Report
+    from lm_task import parameter_count
+
+    keys = ("links", "nodes", "variants", "budget", "eval_seconds", "d_model", "layers", "heads", "context", "batch")
+    settings: dict[str, Any] = {k: getattr(args, k) for k in (*keys, "lr", "sample_interval")}
+    report = Report("lm", settings)
+    report.data["machine"]["cpu"] = cpu_model()
+    report.data["machine"]["lightning"] = lightning.__version__
+    if args.add_to is not None:
+        done = {(c["link"], c["nodes"]) for c in cells}
+        cells = [c for c in json.loads(args.add_to.read_text())["cells"] if (c["link"], c["nodes"]) not in done] + cells
+        cells = [{**c, **summarize(c["runs"])} for c in cells]  # every cell summarised the same way
+    params = parameter_count(lm_config(args))
+    notes = [f"{c['link']} x {c['nodes']}: ddp's loss {c['target_loss']:.3f}; {c['bandwidth']}" for c in cells]
+    report.note(
+        f"{params / 1e6:.1f} M parameters; one process a node with one thread; every variant {args.budget:.0f} s "
+        f"of training; variants not in the installed package: {', '.join(skipped) or 'none'}."
+    )
+    report.table("Time to ddp's held-out loss, bytes and peak bandwidth", COLUMNS, table(cells), notes)
+    report.data["cells_run"] = [f"{c['link']} x {c['nodes']}" for c in cells]
+    report.data["skipped"] = skipped
+    report.data["cells"] = cells
+    for row in table(cells):
+        print("  ".join(str(c) for c in row))
+    report.save(args.json)
+    if args.json is not None:
+        plot(args.json, args.figure)
+
+
+def cpu_model() -> str:
+    """The CPU's model name as ``/proc/cpuinfo`` gives it."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return "unknown"
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "unknown")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""The language-model benchmark's pieces on tiny sizes: the corpus, the batches, the model, the link arithmetic.
+
+The benchmark itself needs root and minutes on the simulated cluster (``benchmarks/bench_lm.py``); nothing here
+runs it or asserts on speed.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+import bench_lm  # noqa: E402
+import lm_task  # noqa: E402
+import netsim  # noqa: E402
+
+TINY = lm_task.LMConfig(d_model=32, layers=1, heads=2, context=16, batch=2, lr=3e-3)
+
+
+def test_corpus_holds_back_the_last_tenth_of_pydoc_topics() -> None:
+    train, val = lm_task.corpus()
+    assert train.dtype == torch.uint8 and len(train) > 100_000
+    assert abs(len(val) / (len(train) + len(val)) - 0.1) < 1e-3
+    assert bytes(train[:200].tolist()) != bytes(val[:200].tolist())
+
+
+def test_each_rank_takes_its_rows_of_the_one_global_batch() -> None:
+    train, _ = lm_task.corpus()
+    whole = next(iter(lm_task.TrainWindows(train, lm_task.LMConfig(context=16, batch=4), seed=3)))
+    parts = [next(iter(lm_task.TrainWindows(train, TINY, rank=r, world=2, seed=3))) for r in range(2)]
+    assert torch.equal(torch.cat([p[0] for p in parts]), whole[0])
+    assert torch.equal(whole[0][:, 1:], whole[1][:, :-1])  # the targets are the next bytes
+
+
+def test_the_tiny_model_learns_bytes_and_ties_its_head_to_the_embedding() -> None:
+    torch.manual_seed(0)
+    train, val = lm_task.corpus()
+    model = lm_task.ByteLM(TINY)
+    assert lm_task.parameter_count(TINY) == sum(p.numel() for p in model.parameters())
+    held_out = lm_task.val_batches(val, TINY.context, count=8, batch=4)
+    before = lm_task.evaluate(model, held_out)
+    assert abs(before - math.log(256)) < 0.5
+    optimizer = torch.optim.AdamW(model.parameters(), lr=TINY.lr)
+    batches = iter(lm_task.TrainWindows(train, lm_task.LMConfig(32, 1, 2, 16, 16), seed=0))
+    for _ in range(40):
+        model.loss(*next(batches)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert lm_task.evaluate(model, held_out) < before - 1.0
+
+
+def test_peak_window_finds_the_burst_in_a_sampled_counter() -> None:
+    times = [0.05 * i for i in range(200)]  # 10 s sampled every 50 ms: 1 MB/s, and 8 MB more between 4.0 and 4.5 s
+    counts = [1e6 * t + 8e6 * min(1.0, max(0.0, (t - 4.0) / 0.5)) for t in times]
+    assert netsim.peak_window(times, counts, 1.0) == pytest.approx(9e6, rel=0.01)
+    assert netsim.peak_window(times, counts, 0.25) == pytest.approx(4.25e6, rel=0.02)
+    assert netsim.peak_window([0.0], [5.0]) == 0.0
+
+
+def test_counters_parse_and_training_traffic_leaves_out_pauses() -> None:
+    assert netsim.parse_counters("1.0 5 6 7 8\n1.1 9 10\n") == [(1.0, [5, 7], [6, 8])]
+    # node 0 sends 1 MB every 0.1 s; 50 MB more during a pause (an evaluation) between wall times 2 and 3
+    samples = [(0.1 * i, [int(1e6 * i + (50e6 if i > 25 else 0)), 0], [0, 0]) for i in range(51)]
+    moved = bench_lm.traffic(samples, [[0.0, 2.0], [3.0, 5.0]], nodes=2)
+    assert moved["sent_bytes"][0] == pytest.approx(40e6, rel=0.03)
+    assert moved["peak_bytes_1s"][0] == pytest.approx(10e6, rel=0.15)
+    assert moved["sent_bytes"][1] == 0
+
+
+def test_dry_run_prints_the_plan_and_names_every_variant_once() -> None:
+    assert len(set(bench_lm.VARIANTS)) == len(bench_lm.VARIANTS)
+    assert all(v.startswith(("ddp", "ring", "powersgd", "local", "diloco", "streaming")) for v in bench_lm.VARIANTS)
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_lm.py"), "--dry-run", "--links", "200mbit", "--nodes", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("200mbit x 2 nodes: ddp, ring_allreduce,"), done.stdout
+
+
+def test_time_to_target_interpolates_between_evaluations_and_says_when_never() -> None:
+    points = [{"seconds": 0.0, "val_loss": 5.0}, {"seconds": 10.0, "val_loss": 4.0}, {"seconds": 20.0, "val_loss": 2.0}]
+    assert bench_lm.crossing(points, 3.0) == pytest.approx(15.0)
+    assert bench_lm.crossing(points, 1.0) is None
