@@ -57,15 +57,16 @@ def check_not_sharded(shard_optimizer_state: object) -> None:
 
 
 STREAMING_DEFAULTS: dict[str, Any] = {
-    "sync_every": 16,
+    "sync_every": "auto",
     "fragments": 4,
     "delay": 1,
     "mixing": 0.5,
     "outer_precision": "int4",
     "outer_optimizer": diloco_outer_optimizer(),
 }
-"""The options the registered name ``"streaming_diloco"`` stands for: DiLoCo's outer optimizer, four fragments each
-synchronised every 16 steps, the change sent as 4 bits during one inner step and mixed half-and-half."""
+"""The options the registered name ``"streaming_diloco"`` stands for: DiLoCo's outer optimizer, four fragments in
+turns, the change sent as 4 bits during at least one inner step and mixed half-and-half, the period chosen from the
+first steps' timings (``sync_every="auto"``)."""
 
 
 def local_config(

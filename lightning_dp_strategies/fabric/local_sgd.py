@@ -38,7 +38,7 @@ class FabricLocalSGDStrategy(FabricRingAllReduceStrategy):
     the same keys resumes where the run stopped. The inner optimizer's state stays on each rank.
 
     Args:
-        sync_every: optimizer steps between synchronisations (H, >= 1).
+        sync_every: optimizer steps between synchronisations (H, >= 1), or ``"auto"`` (see the Trainer strategy).
         outer_optimizer: ``factory(params) -> Optimizer`` over the anchor parameters (``None``: plain averaging).
         warmup_steps: optimizer steps at the start that average their gradients every step.
         reducer: how the change is averaged: ``"ring"`` (default), ``"native"``, or e.g. ``bf16_compress("ring")``.
@@ -66,7 +66,7 @@ class FabricLocalSGDStrategy(FabricRingAllReduceStrategy):
 
     def __init__(
         self,
-        sync_every: int = 8,
+        sync_every: int | str = 8,
         outer_optimizer: OuterOptimizerFactory | None = None,
         warmup_steps: int = 0,
         reducer: str | Reducer | None = None,
@@ -162,7 +162,7 @@ class FabricLocalSGDStrategy(FabricRingAllReduceStrategy):
         return remainder
 
     # ------------------------------------------------------------------ options (read-only)
-    sync_every = ConfigOption[int]("local_config")
+    sync_every = ConfigOption[int | str]("local_config")
     outer_optimizer = ConfigOption[OuterOptimizerFactory | None]("local_config")
     warmup_steps = ConfigOption[int]("local_config")
     average_buffers = ConfigOption[bool]("local_config")

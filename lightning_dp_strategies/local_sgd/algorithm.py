@@ -5,20 +5,33 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import logging
+import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_dp_strategies.bucketing.stats import CommStats
 from lightning_dp_strategies.local_sgd.averaging import FlatAverager, averageable
 from lightning_dp_strategies.local_sgd.config import LocalSGDConfig, make_outer_optimizer
-from lightning_dp_strategies.local_sgd.streaming import OuterChannel, split_fragments, turns
+from lightning_dp_strategies.local_sgd.streaming import (
+    BYTES_PER_VALUE,
+    OuterChannel,
+    choose_period,
+    split_fragments,
+    turns,
+)
+from lightning_dp_strategies.reducers.auto import visible
 
 __all__ = ["InFlight", "LocalSGD"]
+
+log = logging.getLogger("lightning_dp_strategies")
 
 
 @dataclass
@@ -75,6 +88,13 @@ class LocalSGD:
         self.outer: Optimizer | None = None
         self.fragments: list[list[int]] = []
         self.turns: list[int] = []
+        self.sync_every = config.sync_every if isinstance(config.sync_every, int) else 0
+        """The period in use: ``config.sync_every``, or the one ``"auto"`` chose (0 until then)."""
+        self.delay = config.delay
+        """The delay in use: ``config.delay``, or the one ``"auto"`` chose."""
+        self.timings: dict[str, list[float]] = {"step": [], "fragment": []}
+        """``sync_every="auto"``: the inner steps' and the fragments' reductions' seconds, until it chooses."""
+        self._step_end: float | None = None
         self.steps = 0
         """Optimizer steps taken since training began (the warm-up's included)."""
         self.phase = 0
@@ -96,7 +116,21 @@ class LocalSGD:
         self.anchor = [p.detach().to(torch.float32, copy=True).requires_grad_(True) for p in self.params]
         self.outer = make_outer_optimizer(self.config.outer_optimizer, self.anchor)
         self.fragments = split_fragments(self.params, self.config.fragments)
-        self.turns = [turn % self.config.sync_every for turn in turns(self.config.fragments, self.config.sync_every)]
+        self._set_period(self.sync_every or self._trial_period)
+
+    @property
+    def choosing(self) -> bool:
+        """Whether ``sync_every="auto"`` is still timing its first period."""
+        return self.sync_every == 0
+
+    @property
+    def _trial_period(self) -> int:
+        """The first period of ``sync_every="auto"``: every fragment leaves once, one a step."""
+        return max(self.config.fragments, self.delay + 1)
+
+    def _set_period(self, sync_every: int) -> None:
+        self.turns = [turn % sync_every for turn in turns(self.config.fragments, sync_every)]
+        self._period = sync_every
 
     @property
     def stats(self) -> CommStats:
@@ -123,16 +157,45 @@ class LocalSGD:
             if self.steps == self.config.warmup_steps:
                 self._reset_anchor()
             return False
+        if self.choosing and self._step_end is not None:  # the inner step since the last call, nothing of ours
+            self.timings["step"].append(time.perf_counter() - self._step_end)
         self.phase += 1
         self.since_sync += 1
         applied = False
         while self.in_flight and self.in_flight[0].apply_at <= self.phase:
             self._apply(self.in_flight.pop(0))
             applied = True
-        for fragment, turn in enumerate(self.turns):
-            if self.phase % self.config.sync_every == turn:
-                applied |= self._send(fragment)
+        if self.choosing and self.phase > self._period:  # the trial period's fragments in flight: none leaves
+            if self.phase == self._period + self.delay:
+                self._choose_period()
+        else:
+            for fragment, turn in enumerate(self.turns):
+                if self.phase % self._period == turn:
+                    applied |= self._send(fragment)
+        self._step_end = time.perf_counter()
         return applied
+
+    # ------------------------------------------------------------------ sync_every="auto"
+    def _choose_period(self) -> None:
+        """Agree on the slowest rank's median step and fragment reduction, choose the period and the delay
+        (:func:`~lightning_dp_strategies.local_sgd.streaming.choose_period`), log them, and start the period."""
+        measured = torch.tensor([statistics.median(v) if v else 0.0 for v in self.timings.values()])
+        if self.averager.world_size > 1:
+            self._collective(
+                lambda: torch.distributed.all_reduce(measured, torch.distributed.ReduceOp.MAX, self.averager.group)
+            )
+        step, fragment = measured.tolist()
+        self.sync_every, self.delay = choose_period(self.config.fragments, self.config.delay, step, fragment)
+        self._set_period(self.sync_every)
+        self.phase = 0
+        values = max(sum(self.params[i].numel() for i in run) for run in self.fragments)
+        megabytes = values * BYTES_PER_VALUE[self.config.outer_precision] / 1e6
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            visible(log).info(
+                f"Local SGD (sync_every='auto'): sync_every={self.sync_every}, delay={self.delay}. A fragment's change "
+                f"({megabytes:.2f} MB as {self.config.outer_precision}) took {fragment * 1e3:.0f} ms to average; an "
+                f"inner step {step * 1e3:.0f} ms."
+            )
 
     def synchronize(self) -> None:
         """Apply the averages in flight, then average the whole model's change (and buffers) in one reduction and
@@ -182,25 +245,33 @@ class LocalSGD:
         with torch.no_grad():
             changes = self._changes(indices)
         if self.channel is None:
-            self._average(changes)
+            self._averaged(changes)
             self._outer_step(indices, changes, exact=self.config.exact_turns and self.config.fragments == 1)
             return True
         future = self.channel.submit(lambda: self._averaged(changes))
-        self.in_flight.append(InFlight(fragment, self.phase + self.config.delay, future))
+        self.in_flight.append(InFlight(fragment, self.phase + self.delay, future))
         return False
 
     def _averaged(self, changes: list[Tensor]) -> list[Tensor]:
+        """``changes`` averaged in place (on the channel's thread with a delay); timed while choosing a period."""
+        start = time.perf_counter()
         self.averager.average(changes)
+        if self.choosing:
+            self.timings["fragment"].append(time.perf_counter() - start)
         return changes
+
+    def _collective(self, work: Callable[[], Any]) -> None:
+        """Run ``work`` (a collective over the averager's group) after what is in flight, counting the wait."""
+        start = time.perf_counter()
+        if self.channel is None:
+            work()
+        else:
+            self.channel.run(work)
+        self.exposed_seconds += time.perf_counter() - start
 
     def _average(self, tensors: list[Tensor]) -> None:
         """Average ``tensors`` over the ranks (through the channel when there is one), counting the wait."""
-        start = time.perf_counter()
-        if self.channel is None:
-            self.averager.average(tensors)
-        else:
-            self.channel.run(lambda: self.averager.average(tensors))
-        self.exposed_seconds += time.perf_counter() - start
+        self._collective(lambda: self.averager.average(tensors))
 
     def _apply(self, pending: InFlight) -> None:
         start = time.perf_counter()
@@ -250,7 +321,9 @@ class LocalSGD:
         """What resumes the run besides the module and the inner optimizer: anchor, outer state, position, and the
         averages in flight (received first)."""
         return {
-            "sync_every": self.config.sync_every,
+            "sync_every": self.sync_every,
+            "delay": self.delay,
+            "timings": {k: list(v) for k, v in self.timings.items()},
             "warmup_steps": self.config.warmup_steps,
             "fragments": self.config.fragments,
             "steps": self.steps,
@@ -287,4 +360,8 @@ class LocalSGD:
             self.outer.load_state_dict(state["outer"])
         self.steps, self.since_sync, self.syncs = int(state["steps"]), int(state["since_sync"]), int(state["syncs"])
         self.phase = int(state.get("phase", self.since_sync))
+        if self.config.sync_every == "auto":  # the period chosen before (0: still choosing) and its timings
+            self.sync_every, self.delay = int(state["sync_every"]), int(state.get("delay", self.config.delay))
+            self.timings = {k: list(v) for k, v in state.get("timings", self.timings).items()}
+            self._set_period(self.sync_every or self._trial_period)
         self.in_flight = [InFlight(int(p["fragment"]), int(p["apply_at"]), averaged=p["averaged"]) for p in in_flight]

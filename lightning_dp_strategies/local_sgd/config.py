@@ -60,8 +60,8 @@ class LocalSGDConfig:
         ValueError: `sync_every` must be an int >= 1 (optimizer steps between synchronisations; ...), got 0.
     """
 
-    sync_every: int = 8
-    """Optimizer steps between synchronisations (H)."""
+    sync_every: int | str = 8
+    """Optimizer steps between synchronisations (H), or ``"auto"``: chosen from the first steps' timings."""
     outer_optimizer: OuterOptimizerFactory | None = None
     """Makes the outer optimizer over the anchor parameters; ``None``: plain averaging."""
     warmup_steps: int = 0
@@ -79,16 +79,17 @@ class LocalSGDConfig:
     """How the outer gradient travels (:data:`OUTER_PRECISIONS`)."""
 
     def __post_init__(self) -> None:
-        meaning = "optimizer steps between synchronisations; 1 averages every step"
-        _check_count("sync_every", self.sync_every, 1, meaning)
+        meaning = "optimizer steps between synchronisations; 1 averages every step; or 'auto'"
+        if self.sync_every != "auto":
+            _check_count("sync_every", self.sync_every, 1, meaning)
         _check_count("fragments", self.fragments, 1, "runs of parameters synchronised in turns; 1: the whole model")
         _check_count("delay", self.delay, 0, "local steps a fragment's outer gradient travels during; 0: none")
-        if self.delay >= self.sync_every:
+        if isinstance(self.sync_every, int) and self.delay >= self.sync_every:
             raise ValueError(
                 f"`delay={self.delay}` must be less than `sync_every={self.sync_every}`: a fragment's average must "
                 "be applied before its next turn. Lower `delay` or raise `sync_every`."
             )
-        if self.fragments > self.sync_every:
+        if isinstance(self.sync_every, int) and self.fragments > self.sync_every:
             raise ValueError(
                 f"`fragments={self.fragments}` turns cannot fit in a period of `sync_every={self.sync_every}` steps "
                 "(at most one fragment leaves a step). Pass `fragments` at most `sync_every`."

@@ -38,12 +38,12 @@ from lightning_dp_strategies.reducers.casts import bf16_compress
 from lightning_dp_strategies.reducers.powersgd import PowerSGD
 from lightning_dp_strategies.reducers.two_level import TwoLevelReducer
 
-__all__ = ["ALLOWED", "AutoDecision", "AutoReducer", "StepTiming", "choose"]
+__all__ = ["ALLOWED", "AutoDecision", "AutoReducer", "StepTiming", "choose", "visible"]
 
 log = logging.getLogger("lightning_dp_strategies")
 
 
-def _visible(logger: logging.Logger) -> logging.Logger:
+def visible(logger: logging.Logger) -> logging.Logger:
     """``logger`` at INFO unless its level was set, printing to stderr when the program configured no logging (as
     Lightning does for its own logger)."""
     if logger.level == logging.NOTSET:
@@ -341,7 +341,7 @@ class AutoReducer(ReducerBase):
         run.active = PowerSGD(reducer, rank=self.rank) if how.compression == "powersgd" else reducer
         self.decision = AutoDecision(chosen, predicted, compute, backward, run.topology, cpu)
         if dist.get_rank(run.group) == 0:
-            _visible(log).info(self.decision.describe())
+            visible(log).info(self.decision.describe())
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:

@@ -54,7 +54,10 @@ class LocalSGDStrategy(BucketedDataParallel):
 
     Args:
         sync_every: optimizer steps between synchronisations (H, >= 1). With 1, plain averaging and SGD it trains as
-            ``ring_allreduce`` does.
+            ``ring_allreduce`` does. ``"auto"``: a trial period sends every fragment once, one a step, and times
+            the inner steps and the fragments' reductions; then the ranks take the smallest period (a multiple of
+            ``fragments``) in which a fragment's reduction ends before the next one leaves, raise ``delay`` to
+            cover it, and log the choice once.
         outer_optimizer: ``factory(params) -> Optimizer`` over the anchor parameters it is given, called once at
             setup (``None``: plain averaging).
         warmup_steps: optimizer steps at the start whose gradients are averaged every step, as ``ring_allreduce``
@@ -80,7 +83,7 @@ class LocalSGDStrategy(BucketedDataParallel):
 
     ``fragments=1, delay=0, mixing=0, outer_precision="fp32"`` (the defaults) is local SGD or DiLoCo as above. The
     name ``"streaming_diloco"`` stands for :data:`~lightning_dp_strategies.core.local_sgd.STREAMING_DEFAULTS`:
-    DiLoCo's outer optimizer, ``sync_every=16, fragments=4, delay=1, mixing=0.5, outer_precision="int4"``.
+    DiLoCo's outer optimizer, ``sync_every="auto", fragments=4, delay=1, mixing=0.5, outer_precision="int4"``.
 
     Examples:
         >>> import lightning as L
@@ -98,7 +101,7 @@ class LocalSGDStrategy(BucketedDataParallel):
 
     def __init__(
         self,
-        sync_every: int = 8,
+        sync_every: int | str = 8,
         outer_optimizer: OuterOptimizerFactory | None = None,
         warmup_steps: int = 0,
         reducer: str | Reducer | None = None,
@@ -126,7 +129,8 @@ class LocalSGDStrategy(BucketedDataParallel):
         )
         super().__init__(BucketedConfig(bucket_cap_mb, first_bucket_cap_mb), reducer, **options)
         self.local_config = config  # configuration; the algorithm is the engine's, made at setup
-        self.cost_model = local_sgd_cost_model(sync_every)  # type: ignore[misc]  # this instance's period
+        period = sync_every if isinstance(sync_every, int) else 16  # "auto": priced at the registered default's
+        self.cost_model = local_sgd_cost_model(period)  # type: ignore[misc]  # this instance's period
 
     local_sgd = EngineView[LocalSGD | None]()  # the algorithm (``None`` before setup)
 
@@ -220,7 +224,7 @@ class LocalSGDStrategy(BucketedDataParallel):
         super().load_optimizer_state_dict(checkpoint)
 
     # ------------------------------------------------------------------ options (read-only)
-    sync_every = ConfigOption[int]("local_config")
+    sync_every = ConfigOption[int | str]("local_config")
     outer_optimizer = ConfigOption[OuterOptimizerFactory | None]("local_config")
     warmup_steps = ConfigOption[int]("local_config")
     average_buffers = ConfigOption[bool]("local_config")

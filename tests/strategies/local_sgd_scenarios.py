@@ -87,6 +87,8 @@ SCENARIOS = {
         diloco=True, optimizer="adam", resume_from="stream_full", extra={"streaming": STREAM_INT4}
     ),
     "stream_validate": Scenario(diloco=True, optimizer="adam", validate=True, extra={"streaming": STREAM}),
+    # the period chosen from a trial period's timings
+    "stream_auto": Scenario(diloco=True, optimizer="adam", sync_every="auto", extra={"streaming": STREAM}),  # type: ignore[arg-type]
     # the streaming options at their DiLoCo values: the "diloco" scenario's training
     "stream_as_diloco": Scenario(
         sync_every=5,
@@ -205,6 +207,7 @@ def run(name: str, outdir: Path) -> None:
             "records": model.records,
             "syncs": local.syncs if local is not None else None,
             "steps": local.steps if local is not None else None,
+            "chosen": (local.sync_every, local.delay) if local is not None else None,
             "ring_operations": strategy.grad_sync.totals.ring_operations,  # the gradients' reductions
             "comm": strategy.comm_stats.as_dict(),
             "averaged_bytes": local.averager.counter.bytes_sent if local is not None else None,

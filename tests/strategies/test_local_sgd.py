@@ -40,6 +40,7 @@ NAMES = [
     "stream_resumed",
     "stream_validate",
     "stream_as_diloco",
+    "stream_auto",
 ]
 
 
@@ -172,6 +173,21 @@ def test_resume_with_a_fragment_in_flight_equals_the_uninterrupted_run(runs: Pat
 
 
 @pytest.mark.timeout(600)
+def test_sync_every_auto_chooses_one_period_on_every_rank_after_a_trial_period(runs: Path) -> None:
+    """Two fragments and a delay of one step: the trial period sends fragment 0 at step 1 and fragment 1 at step 2,
+    applies them at steps 2 and 3, and chooses at step 3 (on loopback a fragment of a few hundred values usually takes
+    less than an inner step: a period of 2, one fragment a step)."""
+    ranks = results(runs, "stream_auto")
+    period, delay = ranks[0]["chosen"]
+    assert ranks[1]["chosen"] == (period, delay) and period % 2 == 0 and 1 <= delay < period
+    # the trial period's two turns; the turns of steps 4-12 (fragment 0 at period/2, fragment 1 at 0 mod period);
+    # the synchronisation of the whole model at the end of fit
+    turns = sum(1 for phase in range(1, 10) if phase % period in (period // 2, 0))
+    assert all(r["syncs"] == 2 + turns + 1 for r in ranks)
+    assert max_diff(ranks[0]["state"], ranks[1]["state"]) == 0
+
+
+@pytest.mark.timeout(600)
 def test_streaming_validation_sees_one_model_on_every_rank(runs: Path) -> None:
     ranks = results(runs, "stream_validate")
     validated = [[r["val_params"] for r in result["records"]] for result in ranks]
@@ -261,6 +277,7 @@ def test_compare_runs_it_and_reports_what_its_averages_send(tmp_path: Path) -> N
         ({"mixing": 1.0}, ValueError, r"`mixing` must be a number in \[0, 1\)"),
         ({"outer_precision": "int2"}, ValueError, r"`outer_precision` must be one of 'fp32', 'bf16'"),
         ({"outer_precision": "int4", "reducer": "native"}, ValueError, r"Drop `reducer=`"),
+        ({"sync_every": "often"}, ValueError, r"`sync_every` must be an int >= 1 .*or 'auto'"),
     ],
 )
 def test_bad_options_fail_when_the_strategy_is_made(options: dict[str, Any], error: type, fix: str) -> None:
