@@ -29,13 +29,17 @@ def bucket_boundaries(
 ) -> list[list[int]]:
     """Group tensor indices into buckets, in reverse order, one kind (dtype and device) per bucket.
 
-    ``sizes[i]`` is ``(kind, nbytes)`` of tensor ``i``. A bucket is closed before it would exceed its cap
-    (``first_bucket_cap_mb`` for the first bucket of each kind, ``bucket_cap_mb`` after); a single tensor larger than
-    the cap gets a bucket of its own. Buckets are ordered by the position of their first tensor in reverse order.
+    ``sizes[i]`` is ``(kind, nbytes)`` of tensor ``i``. The first bucket of each kind takes tensors until it holds
+    ``first_bucket_cap_mb`` (the tensor that reaches the cap included, as torch DDP's first bucket does), so it is
+    never left nearly empty by a large tensor that follows a few small ones: its reduction starts early in backward.
+    Later buckets are closed before they would exceed ``bucket_cap_mb``; a single tensor larger than the cap gets a
+    bucket of its own. Buckets are ordered by the position of their first tensor in reverse order.
 
     Examples:
         >>> bucket_boundaries([("f32", 400), ("f32", 1_200_000), ("f32", 40), ("f32", 1_200_000)], 2, 1)
         [[3], [2, 1, 0]]
+        >>> bucket_boundaries([("f32", 400), ("f32", 2_400_000), ("f32", 1_000)], 25, 1)  # the first bucket: 2 tensors
+        [[2, 1], [0]]
     """
     check_caps(bucket_cap_mb, first_bucket_cap_mb)
     open_buckets: dict[Hashable, tuple[list[int], int, bool]] = {}
@@ -43,12 +47,15 @@ def bucket_boundaries(
     for index in reversed(range(len(sizes))):
         kind, nbytes = sizes[index]
         members, size, is_first = open_buckets.get(kind, ([], 0, True))
-        cap = (first_bucket_cap_mb if is_first else bucket_cap_mb) * MiB
-        if members and size + nbytes > cap:
+        if members and not is_first and size + nbytes > bucket_cap_mb * MiB:
+            closed.append(members)
+            members, size = [], 0
+        members.append(index)
+        size += nbytes
+        if is_first and size >= first_bucket_cap_mb * MiB:  # the first bucket closes once it reaches its cap
             closed.append(members)
             members, size, is_first = [], 0, False
-        members.append(index)
-        open_buckets[kind] = (members, size + nbytes, is_first)
+        open_buckets[kind] = (members, size, is_first)
     closed.extend(members for members, _, _ in open_buckets.values() if members)
     return sorted(closed, key=lambda members: len(sizes) - 1 - members[0])
 

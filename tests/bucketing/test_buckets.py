@@ -35,9 +35,16 @@ def test_first_bucket_is_capped_smaller_then_bucket_cap() -> None:
     assert sizes[0] <= MiB // 2 and all(s <= MiB for s in sizes), sizes
 
 
-def test_a_tensor_larger_than_the_cap_gets_its_own_bucket() -> None:
+def test_a_tensor_larger_than_the_cap_gets_its_own_bucket_after_the_first() -> None:
     big = 2 * MiB // 4
-    assert assign_buckets(tensors(10, big, 10), bucket_cap_mb=1, first_bucket_cap_mb=1) == [[2], [1], [0]]
+    assert assign_buckets(tensors(10, big, big, 10), bucket_cap_mb=1, first_bucket_cap_mb=1) == [[3, 2], [1], [0]]
+
+
+def test_the_first_bucket_takes_the_tensor_that_reaches_its_cap() -> None:
+    """As torch DDP's first bucket: a few small tensors, then a large one, make one bucket that is ready early in
+    backward, not a bucket of the small ones alone with the large one waiting for the next."""
+    large = 2_400_000 // 4
+    assert assign_buckets(tensors(1000, large, 100), bucket_cap_mb=25, first_bucket_cap_mb=1) == [[2, 1], [0]]
 
 
 def test_one_dtype_per_bucket() -> None:
