@@ -14,8 +14,9 @@ Variants (one line each in :data:`VARIANTS`):
     powersgd               RingAllReduceStrategy(reducer=PowerSGD("ring", rank=4))
     local_sgd              LocalSGDStrategy(sync_every=8), inner AdamW
     diloco                 LocalSGDStrategy(sync_every=16, outer_optimizer=diloco_outer_optimizer()), inner AdamW
-    streaming_diloco_int8  streaming DiLoCo: 4 fragments, outer gradients sent in int8, merged 1 step later
-    streaming_diloco_int4  the same in int4
+    streaming_diloco       the registered name: 4 fragments, outer gradients sent as int4 during at least one
+                           inner step and merged half-and-half, sync_every="auto"
+    streaming_diloco_int8  the same with outer gradients sent as int8
 
 A variant the installed package cannot build yet is skipped and listed in the JSON. While a variant runs, the host
 samples every node's link counters every 50 ms (``netsim.LinkSampler``): the JSON holds the bytes the nodes sent while
@@ -47,7 +48,7 @@ from typing import Any
 
 # ``_launch`` and ``netsim`` are imported where they are used: tests load this file by its path
 ROOT = Path(__file__).resolve().parents[1]
-STREAMING = "fragments=4, delay=1, mixing=0.5"
+STREAMING = 'sync_every="auto", fragments=4, delay=1, mixing=0.5'
 
 VARIANTS: dict[str, str] = {
     "ddp": '"ddp"',
@@ -56,8 +57,8 @@ VARIANTS: dict[str, str] = {
     "powersgd": 'RingAllReduceStrategy(reducer=PowerSGD("ring", rank=4))',
     "local_sgd": "LocalSGDStrategy(sync_every=8)",
     "diloco": "LocalSGDStrategy(sync_every=16, outer_optimizer=diloco_outer_optimizer())",
-    "streaming_diloco_int8": f'LocalSGDStrategy(sync_every=16, outer_optimizer=diloco_outer_optimizer(), {STREAMING}, outer_precision="int8")',  # noqa: E501
-    "streaming_diloco_int4": f'LocalSGDStrategy(sync_every=16, outer_optimizer=diloco_outer_optimizer(), {STREAMING}, outer_precision="int4")',  # noqa: E501
+    "streaming_diloco": '"streaming_diloco"',
+    "streaming_diloco_int8": f'LocalSGDStrategy(outer_optimizer=diloco_outer_optimizer(), {STREAMING}, outer_precision="int8")',  # noqa: E501
 }
 """Each variant's ``Trainer(strategy=...)``, as Python evaluated over the package's names."""
 

@@ -17,14 +17,16 @@ import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypedDict
 
 import torch
 import torch.distributed as dist
+from typing_extensions import Unpack
 
 from lightning_dp_strategies.comm.ring import ring_all_reduce, ring_workspace_numel
 from lightning_dp_strategies.plan import Link
 
-__all__ = ["PROBE_SIZES", "RingProbe", "probe_link", "probe_ring"]
+__all__ = ["PROBE_SIZES", "ProbeSettings", "RingProbe", "probe_link", "probe_ring"]
 
 PROBE_SIZES = (1024 * 1024, 32 * 1024 * 1024)
 """Bytes of the tensors the default probe all-reduces: a small one that the per-message costs dominate, and one the
@@ -93,13 +95,16 @@ def probe_ring(
     return RingProbe(Link.fit(samples), busy=min(1.0, float(slowest[-1].item())))
 
 
-def probe_link(
-    group: dist.ProcessGroup | None = None,
-    sizes: Sequence[int] = PROBE_SIZES,
-    repeats: int = 3,
-    duplex: dist.ProcessGroup | None = None,
-    device: torch.device | str | None = None,
-) -> Link:
+class ProbeSettings(TypedDict, total=False):
+    """:func:`probe_ring`'s settings after the group, by keyword (see :func:`probe_link` for each)."""
+
+    sizes: Sequence[int]
+    repeats: int
+    duplex: dist.ProcessGroup | None
+    device: torch.device | str | None
+
+
+def probe_link(group: dist.ProcessGroup | None = None, **settings: Unpack[ProbeSettings]) -> Link:
     """The :class:`~lightning_dp_strategies.plan.Link` a ring over ``group`` (default: the world) runs on.
 
     Collective: call it on every rank of ``group``. Every rank returns the same link. With one rank there is nothing
@@ -107,13 +112,12 @@ def probe_link(
 
     Args:
         group: the ranks to measure between (one a node, for the link between nodes).
-        sizes: bytes of the tensors timed (two or more sizes).
-        repeats: timed runs of each size (the median counts).
-        duplex: the second group the ring sends one direction over at two ranks on gloo
-            (:func:`~lightning_dp_strategies.comm.new_duplex_group` over the same ranks, made on every rank of the
-            world), as the ring reducer uses one. Without it two ranks share one connection both ways, and the probe
-            measures less than the reducer gets.
-        device: where the probed tensors live: the gradients' device (``"cuda"`` on NCCL); default the CPU.
+        **settings: by keyword (:class:`ProbeSettings`): ``sizes``, bytes of the tensors timed (two or more sizes);
+            ``repeats``, timed runs of each size (the median counts); ``duplex``, the second group the ring sends
+            one direction over at two ranks on gloo (:func:`~lightning_dp_strategies.comm.new_duplex_group` over the
+            same ranks, made on every rank of the world), as the ring reducer uses one: without it two ranks share
+            one connection both ways, and the probe measures less than the reducer gets; ``device``, where the
+            probed tensors live: the gradients' device (``"cuda"`` on NCCL); default the CPU.
 
     Examples:
         >>> import torch.distributed as dist
@@ -121,4 +125,4 @@ def probe_link(
         >>> link.bandwidth_bytes_per_s / 1e6  # doctest: +SKIP
         118.7
     """
-    return probe_ring(group, sizes, repeats, duplex, device).link
+    return probe_ring(group, **settings).link

@@ -5,9 +5,12 @@ exported here too.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
 
+from lightning_dp_strategies.core.engine import BucketedEngine, EngineView
+from lightning_dp_strategies.core.options import ConfigOption
+from lightning_dp_strategies.core.registry import register_with_launchers
 from lightning_dp_strategies.local_sgd import (
     OUTER_PRECISIONS,
     LocalSGD,
@@ -24,13 +27,14 @@ __all__ = [
     "STREAMING_DEFAULTS",
     "LocalSGD",
     "LocalSGDConfig",
+    "LocalSGDInterface",
     "OuterOptimizerFactory",
+    "check_local_options",
     "check_not_sharded",
     "check_single_optimizer",
     "diloco_outer_optimizer",
     "gather_to_zero",
     "local_checkpoint_record",
-    "local_config",
     "local_options",
     "make_outer_optimizer",
     "restore_local_record",
@@ -69,16 +73,13 @@ turns, the change sent as 4 bits during at least one inner step and mixed half-a
 first steps' timings (``sync_every="auto"``)."""
 
 
-def local_config(
-    shard_optimizer_state: object, reducer: object, outer_precision: str, **options: Any
-) -> LocalSGDConfig:
-    """The strategy's :class:`LocalSGDConfig`, after the checks that span options: sharding is refused, and so is a
-    ``reducer`` beside an 8- or 4-bit ``outer_precision`` (which sends through its own quantized reduction).
+def check_local_options(shard_optimizer_state: object, reducer: object, outer_precision: str) -> None:
+    """The checks that span options: sharding is refused, and so is a ``reducer`` beside an 8- or 4-bit
+    ``outer_precision`` (which sends through its own quantized reduction).
 
     Examples:
-        >>> local_config(False, None, "int4", sync_every=8, fragments=2).fragments
-        2
-        >>> local_config(False, "native", "int8")  # doctest: +ELLIPSIS
+        >>> check_local_options(False, None, "int4")
+        >>> check_local_options(False, "native", "int8")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
         ValueError: `outer_precision='int8'` sends the change through its own 8-bit reduction, ...
@@ -90,7 +91,6 @@ def local_config(
             f"reduction, so `reducer={reducer!r}` would go unused. Drop `reducer=`, or pass "
             "`outer_precision='fp32'` (or 'bf16') to average through that reducer."
         )
-    return LocalSGDConfig(outer_precision=outer_precision, **options)
 
 
 def check_single_optimizer(optimizers: Sequence[object], strategy: str) -> None:
@@ -122,3 +122,107 @@ def local_options(config: LocalSGDConfig) -> dict[str, Any]:
         "mixing": config.mixing,
         "outer_precision": config.outer_precision,
     }
+
+
+class LocalSGDInterface:
+    """What the Trainer's and Fabric's local SGD strategies share: one constructor (its options checked once into a
+    :class:`LocalSGDConfig`), the options' read-only views, the algorithm's view, :meth:`synchronize` and the
+    registered name ``"streaming_diloco"``. A strategy puts it ahead of its Lightning-facing base and makes that base
+    in :meth:`_init_data_parallel`.
+
+    Args:
+        sync_every: optimizer steps between synchronisations (H, >= 1). With 1, plain averaging and SGD it trains as
+            ``ring_allreduce`` does. ``"auto"``: a trial period sends every fragment once, one a step, and times
+            the inner steps and the fragments' reductions; then the ranks take the smallest period (a multiple of
+            ``fragments``) in which a fragment's reduction ends before the next one leaves, raise ``delay`` to
+            cover it, and log the choice once.
+        outer_optimizer: ``factory(params) -> Optimizer`` over the anchor parameters it is given, called once at
+            setup (``None``: plain averaging; :func:`diloco_outer_optimizer`: DiLoCo).
+        warmup_steps: optimizer steps at the start whose gradients are averaged every step, as ``ring_allreduce``
+            does (post-local SGD); local steps begin after them.
+        reducer: how the change is averaged (and the warm-up's gradients): ``"ring"`` (default), ``"native"``, or
+            a reducer such as ``bf16_compress("ring")``, which halves the bytes sent.
+        average_buffers: average floating-point buffers (BatchNorm statistics) at each synchronisation.
+        bucket_cap_mb: cap of the warm-up's gradient buckets in MiB.
+        first_bucket_cap_mb: cap of the warm-up's first gradient bucket in MiB.
+        shard_optimizer_state: refused (``True`` raises): between averages every rank steps its whole model, so
+            it needs the whole optimizer state; see ``RingAllReduceStrategy(shard_optimizer_state=True)``.
+        fragments: streaming DiLoCo: runs of consecutive parameters (about equal in size) synchronised in staggered
+            turns, each every ``sync_every`` steps, so a turn sends ``1/fragments`` of the model (1: all at once).
+        delay: streaming DiLoCo: inner steps that run while a fragment's change is averaged on a background thread;
+            the average is applied after them (``0``: at once, the loop waits). Less than ``sync_every``.
+        mixing: streaming DiLoCo: the weight of the rank's own values when a fragment's new global values are merged
+            in (``0``: replaced; ``0.5`` suits a delay).
+        outer_precision: how the change travels: ``"fp32"`` (through ``reducer``), ``"bf16"`` (``reducer`` on a
+            bf16 copy), ``"int8"`` or ``"int4"`` (8 or 4 bits with a scale a block of 128 values, summed in fp32, on
+            any backend, gloo included).
+        **options: the shared keyword options (``nonfinite_grads``, ``timeout``, ...): see
+            :class:`~lightning_dp_strategies.strategies.options.StrategyOptions` (Trainer) and
+            :class:`~lightning_dp_strategies.fabric.options.FabricOptions` (Fabric).
+
+    ``fragments=1, delay=0, mixing=0, outer_precision="fp32"`` (the defaults) is local SGD, or DiLoCo with its outer
+    optimizer. The name ``"streaming_diloco"`` stands for :data:`STREAMING_DEFAULTS`.
+    """
+
+    engine: BucketedEngine
+    registered_where: ClassVar[str] = "the Trainer"
+    """What takes the strategy, in the registry's warnings (``"the Trainer"``, ``"Fabric"``)."""
+
+    def __init__(
+        self,
+        sync_every: int | str = 8,
+        outer_optimizer: OuterOptimizerFactory | None = None,
+        warmup_steps: int = 0,
+        reducer: Any = None,
+        average_buffers: bool = True,
+        bucket_cap_mb: float = 25.0,
+        first_bucket_cap_mb: float = 1.0,
+        shard_optimizer_state: bool = False,
+        fragments: int = 1,
+        delay: int = 0,
+        mixing: float = 0.0,
+        outer_precision: str = "fp32",
+        **options: Any,
+    ) -> None:
+        check_local_options(shard_optimizer_state, reducer, outer_precision)
+        options_in_order = (sync_every, outer_optimizer, warmup_steps, average_buffers, fragments, delay, mixing)
+        self.local_config = LocalSGDConfig(*options_in_order, outer_precision)
+        self._init_data_parallel((bucket_cap_mb, first_bucket_cap_mb), reducer, options)
+
+    def _init_data_parallel(self, caps: tuple[float, float], reducer: Any, options: Mapping[str, Any]) -> None:
+        """Make the Lightning-facing base with the bucket caps, the reducer and the shared keyword options."""
+        raise NotImplementedError
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """The base's names, then ``"streaming_diloco"`` (and its launcher variants) for this class, made with
+        :data:`STREAMING_DEFAULTS`."""
+        super().register_strategies(strategy_registry)  # type: ignore[misc]  # the Lightning-facing base's
+        description = "Streaming DiLoCo: fragments synchronised in turns, 4-bit changes sent during the inner steps"
+        register_with_launchers(
+            strategy_registry, "streaming_diloco", cls, description, cls.registered_where, STREAMING_DEFAULTS
+        )
+
+    local_sgd = EngineView[LocalSGD | None]()  # the algorithm (``None`` before setup)
+
+    def _start_local_sgd(self) -> None:
+        """Make the algorithm over the gradient group, averaging with ``configure_reducer()``'s reducer (collective;
+        once the process group is up)."""
+        strategy: Any = self  # the Lightning-facing base's members
+        reducer = strategy.configure_reducer()
+        self.engine.start_local_sgd(self.local_config, reducer, strategy.world_size, strategy._process_group_backend)
+
+    def synchronize(self) -> None:
+        """Apply the averages in flight, average the ranks' parameter changes and apply the outer step, on every
+        rank (nothing when the ranks are in sync already). The Trainer strategy calls it before validation and at
+        the end of ``fit``; under Fabric, call it before evaluating."""
+        self.engine.synchronize()
+
+    sync_every = ConfigOption[int | str]("local_config")
+    outer_optimizer = ConfigOption[OuterOptimizerFactory | None]("local_config")
+    warmup_steps = ConfigOption[int]("local_config")
+    average_buffers = ConfigOption[bool]("local_config")
+    fragments = ConfigOption[int]("local_config")
+    delay = ConfigOption[int]("local_config")
+    mixing = ConfigOption[float]("local_config")
+    outer_precision = ConfigOption[str]("local_config")

@@ -7,6 +7,7 @@ import importlib
 import pkgutil
 import sys
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 from lightning.fabric.strategies.registry import _StrategyRegistry
@@ -89,12 +90,12 @@ def register_with_launchers(
     strategy: type,
     description: str,
     where: str = "the Trainer",
-    **init_params: Any,
+    init_params: Mapping[str, Any] | None = None,
 ) -> None:
     """Register ``name`` and its ``_spawn`` / ``_notebook`` variants (see :data:`LAUNCHERS`) for ``strategy``, each
-    made with ``init_params``."""
+    made with ``init_params`` besides its start method."""
     for suffix, start_method, how in LAUNCHERS:
-        params = {"start_method": start_method, **init_params}
+        params = {"start_method": start_method, **(init_params or {})}
         register_name(registry, name + suffix, strategy, f"{description}; launcher {how}", where, **params)
 
 
@@ -119,3 +120,9 @@ def discover(package: str, base: type) -> list[type]:
             ):
                 found.append(value)
     return found
+
+
+def register_discovered(package: str, base: type, registry: _StrategyRegistry) -> None:
+    """Register every strategy :func:`discover` finds in ``package`` with ``registry`` (safe to call twice)."""
+    for strategy in discover(package, base):
+        strategy.register_strategies(registry)  # type: ignore[attr-defined]  # Lightning's classmethod

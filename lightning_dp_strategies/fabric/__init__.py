@@ -19,11 +19,17 @@ Examples:
     >>> from lightning.fabric.strategies import STRATEGY_REGISTRY
     >>> "ring_allreduce_notebook" in STRATEGY_REGISTRY and "scatter_gather" in STRATEGY_REGISTRY
     True
+    >>> STRATEGY_REGISTRY["ring_allreduce_spawn"]["init_params"]
+    {'start_method': 'spawn'}
+    >>> [cls.__name__ for cls in fabric_strategies()]
+    ['FabricLocalSGDStrategy', 'FabricRingAllReduceStrategy', 'FabricScatterGatherStrategy']
 """
+
+import functools
 
 from lightning.fabric.strategies import STRATEGY_REGISTRY, Strategy
 
-from lightning_dp_strategies.core.registry import discover
+from lightning_dp_strategies.core.registry import discover, register_discovered
 from lightning_dp_strategies.fabric.local_sgd import FabricLocalSGDStrategy
 from lightning_dp_strategies.fabric.ring_allreduce import FabricRingAllReduceStrategy
 from lightning_dp_strategies.fabric.scatter_gather import FabricScatterGatherStrategy
@@ -37,26 +43,13 @@ __all__ = [
 ]
 
 
-def fabric_strategies() -> list[type[Strategy]]:
-    """The package's Fabric strategies: every class in this package's modules that has a ``registered_name``.
-
-    Examples:
-        >>> [cls.__name__ for cls in fabric_strategies()]
-        ['FabricLocalSGDStrategy', 'FabricRingAllReduceStrategy', 'FabricScatterGatherStrategy']
-    """
-    return discover(__name__, Strategy)
+fabric_strategies = functools.partial(discover, __name__, Strategy)
+"""The package's Fabric strategies: every class in this package's modules that has a ``registered_name``."""
 
 
-def register_fabric_strategies() -> None:
-    """Register the Fabric strategy names with Fabric's ``STRATEGY_REGISTRY`` (safe to call twice).
-
-    Examples:
-        >>> register_fabric_strategies()  # importing lightning_dp_strategies already did; nothing changes
-        >>> STRATEGY_REGISTRY["ring_allreduce_spawn"]["init_params"]
-        {'start_method': 'spawn'}
-    """
-    for strategy in fabric_strategies():
-        strategy.register_strategies(STRATEGY_REGISTRY)
+register_fabric_strategies = functools.partial(register_discovered, __name__, Strategy, STRATEGY_REGISTRY)
+"""Register the Fabric strategy names with Fabric's ``STRATEGY_REGISTRY`` (safe to call twice: importing
+:mod:`lightning_dp_strategies` already did)."""
 
 
 register_fabric_strategies()

@@ -4,13 +4,19 @@
 Each strategy is one module here (a subpackage for the hybrid pipeline) whose class says its own registered name
 (``registered_name``), cost model (``cost_model``) and whether the comparison runs it by default (``compared_as``);
 :func:`trainer_strategies` finds them, so nothing else lists them.
+
+Examples:
+    >>> [cls.__name__ for cls in trainer_strategies()]
+    ['HybridPipelineStrategy', 'LocalSGDStrategy', 'RingAllReduceStrategy', 'ScatterGatherStrategy']
 """
+
+import functools
 
 from lightning.pytorch.strategies import Strategy, StrategyRegistry
 
 from lightning_dp_strategies.core.checkpoint_io import AtomicCheckpointIO
 from lightning_dp_strategies.core.options import BucketedConfig
-from lightning_dp_strategies.core.registry import discover
+from lightning_dp_strategies.core.registry import discover, register_discovered
 from lightning_dp_strategies.strategies.bucketed import BucketedDataParallel
 from lightning_dp_strategies.strategies.hybrid_pipeline import HybridPipelineStrategy
 from lightning_dp_strategies.strategies.local_sgd import LocalSGDStrategy
@@ -30,20 +36,12 @@ __all__ = [
 ]
 
 
-def trainer_strategies() -> list[type[Strategy]]:
-    """The package's Trainer strategies: every class in this package's modules that has a ``registered_name``.
-
-    Examples:
-        >>> [cls.__name__ for cls in trainer_strategies()]
-        ['HybridPipelineStrategy', 'LocalSGDStrategy', 'RingAllReduceStrategy', 'ScatterGatherStrategy']
-    """
-    return discover(__name__, Strategy)
+trainer_strategies = functools.partial(discover, __name__, Strategy)
+"""The package's Trainer strategies: every class in this package's modules that has a ``registered_name``."""
 
 
-def register_trainer_strategies() -> None:
-    """Register the Trainer strategy names with the Trainer's ``StrategyRegistry`` (safe to call twice)."""
-    for strategy in trainer_strategies():
-        strategy.register_strategies(StrategyRegistry)
+register_trainer_strategies = functools.partial(register_discovered, __name__, Strategy, StrategyRegistry)
+"""Register the Trainer strategy names with the Trainer's ``StrategyRegistry`` (safe to call twice)."""
 
 
 register_trainer_strategies()

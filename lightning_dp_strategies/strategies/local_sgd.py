@@ -6,36 +6,21 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import lightning.pytorch as pl
-from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.trainer.states import TrainerFn
-from typing_extensions import Unpack, override
+from typing_extensions import override
 
-from lightning_dp_strategies.core.engine import EngineView
-from lightning_dp_strategies.core.local_sgd import (
-    STREAMING_DEFAULTS,
-    check_single_optimizer,
-    local_config,
-    local_options,
-)
+from lightning_dp_strategies.core.local_sgd import LocalSGDInterface, check_single_optimizer, local_options
 from lightning_dp_strategies.core.options import BucketedConfig, ConfigOption
-from lightning_dp_strategies.core.registry import register_with_launchers
-from lightning_dp_strategies.local_sgd import (
-    LocalSGD,
-    OuterOptimizerFactory,
-    local_checkpoint_record,
-    restore_local_record,
-)
+from lightning_dp_strategies.local_sgd import local_checkpoint_record, restore_local_record
 from lightning_dp_strategies.plan import CostModel
 from lightning_dp_strategies.plan.formulas import LOCAL_SGD, local_sgd_cost_model
-from lightning_dp_strategies.reducers import Reducer
 from lightning_dp_strategies.strategies.bucketed import BucketedDataParallel
-from lightning_dp_strategies.strategies.options import StrategyOptions
 
 __all__ = ["LocalSGDStrategy"]
 
 
-class LocalSGDStrategy(BucketedDataParallel):
+class LocalSGDStrategy(LocalSGDInterface, BucketedDataParallel):
     """Each rank takes ``sync_every`` optimizer steps on its own; then the ranks average the parameter change since
     the last synchronisation in one all-reduce, and an outer optimizer applies it (see
     :mod:`lightning_dp_strategies.core.local_sgd`).
@@ -52,38 +37,10 @@ class LocalSGDStrategy(BucketedDataParallel):
     (so any strategy loads it), the anchor, the outer optimizer's state and the position in the period, and each
     rank's own parameters and inner optimizer state, so resuming continues exactly where the run stopped.
 
-    Args:
-        sync_every: optimizer steps between synchronisations (H, >= 1). With 1, plain averaging and SGD it trains as
-            ``ring_allreduce`` does. ``"auto"``: a trial period sends every fragment once, one a step, and times
-            the inner steps and the fragments' reductions; then the ranks take the smallest period (a multiple of
-            ``fragments``) in which a fragment's reduction ends before the next one leaves, raise ``delay`` to
-            cover it, and log the choice once.
-        outer_optimizer: ``factory(params) -> Optimizer`` over the anchor parameters it is given, called once at
-            setup (``None``: plain averaging).
-        warmup_steps: optimizer steps at the start whose gradients are averaged every step, as ``ring_allreduce``
-            does (post-local SGD); local steps begin after them.
-        reducer: how the change is averaged (and the warm-up's gradients): ``"ring"`` (default), ``"native"``, or
-            a reducer such as ``bf16_compress("ring")``, which halves the bytes sent.
-        average_buffers: average floating-point buffers at each synchronisation.
-        bucket_cap_mb: cap of the warm-up's gradient buckets in MiB.
-        first_bucket_cap_mb: cap of the warm-up's first gradient bucket in MiB.
-        shard_optimizer_state: refused (``True`` raises): between averages every rank steps its whole model, so
-            it needs the whole optimizer state; see ``RingAllReduceStrategy(shard_optimizer_state=True)``.
-        fragments: streaming DiLoCo: runs of consecutive parameters (about equal in size) synchronised in staggered
-            turns, each every ``sync_every`` steps, so a turn sends ``1/fragments`` of the model (1: all at once).
-        delay: streaming DiLoCo: inner steps that run while a fragment's change is averaged on a background thread;
-            the average is applied after them (``0``: at once, the loop waits). Less than ``sync_every``.
-        mixing: streaming DiLoCo: the weight of the rank's own values when a fragment's new global values are merged
-            in (``0``: replaced; ``0.5`` suits a delay).
-        outer_precision: how the change travels: ``"fp32"`` (through ``reducer``), ``"bf16"`` (``reducer`` on a
-            bf16 copy), ``"int8"`` or ``"int4"`` (8 or 4 bits with a scale a block of 128 values, summed in fp32, on
-            any backend, gloo included).
-        **options: the shared keyword options (``nonfinite_grads``, ``timeout``, ...): see
-            :class:`~lightning_dp_strategies.strategies.options.StrategyOptions`.
-
-    ``fragments=1, delay=0, mixing=0, outer_precision="fp32"`` (the defaults) is local SGD or DiLoCo as above. The
-    name ``"streaming_diloco"`` stands for :data:`~lightning_dp_strategies.core.local_sgd.STREAMING_DEFAULTS`:
-    DiLoCo's outer optimizer, ``sync_every="auto", fragments=4, delay=1, mixing=0.5, outer_precision="int4"``.
+    The options (``sync_every``, ``outer_optimizer``, streaming DiLoCo's ``fragments``, ``delay``, ``mixing`` and
+    ``outer_precision``, ...) are :class:`~lightning_dp_strategies.core.local_sgd.LocalSGDInterface`'s, shared with
+    :class:`~lightning_dp_strategies.FabricLocalSGDStrategy`; the shared keyword options are
+    :class:`~lightning_dp_strategies.strategies.options.StrategyOptions`.
 
     Examples:
         >>> import lightning as L
@@ -99,47 +56,11 @@ class LocalSGDStrategy(BucketedDataParallel):
     compared_as: ClassVar[str | None] = None
     cost_model: ClassVar[CostModel] = LOCAL_SGD
 
-    def __init__(
-        self,
-        sync_every: int | str = 8,
-        outer_optimizer: OuterOptimizerFactory | None = None,
-        warmup_steps: int = 0,
-        reducer: str | Reducer | None = None,
-        average_buffers: bool = True,
-        bucket_cap_mb: float = 25.0,
-        first_bucket_cap_mb: float = 1.0,
-        shard_optimizer_state: bool = False,
-        fragments: int = 1,
-        delay: int = 0,
-        mixing: float = 0.0,
-        outer_precision: str = "fp32",
-        **options: Unpack[StrategyOptions],
-    ) -> None:
-        config = local_config(
-            shard_optimizer_state,
-            reducer,
-            outer_precision,
-            sync_every=sync_every,
-            outer_optimizer=outer_optimizer,
-            warmup_steps=warmup_steps,
-            average_buffers=average_buffers,
-            fragments=fragments,
-            delay=delay,
-            mixing=mixing,
-        )
-        super().__init__(BucketedConfig(bucket_cap_mb, first_bucket_cap_mb), reducer, **options)
-        self.local_config = config  # configuration; the algorithm is the engine's, made at setup
-        period = sync_every if isinstance(sync_every, int) else 16  # "auto": priced at the registered default's
-        self.cost_model = local_sgd_cost_model(period)  # type: ignore[misc]  # this instance's period
-
-    local_sgd = EngineView[LocalSGD | None]()  # the algorithm (``None`` before setup)
-
-    @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        super().register_strategies(strategy_registry)
-        description = "Streaming DiLoCo: fragments synchronised in turns, 4-bit changes sent during the inner steps"
-        register_with_launchers(strategy_registry, "streaming_diloco", cls, description, **STREAMING_DEFAULTS)
+    def _init_data_parallel(self, caps: tuple[float, float], reducer: Any, options: Mapping[str, Any]) -> None:
+        BucketedDataParallel.__init__(self, BucketedConfig(*caps), reducer, **options)
+        period = self.sync_every if isinstance(self.sync_every, int) else 16  # "auto": priced at 16 steps
+        self.cost_model = local_sgd_cost_model(period)  # type: ignore[misc]  # this instance's period
 
     # ------------------------------------------------------------------ setup
     @property
@@ -151,8 +72,7 @@ class LocalSGDStrategy(BucketedDataParallel):
     @override
     def setup_distributed(self) -> None:
         super().setup_distributed()
-        reducer = self.configure_reducer()
-        self.engine.start_local_sgd(self.local_config, reducer, self.world_size, self._process_group_backend)
+        self._start_local_sgd()
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -172,11 +92,6 @@ class LocalSGDStrategy(BucketedDataParallel):
         return {**super()._fingerprint_options(), **local_options(self.local_config)}
 
     # ------------------------------------------------------------------ synchronisation (the engine's)
-    def synchronize(self) -> None:
-        """Average the ranks' parameter changes now and apply the outer step (on every rank; nothing when the ranks
-        are in sync already). Called before validation and at the end of training."""
-        self.engine.synchronize()
-
     @override
     def on_validation_start(self) -> None:
         module = self.lightning_module
@@ -223,14 +138,6 @@ class LocalSGDStrategy(BucketedDataParallel):
             checkpoint = {**checkpoint, "optimizer_states": record["ranks"][self.global_rank]["optimizer"]}
         super().load_optimizer_state_dict(checkpoint)
 
-    # ------------------------------------------------------------------ options (read-only)
-    sync_every = ConfigOption[int | str]("local_config")
-    outer_optimizer = ConfigOption[OuterOptimizerFactory | None]("local_config")
-    warmup_steps = ConfigOption[int]("local_config")
-    average_buffers = ConfigOption[bool]("local_config")
-    fragments = ConfigOption[int]("local_config")
-    delay = ConfigOption[int]("local_config")
-    mixing = ConfigOption[float]("local_config")
-    outer_precision = ConfigOption[str]("local_config")
+    # ------------------------------------------------------------------ options (read-only; the rest shared)
     bucket_cap_mb = ConfigOption[float]()
     first_bucket_cap_mb = ConfigOption[float]()

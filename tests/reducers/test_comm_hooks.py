@@ -64,7 +64,7 @@ def train_both(rank: int, world: int, names: list[str], out: str) -> None:
         ours = make_model()
         hook, state = make_hook(name)
         # "_buckets": each layer's gradients in buckets of their own, so several are in flight at once
-        caps = {"bucket_cap_mb": 1e-4, "first_bucket_cap_mb": 1e-4} if name.endswith("_buckets") else {}
+        caps = {"bucket_cap_mb": 1e-4, "first_bucket_cap_mb": 1e-6} if name.endswith("_buckets") else {}
         buckets = GradientBuckets(ours.named_parameters(), reducer=CommHookReducer(hook, state), timeout=60, **caps)
         plain = copy.deepcopy(ours)  # exact averaging, the reference of the compressed hooks
         exact = GradientBuckets(plain.named_parameters(), reducer="native")
