@@ -1,0 +1,301 @@
+"""Who is still alive after a collective failed: the survivors' agreement, their new group, the lost rank's share.
+
+A failure is detected by a collective that raises: on gloo (torch 2.13) a peer killed outright makes the ranks that
+talk to it directly raise at once (``Connection closed by peer``), while the others, and every rank when a peer hangs
+or its link is cut, raise after the process group's timeout (``Timed out waiting <timeout>ms for recv/send``). So
+the group that training runs its collectives on is made with a short timeout (:meth:`Membership.form_group`), and
+:func:`detect` tells a peer's failure from other errors. Then every survivor calls :meth:`Membership.recover` (or
+:meth:`Membership.agree` and :meth:`Membership.form_group` itself)::
+
+    rank r (any survivor)                               the job's store, under <prefix>/<epoch>/
+    set alive/<r>                                       ─▶ alive/0, alive/2, ...
+    poll until all current members are alive, or
+    `timeout` has passed since r began waiting
+    compare_set(decided, "", <the alive ranks seen>)    the first rank to get there writes it; the store keeps one
+    read decided                                        ─▶ the same sorted list on every rank
+    dist.new_group(decided, use_local_synchronization=True, timeout): only the survivors take part
+
+The decision is the store's: ``compare_set`` is atomic, so every rank reads the list the first decider wrote. A rank
+that is slow but alive and announces itself after that is not in it and gets :class:`ExcludedError` (it should
+exit; a replacement joins later). A rank that announced itself and then dies is in the list: forming the group, or
+the next collective on it, fails within ``timeout``, and the survivors agree again under the next epoch. ``timeout``
+must therefore exceed the spread of the survivors' detection times (up to the group's collective timeout: a rank
+that is not the dead one's neighbour only learns of it by timing out).
+
+The store must outlive every worker (torchrun's agent store does; a store hosted by rank 0, as Lightning's own
+launcher makes it, dies with rank 0), and must be this attempt's of the job (see :mod:`.elastic`): the keys of one
+epoch are written once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch.distributed as dist
+
+__all__ = [
+    "ExcludedError",
+    "Membership",
+    "MembershipConfig",
+    "MembershipState",
+    "MembershipStats",
+    "PeerFailure",
+    "detect",
+    "is_peer_failure",
+    "logical_shares",
+]
+
+PEER_FAILURE_MARKERS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Timed out waiting",
+    "Connect timeout",
+    "wait timeout",
+)
+"""What gloo's and the store's errors say when a peer is gone or did not answer in time."""
+
+
+class ExcludedError(RuntimeError):
+    """This rank answered the membership agreement too late: the survivors went on without it."""
+
+
+@dataclass(frozen=True)
+class PeerFailure:
+    """A collective that raised because a peer is gone or did not answer within the group's timeout."""
+
+    error: BaseException
+    seconds: float
+    """From the call to the raise."""
+
+    @property
+    def timed_out(self) -> bool:
+        """Whether the collective waited the group's whole timeout (a hung peer, a cut link, a dead non-neighbour)."""
+        return "timeout" in str(self.error).lower().replace("timed out", "timeout")
+
+
+def is_peer_failure(error: BaseException) -> bool:
+    """Whether ``error`` says that a peer is gone or silent, rather than that the call itself was wrong.
+
+    Examples:
+        >>> is_peer_failure(RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:7052"))
+        True
+        >>> is_peer_failure(RuntimeError("Tensors must have the same shape"))
+        False
+    """
+    return isinstance(error, dist.DistError) or (
+        isinstance(error, RuntimeError) and any(marker in str(error) for marker in PEER_FAILURE_MARKERS)
+    )
+
+
+def detect(fn: Callable[[], object]) -> PeerFailure | None:
+    """Run ``fn`` (collectives on a group with a short timeout); the peer failure it raised, or ``None``.
+
+    Any other exception propagates. After a failure the tensors ``fn`` passed to the collective hold undefined values
+    (a partial reduction): redo the work from a copy on the new group.
+
+    Examples:
+        >>> detect(lambda: None) is None
+        True
+        >>> def collective(): raise RuntimeError("Timed out waiting 2000ms for recv operation to complete")
+        >>> failure = detect(collective)
+        >>> failure.timed_out, failure.seconds < 1
+        (True, True)
+    """
+    start = time.monotonic()
+    try:
+        fn()
+    except Exception as error:
+        if not is_peer_failure(error):
+            raise
+        return PeerFailure(error, time.monotonic() - start)
+    return None
+
+
+def logical_shares(live: list[int], world_size: int) -> dict[int, list[int]]:
+    """The original world's logical ranks (the data sampler's) spread over the live ranks.
+
+    Each live rank keeps its own logical rank; each lost one goes to the live rank with the fewest shares so far (the
+    lowest rank on a tie), so the shares differ by at most one. The global batch stays that of ``world_size`` ranks:
+    a live rank trains one micro-batch per logical rank it holds and accumulates them.
+
+    Examples:
+        >>> logical_shares([0, 2], 3)
+        {0: [0, 1], 2: [2]}
+        >>> logical_shares([1, 2], 3)
+        {1: [0, 1], 2: [2]}
+        >>> logical_shares([0, 3], 4)
+        {0: [0, 1], 3: [2, 3]}
+        >>> logical_shares([0, 1, 2], 3)
+        {0: [0], 1: [1], 2: [2]}
+
+    Raises:
+        ValueError: if ``live`` is empty, repeats a rank, or names one outside ``range(world_size)``.
+    """
+    if not live or len(set(live)) != len(live) or not all(0 <= r < world_size for r in live):
+        raise ValueError(
+            f"`live` must be distinct ranks of the original world 0..{world_size - 1}, at least one, got {live}."
+        )
+    shares = {rank: [rank] for rank in sorted(live)}
+    for lost in (r for r in range(world_size) if r not in shares):
+        taker = min(shares, key=lambda rank: (len(shares[rank]), rank))
+        shares[taker].append(lost)
+    return {rank: sorted(held) for rank, held in shares.items()}
+
+
+@dataclass(frozen=True)
+class MembershipConfig:
+    """Where the agreement meets in the store, and how often it looks."""
+
+    prefix: str = "lightning_dp_strategies/membership"
+    poll_s: float = 0.02
+
+
+@dataclass
+class MembershipState:
+    """The current epoch, its members (original global ranks, sorted) and the group over them."""
+
+    epoch: int
+    members: list[int]
+    group: dist.ProcessGroup | None = None
+
+
+@dataclass
+class MembershipStats:
+    """How long each agreement and each group formation took, in seconds, in order."""
+
+    agreements_s: list[float] = field(default_factory=list)
+    formations_s: list[float] = field(default_factory=list)
+
+
+class Membership:
+    """The live ranks of a job that goes on after losing some, and the process group over them.
+
+    Args:
+        store: the job's store, outliving every worker and this attempt's own (see the module docstring).
+        rank: this process's original global rank.
+        world_size: the original world size.
+        config: where the keys live and how often the store is polled.
+
+    Examples:
+        >>> membership = Membership(dist.HashStore(), 0, 1)
+        >>> membership.agree(1, timedelta(seconds=1)), membership.leader
+        ([0], 0)
+    """
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, config: MembershipConfig | None = None) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"`rank` must be in 0..{world_size - 1} (the original world), got {rank}.")
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.config = config or MembershipConfig()
+        self.state = MembershipState(epoch=0, members=list(range(world_size)))
+        self.stats = MembershipStats()
+
+    @property
+    def leader(self) -> int:
+        """The lowest live original rank: it logs, writes checkpoints and decides what rank 0 used to."""
+        return self.state.members[0]
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The group over the current members, once :meth:`form_group` made it."""
+        return self.state.group
+
+    def shares(self) -> list[int]:
+        """The logical ranks this rank trains now (see :func:`logical_shares`)."""
+        return logical_shares(self.state.members, self.world_size)[self.rank]
+
+    def agree(self, epoch: int, timeout: timedelta | float) -> list[int]:
+        """The sorted live original ranks, the same on every survivor (a collective over the store).
+
+        Every survivor of the current members calls it with the same ``epoch``, one past the current one. It waits
+        until all current members announced themselves, or ``timeout`` (seconds or a ``timedelta``) since it began.
+
+        Raises:
+            ValueError: if ``epoch`` is not one past the current epoch.
+            ExcludedError: if this rank announced itself after the survivors had decided without it.
+        """
+        if epoch != self.state.epoch + 1:
+            raise ValueError(
+                f"`epoch` must be one past the current epoch {self.state.epoch}, got {epoch}: every survivor passes "
+                "`membership.state.epoch + 1` (or calls `membership.recover(timeout)`)."
+            )
+        start = time.monotonic()
+        base = f"{self.config.prefix}/{epoch}"
+        self.store.set(f"{base}/alive/{self.rank}", "1")
+        decided = self._decide(base, _seconds(timeout))
+        self.stats.agreements_s.append(time.monotonic() - start)
+        if self.rank not in decided:
+            raise ExcludedError(
+                f"Rank {self.rank} answered the membership agreement of epoch {epoch} after the survivors {decided} "
+                "had decided without it (it was hung, or detected the failure later than `timeout` allows). Exit "
+                "this process; raise the agreement's `timeout` above the group's collective timeout if it was alive."
+            )
+        self.state = MembershipState(epoch=epoch, members=decided)
+        return decided
+
+    def _decide(self, base: str, timeout_s: float) -> list[int]:
+        """Wait for the members' announcements under ``base``; the list the first decider wrote there."""
+        deadline = time.monotonic() + timeout_s
+        members = self.state.members
+        decided_key = f"{base}/decided"
+        while not self.store.check([decided_key]):
+            alive = [r for r in members if self.store.check([f"{base}/alive/{r}"])]
+            if len(alive) == len(members) or time.monotonic() >= deadline:
+                written = self.store.compare_set(decided_key, "", ",".join(map(str, alive)))
+                return [int(r) for r in written.decode().split(",")]
+            time.sleep(self.config.poll_s)
+        return [int(r) for r in self.store.get(decided_key).decode().split(",")]
+
+    def form_group(self, live: list[int], epoch: int, timeout: timedelta | float) -> dist.ProcessGroup:
+        """A gloo group over ``live`` only, made without the default (WORLD) group, with collective timeout ``timeout``.
+
+        Every rank of ``live`` calls it; the group keeps the original global ranks (``dist.get_rank()`` and the
+        ``group_dst``/``dst`` translations work as on any ``new_group``). ``timeout`` bounds the formation too, and
+        is the failure detection's bound for every collective on the group. Epoch 0 is the group over the whole
+        original world, made at setup.
+
+        Raises:
+            RuntimeError: if no default process group is initialised (``torch.distributed.new_group`` needs one).
+            ValueError: if this rank is not in ``live`` or ``epoch`` is not the current one.
+        """
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "Membership.form_group needs the default process group: call `torch.distributed.init_process_group` "
+                "(its store must outlive every worker) before forming the survivors' group."
+            )
+        if self.rank not in live or epoch != self.state.epoch:
+            raise ValueError(
+                f"Rank {self.rank} at epoch {self.state.epoch} cannot form the group of {live} at epoch {epoch}: call "
+                "it with the list `agree` returned and `membership.state.epoch`, on the ranks of that list only."
+            )
+        start = time.monotonic()
+        group = dist.new_group(
+            sorted(live), timeout=_timedelta(timeout), backend="gloo", use_local_synchronization=True
+        )
+        assert group is not None  # this rank is in `live`
+        self.stats.formations_s.append(time.monotonic() - start)
+        self.state = MembershipState(epoch=epoch, members=sorted(live), group=group)
+        return group
+
+    def recover(self, timeout: timedelta | float) -> dist.ProcessGroup:
+        """After a peer failure: agree on the survivors under the next epoch and form their group.
+
+        ``timeout`` is the new group's collective timeout (the detection's bound, as the failed group's); the
+        agreement waits twice as long, since one survivor may learn of the failure up to one timeout after another.
+        """
+        live = self.agree(self.state.epoch + 1, 2 * _seconds(timeout))
+        return self.form_group(live, self.state.epoch, timeout)
+
+
+def _seconds(timeout: timedelta | float) -> float:
+    return timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+
+
+def _timedelta(timeout: timedelta | float) -> timedelta:
+    return timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
