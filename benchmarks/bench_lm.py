@@ -15,8 +15,9 @@ Variants (one line each in :data:`VARIANTS`):
     local_sgd              LocalSGDStrategy(sync_every=8), inner AdamW
     diloco                 LocalSGDStrategy(sync_every=16, outer_optimizer=diloco_outer_optimizer()), inner AdamW
     streaming_diloco       the registered name: 4 fragments, outer gradients sent as int4 during at least one
-                           inner step and merged half-and-half, sync_every="auto"
+                           inner step, plain averaging as the outer step, sync_every="auto"
     streaming_diloco_int8  the same with outer gradients sent as int8
+    streaming_nesterov     4 fragments, int4, DiLoCo's outer Nesterov step, sync_every=16, mixing 0.5
 
 A variant the installed package cannot build yet is skipped and listed in the JSON. While a variant runs, the host
 samples every node's link counters every 50 ms (``netsim.LinkSampler``): the JSON holds the bytes the nodes sent while
@@ -48,7 +49,7 @@ from typing import Any
 
 # ``_launch`` and ``netsim`` are imported where they are used: tests load this file by its path
 ROOT = Path(__file__).resolve().parents[1]
-STREAMING = 'sync_every="auto", fragments=4, delay=1, mixing=0.5'
+STREAMING = 'sync_every="auto", fragments=4, delay=1'
 
 VARIANTS: dict[str, str] = {
     "ddp": '"ddp"',
@@ -58,7 +59,8 @@ VARIANTS: dict[str, str] = {
     "local_sgd": "LocalSGDStrategy(sync_every=8)",
     "diloco": "LocalSGDStrategy(sync_every=16, outer_optimizer=diloco_outer_optimizer())",
     "streaming_diloco": '"streaming_diloco"',
-    "streaming_diloco_int8": f'LocalSGDStrategy(outer_optimizer=diloco_outer_optimizer(), {STREAMING}, outer_precision="int8")',  # noqa: E501
+    "streaming_diloco_int8": f'LocalSGDStrategy({STREAMING}, outer_precision="int8")',
+    "streaming_nesterov": 'LocalSGDStrategy(sync_every=16, outer_optimizer=diloco_outer_optimizer(), fragments=4, delay=1, mixing=0.5, outer_precision="int4")',  # noqa: E501
 }
 """Each variant's ``Trainer(strategy=...)``, as Python evaluated over the package's names."""
 
@@ -105,6 +107,14 @@ def worker(args: argparse.Namespace) -> None:
         tokens = world * config.tokens_per_step
         result = {"variant": args.worker, "points": clock.points, "segments": clock.segments, "steps": clock.step_s}
         result["tokens_per_step"] = tokens
+        local = getattr(trainer.strategy, "local_sgd", None)
+        if local is not None:  # the period in use ("auto": as chosen) and the time the loop waited for averages
+            result["local_sgd"] = {
+                "sync_every": local.sync_every,
+                "delay": local.delay,
+                "syncs": local.syncs,
+                "exposed_seconds": local.exposed_seconds,
+            }
         Path(args.out).write_text(json.dumps(result))
 
 
@@ -414,6 +424,7 @@ def save(cells: list[dict[str, Any]], args: argparse.Namespace, skipped: list[st
         cells = [{**c, **summarize(c["runs"])} for c in cells]  # every cell summarised the same way
     params = parameter_count(lm_config(args))
     notes = [f"{c['link']} x {c['nodes']}: ddp's loss {c['target_loss']:.3f}; {c['bandwidth']}" for c in cells]
+    notes += local_notes(cells)
     report.note(
         f"{params / 1e6:.1f} M parameters; one process a node with one thread; every variant {args.budget:.0f} s "
         f"of training; variants not in the installed package: {', '.join(skipped) or 'none'}."
@@ -427,6 +438,24 @@ def save(cells: list[dict[str, Any]], args: argparse.Namespace, skipped: list[st
     report.save(args.json)
     if args.json is not None:
         plot(args.json, args.figure)
+
+
+def local_notes(cells: list[dict[str, Any]]) -> list[str]:
+    """One line per local SGD variant: the period and delay it ran with (as ``"auto"`` chose them) and the share of
+    its training time the loop waited for averages (evaluations' own averages included, so an upper bound)."""
+    lines = []
+    for cell in cells:
+        for variant, run in cell["runs"].items():
+            local = run.get("local_sgd")
+            if local is None:
+                continue
+            seconds, waited = run["points"][-1]["seconds"], local["exposed_seconds"]
+            lines.append(
+                f"{cell['link']} x {cell['nodes']} {variant}: sync_every={local['sync_every']}, "
+                f"delay={local['delay']}, {local['syncs']} outer steps; waited for averages {waited:.1f} s of "
+                f"{seconds:.0f} s ({100 * waited / seconds:.0f}%)"
+            )
+    return lines
 
 
 def cpu_model() -> str:

@@ -93,4 +93,5 @@ def test_the_fabric_name_resolves_and_bad_options_fail_when_made() -> None:
         FabricLocalSGDStrategy(outer_precision="int8", reducer="ring")
     streaming = L.Fabric(strategy="streaming_diloco", accelerator="cpu", devices=2).strategy
     assert isinstance(streaming, FabricLocalSGDStrategy)
-    assert (streaming.sync_every, streaming.fragments, streaming.delay, streaming.outer_precision) == ("auto", 4, 1, "int4")
+    options = (streaming.sync_every, streaming.fragments, streaming.delay, streaming.outer_precision)
+    assert options == ("auto", 4, 1, "int4") and streaming.outer_optimizer is None
