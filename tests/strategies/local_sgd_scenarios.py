@@ -9,6 +9,7 @@ starts them); the scenarios run one after the other in the same process group. E
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -229,11 +230,25 @@ def rank_shards(epoch: int) -> list[list[list[int]]]:
     return [[per_rank[r][k * b : (k + 1) * b] for r in range(WORLD)] for k in range(steps)]
 
 
+def local_steps(replicas: list[nn.Module], inner: list[torch.optim.Optimizer]) -> Iterator[int]:
+    """Every replica's optimizer step on its rank's shard, step after step of :data:`EPOCHS` epochs; yields the
+    number of steps taken."""
+    x, y = make_data().tensors
+    step = 0
+    for epoch in range(EPOCHS):
+        for shards in rank_shards(epoch):
+            for model, opt, shard in zip(replicas, inner, shards, strict=True):
+                F.cross_entropy(model(x[shard]), y[shard]).backward()
+                opt.step()
+                opt.zero_grad()
+            step += 1
+            yield step
+
+
 def reference_diloco(sync_every: int, optimizer: str = "adam") -> dict[str, Tensor]:
     """DiLoCo written out: two replicas with their own inner optimizers on their own shards; every ``sync_every``
     steps (and at the end) the anchor takes one Nesterov SGD step (lr 0.7, momentum 0.9) along the mean of
     ``anchor - replica``, and both replicas restart from it."""
-    x, y = make_data().tensors
     replicas = [make_body() for _ in range(WORLD)]
     inner = [make_optimizer(optimizer, m.parameters()) for m in replicas]
     anchor = [p.detach().clone().requires_grad_(True) for p in replicas[0].parameters()]
@@ -249,15 +264,9 @@ def reference_diloco(sync_every: int, optimizer: str = "adam") -> dict[str, Tens
                     p.copy_(a)
 
     steps = 0
-    for epoch in range(EPOCHS):
-        for shards in rank_shards(epoch):
-            for model, opt, shard in zip(replicas, inner, shards, strict=True):
-                F.cross_entropy(model(x[shard]), y[shard]).backward()
-                opt.step()
-                opt.zero_grad()
-            steps += 1
-            if steps % sync_every == 0:
-                sync()
+    for steps in local_steps(replicas, inner):
+        if steps % sync_every == 0:
+            sync()
     if steps % sync_every:
         sync()
     return {n: p.detach().clone() for n, p in replicas[0].named_parameters()}
@@ -290,7 +299,6 @@ def reference_streaming(sync_every: int, stream: dict[str, Any], optimizer: str 
     is in flight is applied and the whole model is synchronised once (replaced by the anchor)."""
     fragments, delay, mixing = stream["fragments"], stream["delay"], stream["mixing"]
     bits = {"int8": 8, "int4": 4}.get(stream.get("outer_precision", "fp32"))
-    x, y = make_data().tensors
     replicas = [make_body() for _ in range(WORLD)]
     inner = [make_optimizer(optimizer, m.parameters()) for m in replicas]
     anchor = [p.detach().clone().requires_grad_(True) for p in replicas[0].parameters()]
@@ -313,20 +321,13 @@ def reference_streaming(sync_every: int, stream: dict[str, Any], optimizer: str 
                     params[i].copy_(torch.lerp(anchor[i], params[i], mixing) if merge else anchor[i])
 
     in_flight: list[tuple[int, list[int], list[Tensor]]] = []
-    step = 0
-    for epoch in range(EPOCHS):
-        for shards in rank_shards(epoch):
-            for model, opt, shard in zip(replicas, inner, shards, strict=True):
-                F.cross_entropy(model(x[shard]), y[shard]).backward()
-                opt.step()
-                opt.zero_grad()
-            step += 1
-            while in_flight and in_flight[0][0] <= step:
-                _, indices, averaged = in_flight.pop(0)
-                apply(indices, averaged, merge=True)
-            for p, leave in enumerate(leaves):
-                if step % sync_every == leave:
-                    in_flight.append((step + delay, runs[p], _average(changes(runs[p]), bits)))
+    for step in local_steps(replicas, inner):
+        while in_flight and in_flight[0][0] <= step:
+            _, indices, averaged = in_flight.pop(0)
+            apply(indices, averaged, merge=True)
+        for p, leave in enumerate(leaves):
+            if step % sync_every == leave:
+                in_flight.append((step + delay, runs[p], _average(changes(runs[p]), bits)))
     for _, indices, averaged in in_flight:
         apply(indices, averaged, merge=True)
     everything = list(range(len(anchor)))
