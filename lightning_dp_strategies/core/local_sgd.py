@@ -72,8 +72,7 @@ STREAMING_DEFAULTS: dict[str, Any] = {
 bits during at least one inner step, the period chosen from the first steps' timings (``sync_every="auto"``), and
 plain averaging as the outer step. ``"auto"`` picks short periods (a few steps) wherever the link hides a fragment
 behind a step; DiLoCo's outer Nesterov step (``diloco_outer_optimizer()``, lr 0.7, momentum 0.9) is made for long
-ones (on the benchmark's language model, at a period of 16 it reached ddp's loss later than plain averaging at the
-period ``"auto"`` chose): pass it with a fixed ``sync_every`` of 16 or more."""
+ones: pass it with a fixed ``sync_every`` of 16 or more (docs: "Training over slow links")."""
 
 
 def check_local_options(shard_optimizer_state: object, reducer: object, outer_precision: str) -> None:

@@ -62,7 +62,7 @@ class LocalSGD:
     averager's ``counter``.
 
     With one fragment and no delay, each period ends in one synchronisation of the whole model (local SGD, DiLoCo).
-    Streaming DiLoCo (``config.streams``) synchronises fragment ``p`` at its turn of every period (see
+    Streaming DiLoCo (``fragments``, ``delay``, ``mixing``) synchronises fragment ``p`` at its turn of every period (see
     :mod:`~lightning_dp_strategies.local_sgd.streaming`): its change ``anchor_p - params_p`` leaves then; ``delay``
     steps later the average is applied by the outer optimizer to ``anchor_p``, and the rank's own values become
     ``mixing * params_p + (1 - mixing) * anchor_p``.
@@ -116,7 +116,7 @@ class LocalSGD:
         self.anchor = [p.detach().to(torch.float32, copy=True).requires_grad_(True) for p in self.params]
         self.outer = make_outer_optimizer(self.config.outer_optimizer, self.anchor)
         self.fragments = split_fragments(self.params, self.config.fragments)
-        self._set_period(self.sync_every or self._trial_period)
+        self._set_turns()
 
     @property
     def choosing(self) -> bool:
@@ -128,9 +128,13 @@ class LocalSGD:
         """The first period of ``sync_every="auto"``: every fragment leaves once, one a step."""
         return max(self.config.fragments, self.delay + 1)
 
-    def _set_period(self, sync_every: int) -> None:
-        self.turns = [turn % sync_every for turn in turns(self.config.fragments, sync_every)]
-        self._period = sync_every
+    @property
+    def _period(self) -> int:
+        """The period the turns follow now: the chosen one, or the trial period while choosing."""
+        return self.sync_every or self._trial_period
+
+    def _set_turns(self) -> None:
+        self.turns = [turn % self._period for turn in turns(self.config.fragments, self._period)]
 
     @property
     def stats(self) -> CommStats:
@@ -181,12 +185,11 @@ class LocalSGD:
         (:func:`~lightning_dp_strategies.local_sgd.streaming.choose_period`), log them, and start the period."""
         measured = torch.tensor([statistics.median(v) if v else 0.0 for v in self.timings.values()])
         if self.averager.world_size > 1:
-            self._collective(
-                lambda: torch.distributed.all_reduce(measured, torch.distributed.ReduceOp.MAX, self.averager.group)
-            )
+            group = self.averager.group
+            self._collective(lambda: dist.all_reduce(measured, dist.ReduceOp.MAX, group))
         step, fragment = measured.tolist()
         self.sync_every, self.delay = choose_period(self.config.fragments, self.config.delay, step, fragment)
-        self._set_period(self.sync_every)
+        self._set_turns()
         self.phase = 0
         values = max(sum(self.params[i].numel() for i in run) for run in self.fragments)
         megabytes = values * BYTES_PER_VALUE[self.config.outer_precision] / 1e6
@@ -246,7 +249,7 @@ class LocalSGD:
             changes = self._changes(indices)
         if self.channel is None:
             self._averaged(changes)
-            self._outer_step(indices, changes, exact=self.config.exact_turns and self.config.fragments == 1)
+            self._outer_step(indices, changes, exact=self.config.turns_equalize)
             return True
         future = self.channel.submit(lambda: self._averaged(changes))
         self.in_flight.append(InFlight(fragment, self.phase + self.delay, future))
@@ -277,8 +280,7 @@ class LocalSGD:
         start = time.perf_counter()
         averaged = pending.result()
         self.exposed_seconds += time.perf_counter() - start
-        exact = self.config.exact_turns and self.config.fragments == 1
-        self._outer_step(self.fragments[pending.fragment], averaged, exact)
+        self._outer_step(self.fragments[pending.fragment], averaged, exact=self.config.turns_equalize)
 
     def _outer_step(self, indices: list[int], averaged: list[Tensor], exact: bool) -> None:
         """The outer optimizer's step on the anchors of ``indices`` with their averaged change, the new values merged
@@ -363,5 +365,5 @@ class LocalSGD:
         if self.config.sync_every == "auto":  # the period chosen before (0: still choosing) and its timings
             self.sync_every, self.delay = int(state["sync_every"]), int(state.get("delay", self.config.delay))
             self.timings = {k: list(v) for k, v in state.get("timings", self.timings).items()}
-            self._set_period(self.sync_every or self._trial_period)
+            self._set_turns()
         self.in_flight = [InFlight(int(p["fragment"]), int(p["apply_at"]), averaged=p["averaged"]) for p in in_flight]

@@ -115,14 +115,10 @@ class LocalSGDConfig:
             raise TypeError(f"`average_buffers` must be True or False, got {self.average_buffers!r}.")
 
     @property
-    def streams(self) -> bool:
-        """Whether this is streaming DiLoCo (fragments, a delay or mixing) rather than one synchronisation a period."""
-        return self.fragments > 1 or self.delay > 0 or self.mixing > 0
-
-    @property
-    def exact_turns(self) -> bool:
-        """Whether a fragment's turn leaves every rank with the same values of it (no mixing with its own)."""
-        return self.mixing == 0
+    def turns_equalize(self) -> bool:
+        """Whether a turn leaves every rank with the same parameters: one fragment (the whole model) and no mixing
+        with the rank's own values."""
+        return self.fragments == 1 and self.mixing == 0
 
 
 def make_outer_optimizer(factory: OuterOptimizerFactory | None, anchor: list[Tensor]) -> Optimizer | None:
