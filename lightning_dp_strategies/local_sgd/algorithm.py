@@ -196,7 +196,7 @@ class LocalSGD:
         if not dist.is_initialized() or dist.get_rank() == 0:
             visible(log).info(
                 f"Local SGD (sync_every='auto'): sync_every={self.sync_every}, delay={self.delay}. A fragment's change "
-                f"({megabytes:.2f} MB as {self.config.outer_precision}) took {fragment * 1e3:.0f} ms to average; an "
+                f"({megabytes:.3g} MB as {self.config.outer_precision}) took {fragment * 1e3:.0f} ms to average; an "
                 f"inner step {step * 1e3:.0f} ms."
             )
 
