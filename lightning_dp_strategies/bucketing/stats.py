@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
-from lightning_dp_strategies.comm.ops import CommCounter
+from lightning_dp_strategies.comm.ops import CommCounter, Counts
 
 __all__ = ["COUNTER_FIELDS", "CommStats"]
 
@@ -20,11 +20,12 @@ COUNTER_FIELDS: dict[str, str] = {
 
 
 @dataclass
-class CommStats:
+class CommStats(Counts):
     """Counts of gradient communication; :class:`GradientBuckets` keeps running totals, strategies per-step deltas.
 
     The fields a collective counts are :class:`~lightning_dp_strategies.comm.CommCounter`'s, named here as
-    :data:`COUNTER_FIELDS` says; the others count what only the buckets (or the pipeline) see.
+    :data:`COUNTER_FIELDS` says; the others count what only the buckets (or the pipeline) see. They add, subtract,
+    copy and flatten field by field (:class:`~lightning_dp_strategies.comm.ops.Counts`).
 
     Examples:
         >>> before = CommStats(bytes_sent=1000, synced_backwards=2)
@@ -75,17 +76,3 @@ class CommStats:
         """Add what a collective's ``counter`` saw to these totals (by :data:`COUNTER_FIELDS`)."""
         for source, target in COUNTER_FIELDS.items():
             setattr(self, target, getattr(self, target) + getattr(counter, source))
-
-    def __add__(self, other: CommStats) -> CommStats:
-        return CommStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
-
-    def __sub__(self, other: CommStats) -> CommStats:
-        return CommStats(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
-
-    def copy(self) -> CommStats:
-        """An independent snapshot."""
-        return CommStats(**{f.name: getattr(self, f.name) for f in fields(self)})
-
-    def as_dict(self, prefix: str = "") -> dict[str, float]:
-        """The fields as a flat ``{prefix + name: value}`` dictionary, e.g. for a logger."""
-        return {prefix + f.name: float(getattr(self, f.name)) for f in fields(self)}

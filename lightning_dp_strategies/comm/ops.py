@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from typing_extensions import Self
 
 __all__ = ["CommCounter", "ReduceOpLike", "divide", "divide_", "is_average"]
 
@@ -16,7 +17,45 @@ _SUM_NAMES = {"sum"}
 
 
 @dataclass
-class CommCounter:
+class Counts:
+    """A dataclass of numeric counts that add up field by field: the base of :class:`CommCounter` and of
+    :class:`~lightning_dp_strategies.bucketing.CommStats`.
+
+    Examples:
+        >>> total = CommCounter(bytes_sent=400, messages=2)
+        >>> step = total.copy()
+        >>> total.add(CommCounter(bytes_sent=100, messages=1))
+        >>> (total - step).bytes_sent, (total + step).messages, step.as_dict("comm/")["comm/bytes_sent"]
+        (100, 5, 400.0)
+    """
+
+    def reset(self) -> None:
+        """Zero every field."""
+        for f in fields(self):
+            setattr(self, f.name, f.default)
+
+    def add(self, other: Self) -> None:
+        """Add ``other``'s counts to these, in place."""
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    def __add__(self, other: Self) -> Self:
+        return type(self)(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+
+    def __sub__(self, other: Self) -> Self:
+        return type(self)(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
+
+    def copy(self) -> Self:
+        """An independent snapshot."""
+        return type(self)(**{f.name: getattr(self, f.name) for f in fields(self)})
+
+    def as_dict(self, prefix: str = "") -> dict[str, float]:
+        """The fields as a flat ``{prefix + name: value}`` dictionary, e.g. for a logger."""
+        return {prefix + f.name: float(getattr(self, f.name)) for f in fields(self)}
+
+
+@dataclass
+class CommCounter(Counts):
     """What this rank sent: bytes, point-to-point messages, collective operations and seconds spent in them.
 
     Examples:
@@ -36,16 +75,6 @@ class CommCounter:
     """Seconds spent in them."""
     inter_node_bytes: int = 0
     """Of ``bytes_sent``, the bytes sent to another node (counted by the two-level all-reduce)."""
-
-    def reset(self) -> None:
-        """Zero every field."""
-        for f in fields(self):
-            setattr(self, f.name, f.default)
-
-    def add(self, other: CommCounter) -> None:
-        """Add ``other``'s counts to this counter."""
-        for f in fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
 
 def is_average(op: ReduceOpLike) -> bool:
