@@ -7,7 +7,8 @@ Launching side:
 - :func:`torchrun_local`: ``torchrun`` with N processes on this machine;
 - :func:`simulated_cluster`, :func:`link_bandwidth` and :func:`torchrun_on_cluster`: the simulated cluster
   (``benchmarks/netsim.py``: network namespaces joined by ``tc``-shaped links; root and iproute2 needed), always
-  taken down again, and ``torchrun`` on every node at once;
+  taken down again, its link measured, and ``torchrun`` on every node at once; :func:`measured_cluster`: the first
+  two together, as a comparison starts;
 - :func:`launch_order`: the variants' turns, flipped every launch round.
 
 A script that torchrun starts is its own worker: :func:`worker_command` adds ``--worker VARIANT --out PATH`` and the
@@ -191,6 +192,14 @@ def simulated_cluster(nodes: int, link: str) -> Iterator[None]:
 def link_bandwidth() -> str:
     """The simulated link measured node 0 -> node 1, as netsim prints it (a failed probe gives its output, if any)."""
     return netsim("bandwidth", check=False).stdout.strip()
+
+
+@contextmanager
+def measured_cluster(nodes: int, link: str) -> Iterator[str]:
+    """The :func:`simulated_cluster` of ``nodes`` nodes while the block runs, giving its link as measured once it is
+    up (:func:`link_bandwidth`), the figure a comparison records beside its times."""
+    with simulated_cluster(nodes, link):
+        yield link_bandwidth()
 
 
 def node_logs(folder: Path) -> str:

@@ -49,9 +49,8 @@ from _launch import (
     add_comparison_arguments,
     fit_rank,
     launch_order,
-    link_bandwidth,
+    measured_cluster,
     parse_or_work,
-    simulated_cluster,
     torchrun_on_cluster,
     worker_command,
 )
@@ -194,8 +193,7 @@ def measure_cell(link: str, nodes: int, per_node: int, args: argparse.Namespace)
     """Every variant on ``nodes`` x ``per_node`` over ``link``, launches interleaved."""
     import torch
 
-    with simulated_cluster(nodes, link):
-        bandwidth = link_bandwidth()
+    with measured_cluster(nodes, link) as bandwidth:
         times: dict[str, list[float]] = {v: [] for v in args.variants}
         exposed: dict[str, list[float]] = {v: [] for v in args.variants}
         auto_inputs: list[dict[str, Any]] = []

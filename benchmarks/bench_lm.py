@@ -279,12 +279,11 @@ def summarize(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 def measure_cell(link: str, nodes: int, variants: list[str], args: argparse.Namespace) -> dict[str, Any]:
     """Every variant on ``nodes`` nodes over ``link``, one after another."""
-    from _launch import link_bandwidth, simulated_cluster
+    from _launch import measured_cluster
 
     runs: dict[str, dict[str, Any]] = {}
     failed: dict[str, str] = {}
-    with simulated_cluster(nodes, link), tempfile.TemporaryDirectory(prefix="lm-") as tmp:
-        bandwidth = link_bandwidth()
+    with measured_cluster(nodes, link) as bandwidth, tempfile.TemporaryDirectory(prefix="lm-") as tmp:
         for variant in variants:
             try:
                 runs[variant] = launch(variant, args, Path(tmp), nodes)

@@ -184,10 +184,9 @@ def summarize(curves: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 
 
 def measure_layout(nodes: int, args: argparse.Namespace) -> dict[str, Any]:
-    from _launch import link_bandwidth, simulated_cluster
+    from _launch import measured_cluster
 
-    with simulated_cluster(nodes, args.link):
-        bandwidth = link_bandwidth()
+    with measured_cluster(nodes, args.link) as bandwidth:
         curves = {}
         with tempfile.TemporaryDirectory(prefix="local-sgd-") as tmp:
             for variant in args.variants:

@@ -36,10 +36,9 @@ from typing import Any
 from _launch import (
     cluster_trainer,
     launch_order,
-    link_bandwidth,
+    measured_cluster,
     parse_or_work,
     run_ranks,
-    simulated_cluster,
     torchrun_on_cluster,
     worker_command,
 )
@@ -174,8 +173,7 @@ def predict_ms(local: dict[str, Any], bandwidth: float, nodes: int, per_node: in
 def measure_cell(link: str, nodes: int, per_node: int, args: argparse.Namespace) -> dict[str, Any]:
     """Both variants on ``nodes`` x ``per_node`` simulated processes over ``link``, their launches interleaved."""
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    with simulated_cluster(nodes, link), tempfile.TemporaryDirectory(prefix="planning-") as tmp:
-        bandwidth = link_bandwidth()
+    with measured_cluster(nodes, link) as bandwidth, tempfile.TemporaryDirectory(prefix="planning-") as tmp:
         for index in range(args.launches):
             for variant in launch_order(VARIANTS, index):
                 out = Path(tmp) / f"{variant}-{index}.json"

@@ -46,9 +46,8 @@ from _launch import (
     add_comparison_arguments,
     fit_rank,
     launch_order,
-    link_bandwidth,
+    measured_cluster,
     parse_or_work,
-    simulated_cluster,
     torchrun_local,
     torchrun_on_cluster,
     worker_command,
@@ -220,9 +219,9 @@ def measure_cell(link: str, nodes: int, per_node: int, args: argparse.Namespace)
 
     cell: dict[str, Any] = {"link": link, "nodes": nodes, "per_node": per_node, "command": command_line()}
     cell["load_average_at_start"] = round(os.getloadavg()[0], 2)
-    with simulated_cluster(nodes, link) if link != "loopback" else nullcontext():
-        if link != "loopback":
-            cell["bandwidth"] = link_bandwidth()
+    with measured_cluster(nodes, link) if link != "loopback" else nullcontext() as bandwidth:
+        if bandwidth is not None:
+            cell["bandwidth"] = bandwidth
         runs: dict[str, list[dict[str, Any]]] = {v: [] for v in args.variants}
         with tempfile.TemporaryDirectory(prefix="zero-") as tmp:
             folder = Path(tmp)
