@@ -73,12 +73,12 @@ class ScatterGatherStrategy(ParallelForward, ParallelStrategy):
     """
 
     cost_model: ClassVar[CostModel] = SCATTER_GATHER
+    """Its per-step communication formula (:mod:`lightning_dp_strategies.plan`)."""
     registered_name: ClassVar[str | None] = "scatter_gather"
     """Registered with ``"dp"`` beside it, the name Lightning 1.x gave DataParallel."""
     registered_description: ClassVar[str] = "DataParallel-style scatter/replicate/parallel_apply/gather in one process"
     compared_as: ClassVar[str | None] = "dp"
     """The name the comparison runs it under when no strategies are named."""
-    """Its per-step communication formula (:mod:`lightning_dp_strategies.plan`)."""
 
     @classmethod
     def launched_processes(cls, devices: int) -> int:
