@@ -191,6 +191,30 @@ def test_netsim_refuses_at_once_without_root_or_iproute2(
         assert _launch.NETSIM == BENCHMARKS / "netsim.py" and _launch.NETSIM_COMMAND[0] == sys.executable
 
 
+def test_measured_cluster_measures_the_link_once_up_and_always_takes_the_cluster_down(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``measured_cluster`` gives the block the link as ``netsim bandwidth`` measured it, between ``up`` and ``down``;
+    a failing block still takes the cluster down."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import _launch
+
+    calls: list[tuple[str, ...]] = []
+
+    def fake_netsim(*argv: str, env: object = None, check: bool = True) -> subprocess.CompletedProcess[str]:
+        calls.append(argv)
+        return subprocess.CompletedProcess(argv, 0, stdout=" 118.4 MB/s\n" if argv == ("bandwidth",) else "")
+
+    monkeypatch.setattr(_launch, "netsim", fake_netsim)
+    with _launch.measured_cluster(2, "1gbit") as bandwidth:
+        assert bandwidth == "118.4 MB/s" and calls == [("up", "2", "1gbit"), ("bandwidth",)]
+    assert calls[-1] == ("down",)
+    calls.clear()
+    with pytest.raises(KeyError), _launch.measured_cluster(3, "100mbit"):
+        raise KeyError("a failed launch")
+    assert calls == [("up", "3", "100mbit"), ("bandwidth",), ("down",)]
+
+
 def test_cluster_benchmark_quick_mode_never_writes_the_stored_results() -> None:
     """``--quick`` fills in one link, one layout and a small model, and refuses a ``--json`` in benchmarks/results."""
     done = subprocess.run(
