@@ -38,6 +38,9 @@ if TYPE_CHECKING:  # what type checkers see; at run time each name is imported o
     from lightning_dp_strategies.core.checkpoint_io import (
         AtomicCheckpointIO as AtomicCheckpointIO,
     )
+    from lightning_dp_strategies.core.fault_tolerance import (
+        FaultTolerance as FaultTolerance,
+    )
     from lightning_dp_strategies.core.options import (
         BucketedConfig as BucketedConfig,
     )

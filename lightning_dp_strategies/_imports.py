@@ -19,6 +19,7 @@ PUBLIC: dict[str, str] = {
         "comm.probe": ("probe_link",),
         "core.checkpoint_files": ("latest_checkpoint",),
         "core.checkpoint_io": ("AtomicCheckpointIO",),
+        "core.fault_tolerance": ("FaultTolerance",),
         "core.options": ("BucketedConfig",),
         "data_parallel": ("gather", "parallel_apply", "replicate", "scatter"),
         "local_sgd": ("diloco_outer_optimizer",),

@@ -24,10 +24,9 @@ single-device training; one that some rank used gets the average on every rank.
 from __future__ import annotations
 
 import functools
-import threading
 import time
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -38,9 +37,10 @@ from lightning_dp_strategies.bucketing.bucket import Bucket
 from lightning_dp_strategies.bucketing.layout import assign_buckets
 from lightning_dp_strategies.bucketing.stats import CommStats
 from lightning_dp_strategies.comm import divide
-from lightning_dp_strategies.comm.failures import announce_failure
+from lightning_dp_strategies.comm.failures import PeerLostError, announce_failure
 from lightning_dp_strategies.plan.sizing import ring_bytes_per_rank
-from lightning_dp_strategies.reducers.base import GradBucket, Reducer, as_reducer, close_reducer, set_event
+from lightning_dp_strategies.reducers.base import GradBucket, Reducer, as_reducer, close_reducer
+from lightning_dp_strategies.reducers.bucket import TIMED_OUT, wait_for
 from lightning_dp_strategies.reducers.builtin import resolve_reducer
 
 __all__ = ["Bucket", "GradientBuckets"]
@@ -131,6 +131,8 @@ class GradientBuckets:
         """The group's size, read at every ``arm()``: buckets built before ``init_process_group`` still average."""
         self.sync_blocked = False
         """Set while the owner deliberately skips communication (accumulation, ``no_sync``)."""
+        self.interrupt: Callable[[], str | None] | None = None
+        """Polled while waiting: a reason (a peer known lost) fails the wait at once with ``PeerLostError``."""
         self._warned_unarmed = False
         # statistics
         self.totals = CommStats()
@@ -312,12 +314,12 @@ class GradientBuckets:
         for bucket in self.buckets:
             future = bucket.future
             assert future is not None
-            if self.timeout is not None and not future.done():
-                done = threading.Event()
-                future.add_done_callback(functools.partial(set_event, done))
-                if not done.wait(self.timeout):
-                    late = f"not complete after {self.timeout:g} s (the strategy's `timeout`)"
-                    raise TimeoutError(self._failure_message(bucket, late))
+            gave_up = None if future.done() else wait_for(future, self.timeout, self.interrupt)
+            if gave_up == TIMED_OUT:
+                late = f"not complete after {self.timeout:g} s (the strategy's `timeout`)"
+                raise TimeoutError(self._failure_message(bucket, late))
+            if gave_up is not None:
+                raise PeerLostError(self._failure_message(bucket, f"given up: {gave_up}"))
             try:
                 future.wait()
             except Exception as error:
@@ -353,11 +355,7 @@ class GradientBuckets:
                     # .grad becomes a view of the bucket (no copy back): valid until the next synchronised backward
                     # refills the bucket, exactly when a new gradient replaces it anyway
                     param.grad = bucket.grad_view(slot)
-            self.totals.bytes_sent += bucket.counter.bytes_sent
-            self.totals.inter_node_bytes_sent += bucket.counter.inter_node_bytes
-            self.totals.messages += bucket.counter.messages
-            self.totals.ring_operations += bucket.counter.operations
-            self.totals.comm_seconds += bucket.counter.seconds
+            self.totals.add_counter(bucket.counter)
         self.totals.synced_backwards += 1
 
     def _failure_message(self, bucket: Bucket, what: str) -> str:

@@ -11,8 +11,10 @@ A strategy (Trainer or Fabric) makes one :class:`GradientSync` and calls it at f
 
 from __future__ import annotations
 
+import functools
+import threading
 import time
-from collections.abc import Generator, Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -74,11 +76,14 @@ class GradientSync:
         self.buckets: GradientBuckets | None = None
         self.blocked = False
         """Inside :meth:`no_sync`: backward passes accumulate locally."""
+        self.interrupt: Callable[[], str | None] | None = None
+        """Polled while waiting for the buckets: a reason to give up the wait (a peer known lost), or ``None``."""
         # statistics
         self.step_stats = CommStats()
         """Communication of the last optimizer step (all backward passes since the previous step)."""
         self._step_start = CommStats()
         self._closed_totals = CommStats()
+        self._earlier: CommStats | None = None  # the totals of the buckets dropped by :meth:`regroup`
         self._clock = _Clock()
 
     # ------------------------------------------------------------------ setup
@@ -95,6 +100,30 @@ class GradientSync:
             setup_reducer(reducer, group, list(ranks), backend)
         mine = [group for group, ranks in zip(self.groups, partition, strict=True) if rank in ranks]
         self.group = mine[0] if mine else None
+
+    def use_group(self, group: dist.ProcessGroup, reducer: Reducer) -> None:
+        """Average over ``group``, made and owned by the caller (not destroyed here), with ``reducer`` as it is: its
+        ``setup`` is not run, so it makes no groups of its own (the fault-tolerant strategies' survivors' groups)."""
+        self.groups, self.group, self.reducer = [], group, reducer
+
+    def regroup(self, group: dist.ProcessGroup, reducer: Reducer) -> None:
+        """After a peer failure: drop the buckets and the reducer without waiting for them, and average over
+        ``group`` with ``reducer`` from now on; :meth:`attach` again before the next backward.
+
+        The old reducer is closed in a background thread: a reduction it still runs on the failed group ends with
+        that group's timeout. The running totals carry over."""
+        old_buckets, old_reducer = self.buckets, self.reducer
+        self._earlier = self.totals
+        if old_buckets is not None:
+            old_buckets.abort()
+        self.buckets = None
+        self._step_start = CommStats()
+        close = old_buckets.close if old_buckets is not None else None
+        if close is None and old_reducer is not None:
+            close = functools.partial(close_reducer, old_reducer)
+        if close is not None:
+            threading.Thread(target=close, name="ldps-close-failed", daemon=True).start()
+        self.use_group(group, reducer)
 
     def attach(
         self,
@@ -115,6 +144,7 @@ class GradientSync:
             timeout=timeout.total_seconds() if timeout is not None else None,
         )
         self.buckets.sync_blocked = self.blocked
+        self.buckets.interrupt = self.interrupt
         return self.buckets
 
     # ------------------------------------------------------------------ each backward pass
@@ -176,7 +206,9 @@ class GradientSync:
     @property
     def totals(self) -> CommStats:
         """Running totals of gradient communication on this rank since setup (kept after :meth:`close`)."""
-        return self.buckets.totals if self.buckets is not None else self._closed_totals
+        if self.buckets is None:
+            return self._closed_totals
+        return self.buckets.totals + self._earlier if self._earlier is not None else self.buckets.totals
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:
@@ -185,8 +217,8 @@ class GradientSync:
             close_reducer(self.reducer)
         self.reducer = None
         if self.buckets is not None:
+            self._closed_totals = self.totals
             self.buckets.close()
-            self._closed_totals = self.buckets.totals
             self.buckets = None
 
     def destroy_groups(self) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-__all__ = ["PEER_FAILURE_HINT", "announce_failure"]
+__all__ = ["PEER_FAILURE_HINT", "PeerLostError", "announce_failure"]
 
 
 PEER_FAILURE_HINT = (
@@ -13,6 +13,11 @@ PEER_FAILURE_HINT = (
     "already written are complete, so resume from the last one with `trainer.fit(..., ckpt_path='last')`."
 )
 """What a failed collective most likely means, and what to do; appended to the strategies' errors."""
+
+
+class PeerLostError(RuntimeError):
+    """A wait for a collective gave up because a peer is known to be gone (a fault-tolerant strategy's membership
+    said so) rather than because the collective itself failed."""
 
 
 _log = logging.getLogger("lightning_dp_strategies")

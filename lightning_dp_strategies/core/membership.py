@@ -15,6 +15,13 @@ the group that training runs its collectives on is made with a short timeout (:m
     read decided                                        ─▶ the same sorted list on every rank
     dist.new_group(decided, use_local_synchronization=True, timeout): only the survivors take part
 
+With heartbeats (:meth:`Membership.start_heartbeat`: a thread adds one to ``heartbeat/<r>`` every ``heartbeat_s``),
+a member that has not announced itself is also left out once its counter has not moved for ``stale_s``: a killed
+process or a node whose link is cut stops beating, so the survivors decide within about ``stale_s`` instead of at the
+agreement's timeout; a hung process whose threads still run keeps beating and is left out at the timeout. The same
+counters let a survivor that is still waiting in a collective notice the failure (:meth:`Membership.interrupted`)
+before its own collective times out.
+
 The decision is the store's: ``compare_set`` is atomic, so every rank reads the list the first decider wrote. A rank
 that is slow but alive and announces itself after that is not in it and gets :class:`ExcludedError` (it should
 exit; a replacement joins later). A rank that announced itself and then dies is in the list: forming the group, or
@@ -29,12 +36,15 @@ epoch are written once.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch.distributed as dist
+
+from lightning_dp_strategies.comm.failures import PeerLostError
 
 __all__ = [
     "ExcludedError",
@@ -43,6 +53,7 @@ __all__ = [
     "MembershipState",
     "MembershipStats",
     "PeerFailure",
+    "PeerLostError",
     "detect",
     "is_peer_failure",
     "logical_shares",
@@ -86,6 +97,8 @@ def is_peer_failure(error: BaseException) -> bool:
         >>> is_peer_failure(RuntimeError("Tensors must have the same shape"))
         False
     """
+    if isinstance(error, PeerLostError) or (error.__cause__ is not None and is_peer_failure(error.__cause__)):
+        return True
     return isinstance(error, dist.DistError) or (
         isinstance(error, RuntimeError) and any(marker in str(error) for marker in PEER_FAILURE_MARKERS)
     )
@@ -152,6 +165,10 @@ class MembershipConfig:
 
     prefix: str = "lightning_dp_strategies/membership"
     poll_s: float = 0.02
+    heartbeat_s: float = 0.5
+    """How often :meth:`Membership.start_heartbeat`'s thread beats."""
+    stale_s: float = 5.0
+    """A member whose beats stopped this long is taken for gone (only members that have beaten at least once)."""
 
 
 @dataclass
@@ -195,6 +212,11 @@ class Membership:
         self.config = config or MembershipConfig()
         self.state = MembershipState(epoch=0, members=list(range(world_size)))
         self.stats = MembershipStats()
+        self.heartbeat_error: BaseException | None = None
+        """What stopped this rank's heartbeat thread (the store out of reach), if anything did."""
+        self._beating = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+        self._seen: dict[int, tuple[int, float]] = {}  # member -> (last counter read, when it last changed)
 
     @property
     def leader(self) -> int:
@@ -205,6 +227,64 @@ class Membership:
     def group(self) -> dist.ProcessGroup | None:
         """The group over the current members, once :meth:`form_group` made it."""
         return self.state.group
+
+    # ------------------------------------------------------------------ heartbeats
+    def _heartbeat_key(self, rank: int) -> str:
+        return f"{self.config.prefix}/heartbeat/{rank}"
+
+    def start_heartbeat(self) -> None:
+        """Beat in a daemon thread from now to :meth:`stop_heartbeat` (one beat at once, so peers see this rank)."""
+        if self._heartbeat is not None:
+            return
+        self.store.add(self._heartbeat_key(self.rank), 1)
+        self._beating.set()
+        self._heartbeat = threading.Thread(target=self._beat, name="ldps-heartbeat", daemon=True)
+        self._heartbeat.start()
+
+    def _beat(self) -> None:
+        key = self._heartbeat_key(self.rank)
+        while True:
+            time.sleep(self.config.heartbeat_s)
+            if not self._beating.is_set():
+                return
+            try:
+                self.store.add(key, 1)
+            except Exception as error:  # the store is out of reach: the peers will take this rank for gone
+                self.heartbeat_error = error
+                return
+
+    def stop_heartbeat(self) -> None:
+        """Stop beating (peers take this rank for gone ``stale_s`` later)."""
+        self._beating.clear()
+        self._heartbeat = None
+
+    def stale(self, ranks: list[int]) -> list[int]:
+        """Those of ``ranks`` whose heartbeat has not moved for ``stale_s`` as this rank watched it (a rank that
+        never beat is never stale). Each call reads every counter once."""
+        now, gone = time.monotonic(), []
+        for rank in ranks:
+            key = self._heartbeat_key(rank)
+            if rank == self.rank or not self.store.check([key]):
+                continue
+            count = self.store.add(key, 0)
+            last = self._seen.get(rank)
+            if last is None or last[0] != count:
+                self._seen[rank] = (count, now)
+            elif now - last[1] >= self.config.stale_s:
+                gone.append(rank)
+        return gone
+
+    def interrupted(self) -> str | None:
+        """Why a collective in flight on the current group cannot complete, or ``None``: a survivor has begun the
+        next agreement (it saw a peer fail), or a member's heartbeat stopped. Polled while waiting."""
+        base = f"{self.config.prefix}/{self.state.epoch + 1}"
+        started = [r for r in self.state.members if self.store.check([f"{base}/alive/{r}"])]
+        if started:
+            return f"rank {started[0]} began the membership agreement of epoch {self.state.epoch + 1}"
+        gone = self.stale(self.state.members)
+        if gone:
+            return f"no heartbeat from rank(s) {gone} for {self.config.stale_s:g} s"
+        return None
 
     def shares(self) -> list[int]:
         """The logical ranks this rank trains now (see :func:`logical_shares`)."""
@@ -246,7 +326,9 @@ class Membership:
         decided_key = f"{base}/decided"
         while not self.store.check([decided_key]):
             alive = [r for r in members if self.store.check([f"{base}/alive/{r}"])]
-            if len(alive) == len(members) or time.monotonic() >= deadline:
+            missing = [r for r in members if r not in alive]
+            gone = set(self.stale(missing)) if missing else set()
+            if len(alive) + len(gone) == len(members) or time.monotonic() >= deadline:
                 written = self.store.compare_set(decided_key, "", ",".join(map(str, alive)))
                 return [int(r) for r in written.decode().split(",")]
             time.sleep(self.config.poll_s)
@@ -283,13 +365,15 @@ class Membership:
         self.state = MembershipState(epoch=epoch, members=sorted(live), group=group)
         return group
 
-    def recover(self, timeout: timedelta | float) -> dist.ProcessGroup:
+    def recover(self, timeout: timedelta | float, agreement: float | None = None) -> dist.ProcessGroup:
         """After a peer failure: agree on the survivors under the next epoch and form their group.
 
         ``timeout`` is the new group's collective timeout (the detection's bound, as the failed group's); the
-        agreement waits twice as long, since one survivor may learn of the failure up to one timeout after another.
+        agreement waits twice as long, since one survivor may learn of the failure up to one timeout after another
+        (unless ``agreement`` says otherwise: with heartbeats and :meth:`interrupted` polled, the survivors join
+        within a poll of each other).
         """
-        live = self.agree(self.state.epoch + 1, 2 * _seconds(timeout))
+        live = self.agree(self.state.epoch + 1, 2 * _seconds(timeout) if agreement is None else agreement)
         return self.form_group(live, self.state.epoch, timeout)
 
 

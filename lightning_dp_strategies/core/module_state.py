@@ -26,8 +26,10 @@ def sync_module_states(module: nn.Module) -> None:
         _torch_sync_module_states(module, _get_default_group(), BUFFER_BROADCAST_BYTES, 0, ignore)
 
 
-def broadcast_module_buffers(module: nn.Module) -> None:
-    """Give every rank rank 0's buffers (BatchNorm statistics), as torch DDP does before each training forward."""
+def broadcast_module_buffers(module: nn.Module, group: dist.ProcessGroup | None = None, src: int = 0) -> None:
+    """Give every rank of ``group`` (default: the world) global rank ``src``'s buffers (BatchNorm statistics), as
+    torch DDP does before each training forward."""
     buffers = list(module.buffers())
-    if buffers and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist._broadcast_coalesced(_get_default_group(), buffers, BUFFER_BROADCAST_BYTES, 0)
+    if buffers and dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        pg = group if group is not None else _get_default_group()
+        dist._broadcast_coalesced(pg, buffers, BUFFER_BROADCAST_BYTES, dist.get_group_rank(pg, src))

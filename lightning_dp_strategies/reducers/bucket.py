@@ -3,9 +3,11 @@ reducers use on buffers and futures."""
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -16,7 +18,7 @@ from torch.futures import Future
 
 from lightning_dp_strategies.comm import CommCounter
 
-__all__ = ["GradBucket", "ReduceKind", "completed", "set_event", "views"]
+__all__ = ["TIMED_OUT", "GradBucket", "ReduceKind", "completed", "set_event", "views", "wait_for"]
 
 
 ReduceKind = Literal["avg", "sum"]
@@ -91,6 +93,36 @@ def views(buffer: Tensor, shapes: Sequence[Sequence[int]]) -> list[Tensor]:
 def set_event(event: threading.Event, _: object) -> None:
     """A future's done-callback that wakes whoever waits on ``event`` (``add_done_callback(partial(set_event, e))``)."""
     event.set()
+
+
+TIMED_OUT = "timed out"
+INTERRUPT_POLL_S = 0.1
+"""How often :func:`wait_for` polls its ``interrupt``."""
+
+
+def wait_for(
+    future: Future[Any], timeout: float | None, interrupt: Callable[[], str | None] | None = None
+) -> str | None:
+    """Wait until ``future`` is done; ``None`` once it is, else why the wait gave up: :data:`TIMED_OUT` after
+    ``timeout`` seconds, or what ``interrupt()`` (polled every ``INTERRUPT_POLL_S``) returned instead of ``None``.
+
+    Examples:
+        >>> wait_for(completed(1), 1.0), wait_for(Future(), 0.01), wait_for(Future(), None, lambda: "a peer is gone")
+        (None, 'timed out', 'a peer is gone')
+    """
+    done = threading.Event()
+    future.add_done_callback(functools.partial(set_event, done))
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        poll = left if interrupt is None else INTERRUPT_POLL_S if left is None else min(left, INTERRUPT_POLL_S)
+        if done.wait(poll):
+            return None
+        if deadline is not None and time.monotonic() >= deadline:
+            return TIMED_OUT
+        reason = interrupt() if interrupt is not None else None
+        if reason is not None:
+            return reason
 
 
 def completed(value: Any = None) -> Future[Any]:

@@ -10,6 +10,8 @@ the Fabric strategies hold too. Lightning's hooks are written once, here, as nam
     optimizer_step ──▶ engine.guard(closure) ──▶ step ──▶ engine.after_step
     teardown ──▶ engine.close ──▶ Lightning's teardown ──▶ engine.destroy_groups
 
+With ``fault_tolerant`` they hand over to its :class:`~lightning_dp_strategies.strategies.survival.TrainerSurvival`.
+
 Contract for a subclass:
 
 - ``grad_group_ranks()``: the world split into the lists of global ranks that average together (default: the
@@ -25,6 +27,7 @@ Contract for a subclass:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, ClassVar
@@ -73,6 +76,7 @@ from lightning_dp_strategies.strategies.precision import (
     readable_by_wrapper,
     stored_under_plugin_name,
 )
+from lightning_dp_strategies.strategies.survival import TrainerSurvival, check_survivable
 
 __all__ = ["BucketedConfig", "BucketedDataParallel"]
 
@@ -98,6 +102,8 @@ class BucketedDataParallel(DDPStrategy):
     """
 
     config: BucketedConfig
+    survival: TrainerSurvival | None = None
+    """With ``fault_tolerant``: the hooks' survivor side (set by a subclass that offers the option)."""
     cost_model: ClassVar[CostModel] = RING_ALLREDUCE
     """Its per-step communication formula (:mod:`lightning_dp_strategies.plan`); a subclass that communicates
     otherwise sets its own."""
@@ -201,6 +207,9 @@ class BucketedDataParallel(DDPStrategy):
         super().setup_distributed()
         backend = self._get_process_group_backend()
         self.engine.start_model_averaging(self.world_size, self.global_rank, self.num_processes, backend)
+        if self.survival is not None:
+            self.survival.start()
+            return
         reducer = self.arrange_reducer(self.configure_reducer())
         self.engine.make_groups(self.grad_group_ranks(), self.global_rank, self._process_group_backend, reducer)
 
@@ -233,6 +242,8 @@ class BucketedDataParallel(DDPStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        if self.survival is not None and trainer.state.fn == TrainerFn.FITTING:
+            check_survivable(trainer)
         super().setup(trainer)
         if self.engine.sharded:
             self.clip_by_norm_across(self._clip_pieces_by_norm)
@@ -285,8 +296,19 @@ class BucketedDataParallel(DDPStrategy):
         self.engine.before_backward()
 
     @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        """Lightning's backward; with ``fault_tolerant``, also the lost ranks' micro-batches this rank holds."""
+        if self.survival is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        parent = super().backward
+        return self.survival.backward(lambda loss: parent(loss, optimizer, *args, **kwargs), closure_loss)
+
+    @override
     def post_backward(self, closure_loss: Tensor) -> None:
+        synced = not self.engine.grad_sync.blocked
         self.engine.after_backward(getattr(self.precision_plugin, "scaler", None))
+        if self.survival is not None and synced:
+            self.survival.scale_gradients()
 
     @override
     def optimizer_step(
@@ -299,7 +321,8 @@ class BucketedDataParallel(DDPStrategy):
         module = self.lightning_module
         if module is not None:
             closure = self.engine.guard(closure, optimizer, module.named_parameters(), self.root_device)
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        step = functools.partial(super().optimizer_step, optimizer, closure, model, **kwargs)
+        output = step() if self.survival is None else self.survival.step(step)
         self.engine.after_step(optimizer)
         self._log_step()
         return output
@@ -364,6 +387,8 @@ class BucketedDataParallel(DDPStrategy):
     @override
     def teardown(self) -> None:
         self._clipping = None
+        if self.survival is not None:
+            self.survival.teardown()
         self.engine.close()
         super().teardown()
         self.engine.destroy_groups()

@@ -6,8 +6,10 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 from lightning.fabric.strategies.registry import _StrategyRegistry
+from torch import Tensor
 from typing_extensions import Unpack, override
 
+from lightning_dp_strategies.core.fault_tolerance import FaultTolerance, Survivors, check_fault_tolerance
 from lightning_dp_strategies.core.module_state import broadcast_module_buffers
 from lightning_dp_strategies.core.options import ConfigOption, RingAllReduceConfig, check_sharding
 from lightning_dp_strategies.core.registry import register_name
@@ -16,8 +18,23 @@ from lightning_dp_strategies.reducers import CommHook, Reducer, ScatterReducer
 from lightning_dp_strategies.strategies._trainer import should_log
 from lightning_dp_strategies.strategies.bucketed import BucketedDataParallel
 from lightning_dp_strategies.strategies.options import StrategyOptions
+from lightning_dp_strategies.strategies.survival import TrainerSurvival
 
 __all__ = ["RingAllReduceConfig", "RingAllReduceStrategy"]
+
+
+def as_fault_tolerance(fault_tolerant: bool | FaultTolerance) -> FaultTolerance | None:
+    """The options ``fault_tolerant=`` stands for (``None``: off).
+
+    Examples:
+        >>> as_fault_tolerance(True).keep_global_batch, as_fault_tolerance(False)
+        (True, None)
+    """
+    if isinstance(fault_tolerant, FaultTolerance):
+        return fault_tolerant
+    if not isinstance(fault_tolerant, bool):
+        raise TypeError(f"`fault_tolerant` must be True, False or a FaultTolerance, got {fault_tolerant!r}.")
+    return FaultTolerance() if fault_tolerant else None
 
 
 class RingAllReduceStrategy(BucketedDataParallel):
@@ -56,6 +73,12 @@ class RingAllReduceStrategy(BucketedDataParallel):
             with ``ddp_comm_state=PostLocalSGDState(...)`` and ``ddp_comm_hook=post_localSGD_hook``, the parameters
             are averaged every this many optimizer steps after the state's ``start_localSGD_iter`` (see
             :class:`~lightning_dp_strategies.LocalSGDStrategy` for local SGD with an outer optimizer).
+        fault_tolerant: go on without a rank that dies, hangs or loses its link (gloo, CPU): the survivors notice
+            within seconds, agree on who is left through the job's store, re-form their groups and redo the step,
+            training the lost ranks' micro-batches too so the global batch stays the same; ``True`` or a
+            :class:`~lightning_dp_strategies.core.fault_tolerance.FaultTolerance` with its timeouts and
+            ``keep_global_batch``. Launch with ``torchrun`` (its agent's store outlives every worker). See
+            ``docs/fault_tolerance.md`` for what is and is not survived.
         shard_optimizer_state: each rank keeps the optimizer state of, and steps, about 1/N of the parameters
             (ZeRO stage 1): the buckets are reduce-scattered, the optimizer steps this rank's chunk, and the updated
             parameters are all-gathered (the bytes of one all-reduce). Any element-wise optimizer (SGD, Adam,
@@ -91,6 +114,7 @@ class RingAllReduceStrategy(BucketedDataParallel):
         ddp_comm_hook: CommHook | None = None,
         ddp_comm_wrapper: Callable[[CommHook], CommHook] | None = None,
         model_averaging_period: int | None = None,
+        fault_tolerant: bool | FaultTolerance = False,
         **options: Unpack[StrategyOptions],
     ) -> None:
         config = RingAllReduceConfig(
@@ -100,6 +124,11 @@ class RingAllReduceStrategy(BucketedDataParallel):
         super().__init__(config, reducer, *hook, **options)
         check_two_level(self.config.two_level, self.reduction)
         check_sharding(self.config, self.reduction)
+        tolerance = as_fault_tolerance(fault_tolerant)
+        check_fault_tolerance(
+            tolerance, shard_optimizer_state, two_level, reducer, ddp_comm_hook, model_averaging_period
+        )
+        self.survival = TrainerSurvival(self, Survivors(tolerance)) if tolerance is not None else None
 
     @classmethod
     @override
@@ -114,6 +143,9 @@ class RingAllReduceStrategy(BucketedDataParallel):
             description = f"{cls.registered_description}, each rank keeping a shard of the optimizer state (ZeRO-1)"
             name = f"{cls.registered_name}_sharded"
             register_name(strategy_registry, name, cls, description, shard_optimizer_state=True)
+            description = f"{cls.registered_description}, going on without a lost rank (fault_tolerant=True)"
+            name = f"{cls.registered_name}_fault_tolerant"
+            register_name(strategy_registry, name, cls, description, fault_tolerant=True)
 
     # ------------------------------------------------------------------ setup
     @override
@@ -131,7 +163,9 @@ class RingAllReduceStrategy(BucketedDataParallel):
     # ------------------------------------------------------------------ one step
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.config.broadcast_buffers and self.lightning_module is not None:
+        if self.config.broadcast_buffers and self.survival is not None:
+            self.survival.broadcast_buffers()
+        elif self.config.broadcast_buffers and self.lightning_module is not None:
             broadcast_module_buffers(self.lightning_module)
         return super().training_step(*args, **kwargs)
 
@@ -140,6 +174,50 @@ class RingAllReduceStrategy(BucketedDataParallel):
         module = self.lightning_module
         if should_log(self, self.config.log_comm_stats) and module is not None and module.logger is not None:
             module.logger.log_metrics(self.step_stats.as_dict("comm/"), step=module.trainer.global_step)
+
+    @property
+    def survivors(self) -> Survivors | None:
+        """With ``fault_tolerant``: the live ranks, their groups and the failures survived (``recoveries``)."""
+        return self.survival.survivors if self.survival is not None else None
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self.survival is not None and self.lightning_module is not None:
+            self.survival.on_train_start(self.lightning_module.trainer)
+
+    # ------------------------------------------------------------------ Lightning's collectives (fault_tolerant)
+    @property
+    @override
+    def is_global_zero(self) -> bool:
+        """Global rank 0; with ``fault_tolerant``, the lowest live rank (it writes the checkpoints)."""
+        return self.survival.is_leader() if self.survival is not None else super().is_global_zero
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        return self.survival.barrier() if self.survival is not None else super().barrier(*args, **kwargs)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return self.survival.broadcast(obj, src) if self.survival is not None else super().broadcast(obj, src)
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        if self.survivors is not None and group is None:
+            group = self.survivors.control_group
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        if self.survivors is not None and group is None:
+            group = self.survivors.control_group
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        if self.survival is None:
+            return super().reduce_boolean_decision(decision, all)
+        return self.survival.reduce_boolean_decision(decision, all)
 
     # ------------------------------------------------------------------ options (read-only; see `config`)
     bucket_cap_mb = ConfigOption[float]()

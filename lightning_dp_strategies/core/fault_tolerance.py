@@ -1,0 +1,343 @@
+"""Training that goes on when a rank is lost: the survivors' groups, the lost ranks' batches, one record a failure.
+
+A strategy with ``fault_tolerant=True`` holds one :class:`Survivors` and calls it at fixed points::
+
+    setup_distributed   start(rank, world_size, timeout)     the gradient group (short timeout), the control group
+                                                              (Lightning's barriers, broadcasts, metric syncs), a
+                                                              heartbeat thread
+    each gradient wait  interrupted()                        polled: gives up the wait once a peer is known lost
+    a peer failure      recover(step, error)                 survivors agree (store), new groups, a Recovery record
+    each backward       lost_batches(batch_idx)              the lost logical ranks' batches this rank trains too
+                        grad_scale                           members / world size with the global batch kept
+    teardown            close()                              heartbeat stopped, the metrics' groups put back
+
+The global batch stays the uninterrupted run's: the data sampler's logical ranks outlive the processes
+(:func:`~lightning_dp_strategies.core.membership.logical_shares`), a survivor accumulates the micro-batch of every
+logical rank it holds, and the averaged gradient is scaled by ``members / world_size`` so it is the mean over the
+original world's micro-batches.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler
+
+from lightning_dp_strategies.core.membership import Membership, MembershipConfig
+
+__all__ = ["FaultTolerance", "LostBatches", "Recovery", "Survivors", "check_fault_tolerance"]
+
+_log = logging.getLogger("lightning_dp_strategies")
+
+PREFIX = "lightning_dp_strategies/survivors"
+"""Where the membership's keys live in the job's store."""
+
+
+@dataclass(frozen=True)
+class FaultTolerance:
+    """The options of ``fault_tolerant=True`` (pass an instance to change them).
+
+    Args:
+        timeout_s: the gradient group's collective timeout: the bound on noticing a rank that hangs (a killed rank
+            or a cut link is noticed sooner, by a failed connection or a stopped heartbeat).
+        keep_global_batch: the survivors also train the lost ranks' micro-batches, so every step averages the
+            uninterrupted run's global batch (``False``: the batch shrinks with the world, as torchft does).
+        heartbeat_s: how often each rank's heartbeat thread beats in the job's store.
+        stale_s: a rank whose heartbeat stopped this long is taken for gone.
+
+    Examples:
+        >>> FaultTolerance().timeout_s
+        10.0
+        >>> FaultTolerance(stale_s=0.5)
+        Traceback (most recent call last):
+        ...
+        ValueError: `stale_s` must exceed twice `heartbeat_s` (0.5 s), got stale_s=0.5: ...
+    """
+
+    timeout_s: float = 10.0
+    keep_global_batch: bool = True
+    heartbeat_s: float = 0.5
+    stale_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        for name in ("timeout_s", "heartbeat_s", "stale_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"`{name}` must be a positive number of seconds, got {value!r}.")
+        if not isinstance(self.keep_global_batch, bool):
+            raise TypeError(f"`keep_global_batch` must be True or False, got {self.keep_global_batch!r}.")
+        if self.stale_s <= 2 * self.heartbeat_s:
+            raise ValueError(
+                f"`stale_s` must exceed twice `heartbeat_s` ({self.heartbeat_s:g} s), got stale_s={self.stale_s:g}: a "
+                "rank that beats on time would be taken for gone. Raise `stale_s` or lower `heartbeat_s`."
+            )
+
+
+def check_fault_tolerance(
+    options: FaultTolerance | None,
+    shard_optimizer_state: bool,
+    two_level: bool | None,
+    reducer: object,
+    comm_hook: object,
+    model_averaging_period: int | None,
+) -> None:
+    """A clear error, at construction, when ``fault_tolerant`` meets an option it cannot honour.
+
+    Examples:
+        >>> check_fault_tolerance(FaultTolerance(), False, None, "ring", None, None)
+        >>> check_fault_tolerance(FaultTolerance(), True, None, None, None, None)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: `fault_tolerant=True` cannot be combined with `shard_optimizer_state=True`: ...
+    """
+    if options is None:
+        return
+    fix = "Leave that option out, or pass `fault_tolerant=False`."
+    if shard_optimizer_state:
+        raise ValueError(
+            "`fault_tolerant=True` cannot be combined with `shard_optimizer_state=True`: a lost rank takes its shard "
+            f"of the optimizer state with it, so the survivors could not step its parameters. {fix}"
+        )
+    if two_level:
+        raise ValueError(
+            "`fault_tolerant=True` cannot be combined with `two_level=True`: the survivors average over one flat "
+            f"group, rebuilt after each failure, and a lost rank breaks the node layout the two levels follow. {fix}"
+        )
+    if reducer not in (None, "ring", "native") or comm_hook is not None or model_averaging_period is not None:
+        chosen = f"reducer={reducer!r}" if comm_hook is None and model_averaging_period is None else "a comm hook"
+        raise ValueError(
+            f"`fault_tolerant=True` cannot be combined with `{chosen}`: the survivors rebuild the reducer over their "
+            "new group, which only the built-in lossless reducers (`reducer='ring'`, the default, or 'native') can "
+            f"do; a reducer's or hook's state would describe the failed group. {fix}"
+        )
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """One failure the survivors went on from."""
+
+    step: int
+    """The optimizer step (``trainer.global_step``) that was redone."""
+    lost: list[int]
+    members: list[int]
+    """The original global ranks that went on."""
+    reason: str
+    """What the failed collective said (first line)."""
+    agreement_s: float
+    formation_s: float
+    at: float = field(default_factory=time.time)
+    """When the survivors' groups were ready (``time.time()``)."""
+
+
+class LostBatches:
+    """The micro-batches of the logical ranks a survivor trains for the lost ones, as their sampler would give them.
+
+    The train loader must be a map-style ``DataLoader`` with a ``batch_size`` whose sampler is a
+    :class:`~torch.utils.data.DistributedSampler` (Lightning injects one by default): logical rank ``r``'s batch
+    ``i`` of the sampler's current epoch is rebuilt from the same permutation its process would have drawn.
+
+    Examples:
+        >>> import torch
+        >>> data = list(range(12))
+        >>> loader = DataLoader(data, batch_size=2, sampler=DistributedSampler(data, 3, 1, shuffle=False))
+        >>> LostBatches(loader).batch(logical_rank=2, batch_idx=1)
+        tensor([ 8, 11])
+    """
+
+    def __init__(self, loader: object) -> None:
+        reason = self.unusable(loader)
+        if reason is not None:
+            raise ValueError(reason)
+        assert isinstance(loader, DataLoader) and isinstance(loader.sampler, DistributedSampler)
+        self.loader = loader
+        self.sampler: DistributedSampler[Any] = loader.sampler
+        self._indices: dict[tuple[int, int], list[int]] = {}
+
+    @staticmethod
+    def unusable(loader: object) -> str | None:
+        """Why ``loader``'s batches cannot be rebuilt for another logical rank, naming the fix; ``None`` if they can."""
+        fix = (
+            "Pass one map-style DataLoader with a `batch_size` and let Lightning add its DistributedSampler "
+            "(`use_distributed_sampler=True`, the default), or pass `fault_tolerant=FaultTolerance("
+            "keep_global_batch=False)` to let the global batch shrink when a rank is lost."
+        )
+        if not isinstance(loader, DataLoader):
+            return (
+                "`fault_tolerant` keeps the global batch by training a lost rank's batches, but the train loader is "
+                f"{type(loader).__name__}, not one DataLoader. {fix}"
+            )
+        if not isinstance(loader.sampler, DistributedSampler) or loader.batch_size is None:
+            return (
+                "`fault_tolerant` keeps the global batch by rebuilding a lost rank's batches from its "
+                f"DistributedSampler, but the train loader's sampler is {type(loader.sampler).__name__} with "
+                f"batch_size={loader.batch_size}. {fix}"
+            )
+        return None
+
+    def batch(self, logical_rank: int, batch_idx: int) -> Any:
+        """Logical rank ``logical_rank``'s batch ``batch_idx`` of the sampler's current epoch, collated (``None``
+        past its end)."""
+        epoch = int(self.sampler.epoch)
+        key = (logical_rank, epoch)
+        if key not in self._indices:
+            self._indices = {k: v for k, v in self._indices.items() if k[1] == epoch}
+            other: DistributedSampler[Any] = DistributedSampler(
+                self.loader.dataset,
+                num_replicas=self.sampler.num_replicas,
+                rank=logical_rank,
+                shuffle=self.sampler.shuffle,
+                seed=self.sampler.seed,
+                drop_last=self.sampler.drop_last,
+            )
+            other.set_epoch(epoch)
+            self._indices[key] = list(other)
+        size = self.loader.batch_size
+        assert size is not None
+        chunk = self._indices[key][batch_idx * size : (batch_idx + 1) * size]
+        if not chunk or (self.loader.drop_last and len(chunk) < size):
+            return None
+        dataset = self.loader.dataset
+        return self.loader.collate_fn([dataset[i] for i in chunk])
+
+
+class Survivors:
+    """The live ranks of a fault-tolerant run, their groups, and what a survivor does for the lost ones.
+
+    Examples:
+        >>> survivors = Survivors(FaultTolerance())
+        >>> survivors.started, survivors.grad_scale, survivors.lost_ranks()
+        (False, 1.0, [])
+    """
+
+    def __init__(self, options: FaultTolerance) -> None:
+        self.options = options
+        self.membership: Membership | None = None
+        self.group: dist.ProcessGroup | None = None
+        """The gradient group: the members, collective timeout ``timeout_s``."""
+        self.control_group: dist.ProcessGroup | None = None
+        """The members again, with the strategy's long timeout: barriers, broadcasts, metric and log syncs."""
+        self.recoveries: list[Recovery] = []
+        self.batches: LostBatches | None = None
+        self._metric_groups: dict[int, tuple[Any, object]] = {}  # id -> (metric, its own process_group)
+        self._control_timeout = timedelta(minutes=30)
+
+    @property
+    def started(self) -> bool:
+        return self.membership is not None
+
+    @property
+    def members(self) -> list[int]:
+        return self.membership.state.members if self.membership is not None else []
+
+    @property
+    def leader(self) -> int:
+        """The lowest live original rank: it writes checkpoints and answers for rank 0."""
+        return self.membership.leader if self.membership is not None else 0
+
+    @property
+    def world_size(self) -> int:
+        return self.membership.world_size if self.membership is not None else 1
+
+    @property
+    def grad_scale(self) -> float:
+        """What the survivors' averaged gradient is multiplied by: ``members / world_size`` while the global batch is
+        kept and ranks are missing (each survivor's gradient then sums several micro-batches), else 1."""
+        if self.membership is None or not self.options.keep_global_batch:
+            return 1.0
+        return len(self.members) / self.world_size
+
+    def start(self, store: dist.Store, rank: int, world_size: int, control_timeout: timedelta) -> None:
+        """Form the gradient and control groups over the whole world and start beating (every rank, at setup)."""
+        config = MembershipConfig(
+            prefix=PREFIX, heartbeat_s=self.options.heartbeat_s, stale_s=self.options.stale_s, poll_s=0.02
+        )
+        self.membership = Membership(store, rank, world_size, config)
+        self._control_timeout = control_timeout
+        self.group = self.membership.form_group(list(range(world_size)), 0, self.options.timeout_s)
+        self.control_group = self._new_control_group()
+        self.membership.start_heartbeat()
+
+    def _new_control_group(self) -> dist.ProcessGroup:
+        group = dist.new_group(
+            self.members, timeout=self._control_timeout, backend="gloo", use_local_synchronization=True
+        )
+        assert group is not None
+        return group
+
+    def interrupted(self) -> str | None:
+        """Polled while waiting for the gradients: why the wait cannot complete (a peer known lost), or ``None``."""
+        return self.membership.interrupted() if self.membership is not None else None
+
+    def recover(self, step: int, error: BaseException) -> Recovery:
+        """After a peer failure: agree on the survivors, form their groups, point the metrics at them.
+
+        Raises:
+            ExcludedError: if the others went on without this rank (it should exit).
+        """
+        membership = self.membership
+        assert membership is not None, "recover() before start()"
+        before = list(membership.state.members)
+        self.group = membership.recover(self.options.timeout_s, agreement=self.options.timeout_s)
+        self.control_group = self._new_control_group()
+        for metric, _ in self._metric_groups.values():
+            metric.process_group = self.control_group
+        record = Recovery(
+            step=step,
+            lost=[r for r in before if r not in membership.state.members],
+            members=list(membership.state.members),
+            reason=str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__,
+            agreement_s=membership.stats.agreements_s[-1],
+            formation_s=membership.stats.formations_s[-1],
+        )
+        self.recoveries.append(record)
+        if membership.rank == membership.leader:
+            _log.warning(
+                "Lost rank(s) %s at step %d (%s); ranks %s go on%s.",
+                record.lost,
+                step,
+                record.reason,
+                record.members,
+                ", training the lost ranks' batches too" if self.options.keep_global_batch else " with a smaller batch",
+            )
+        return record
+
+    def lost_ranks(self) -> list[int]:
+        """The lost logical ranks whose micro-batches this rank trains besides its own (keeping the global batch)."""
+        if self.membership is None or not self.options.keep_global_batch:
+            return []
+        return [r for r in self.membership.shares() if r != self.membership.rank]
+
+    def lost_batches(self, batch_idx: int) -> list[Any]:
+        """Their batches ``batch_idx`` (those that exist)."""
+        if self.batches is None:
+            return []
+        batches = (self.batches.batch(r, batch_idx) for r in self.lost_ranks())
+        return [b for b in batches if b is not None]
+
+    def use_loader(self, loader: object) -> None:
+        """The train loader the lost ranks' batches are rebuilt from (checked now, so a bad one fails at start)."""
+        if self.options.keep_global_batch:
+            self.batches = LostBatches(loader)
+
+    def watch_metrics(self, modules: Iterable[nn.Module], is_metric: Callable[[object], bool]) -> None:
+        """Sync the torchmetrics metrics among ``modules`` over the control group from now on (their own
+        ``process_group`` is put back by :meth:`close`)."""
+        for module in modules:
+            if is_metric(module) and id(module) not in self._metric_groups:
+                self._metric_groups[id(module)] = (module, module.process_group)
+                module.process_group = self.control_group  # type: ignore[assignment]
+
+    def close(self) -> None:
+        """Stop beating and give the metrics their own groups back."""
+        if self.membership is not None:
+            self.membership.stop_heartbeat()
+        for metric, own in self._metric_groups.values():
+            metric.process_group = own
+        self._metric_groups = {}

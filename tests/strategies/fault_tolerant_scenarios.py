@@ -1,0 +1,182 @@
+"""Trainer runs of ``fault_tolerant`` strategies on three gloo ranks launched as torchrun launches them.
+
+The job's store is hosted by the test process, as torchrun's agent hosts it (``TORCHELASTIC_USE_AGENT_STORE``), so it
+outlives any worker; each rank sees the environment a torchrun worker sees on its own node (one process a node).
+A rank planned to fail is SIGKILLed by a callback at the start of a chosen step.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torchmetrics
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_dp_strategies.core.failures import FailureInjector, FailureKind
+from lightning_dp_strategies.core.fault_tolerance import FaultTolerance
+from tests.helpers.distributed import _PRELOAD
+
+WORLD = 3
+BATCH = 4
+STEPS_PER_EPOCH = 5
+TOLERANCE = FaultTolerance(timeout_s=5.0, heartbeat_s=0.2, stale_s=1.5)
+"""Short bounds, so that a test's failure costs seconds."""
+
+
+class Regression(L.LightningModule):
+    """A small MLP regressing a fixed teacher, with a validation loop, a torchmetrics metric and logged losses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.val_mse = torchmetrics.MeanSquaredError()
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        prediction = self.net(x)
+        self.val_mse(prediction, y)
+        self.log("val_loss", nn.functional.mse_loss(prediction, y), sync_dist=True)
+        self.log("val_mse", self.val_mse)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+def data(samples: int, seed: int) -> TensorDataset:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(samples, 8, generator=generator)
+    return TensorDataset(x, x.sum(dim=1, keepdim=True).sin())
+
+
+class Fail(L.Callback):
+    """``rank`` fails (``kind``: SIGKILL, or a hang) at the start of optimizer step ``step`` (FailureInjector)."""
+
+    def __init__(self, rank: int, step: int, kind: FailureKind) -> None:
+        self.injector = FailureInjector().fail(rank=rank, step=step, kind=kind)
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self.injector.step(trainer.global_rank, trainer.global_step)
+
+
+@dataclass(frozen=True)
+class Run:
+    steps: int = 3 * STEPS_PER_EPOCH
+    victim: int | None = None
+    fail_at: int = 3
+    kind: FailureKind = "kill"
+    keep_global_batch: bool = True
+
+
+def train(rank: int, run: Run, root: str) -> dict[str, Any]:
+    """One rank's Trainer run; its final parameters and what its strategy recorded."""
+    from lightning_dp_strategies import RingAllReduceStrategy
+
+    L.seed_everything(0, verbose=False)
+    model = Regression()
+    tolerance = FaultTolerance(**{**TOLERANCE.__dict__, "keep_global_batch": run.keep_global_batch})
+    strategy = RingAllReduceStrategy(fault_tolerant=tolerance, timeout=timedelta(seconds=60))
+    callbacks: list[L.Callback] = [ModelCheckpoint(dirpath=f"{root}/ckpt", monitor="val_loss", save_top_k=1)]
+    if run.victim is not None:
+        callbacks.append(Fail(run.victim, run.fail_at, run.kind))
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=1,
+        num_nodes=WORLD,
+        max_steps=run.steps,
+        logger=CSVLogger(root, name="logs"),
+        callbacks=callbacks,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    train_loader = DataLoader(data(WORLD * BATCH * STEPS_PER_EPOCH, 1), batch_size=BATCH, shuffle=True)
+    val_loader = DataLoader(data(WORLD * BATCH * 2, 2), batch_size=BATCH)
+    trainer.fit(model, train_loader, val_loader)
+    survivors = strategy.survivors
+    assert survivors is not None
+    return {
+        "params": torch.cat([p.detach().flatten() for p in model.parameters()]).tolist(),
+        "global_step": trainer.global_step,
+        "recoveries": [(r.step, r.lost, r.members) for r in survivors.recoveries],
+        "best": trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else None,
+        "is_global_zero": trainer.is_global_zero,
+        "val_mse": float(trainer.callback_metrics["val_mse"]),
+        "step_bytes": strategy.comm_stats.bytes_sent,
+    }
+
+
+def _rank(rank: int, port: int, run: Run, root: str, results: Any) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        TORCHELASTIC_RUN_ID="fault-tolerant-test",
+        TORCHELASTIC_USE_AGENT_STORE="True",
+        RANK=str(rank),
+        GROUP_RANK=str(rank),
+        LOCAL_RANK="0",
+        WORLD_SIZE=str(WORLD),
+        LOCAL_WORLD_SIZE="1",
+    )
+    try:
+        results.put((rank, train(rank, run, root)))
+    except BaseException:
+        results.put((rank, RuntimeError(traceback.format_exc())))
+
+
+def launch(
+    run: Run, root: Path, timeout: float = 120.0, expected: int = WORLD
+) -> tuple[dict[int, Any], list[int | None], float]:
+    """Run ``train`` on ``WORLD`` ranks forked from the suite's fork server, the store hosted here; each rank's
+    result (or error), the exit codes, and the wall time until ``expected`` ranks reported. Ranks alive after that,
+    or after ``timeout`` s, are killed (exit -9)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    server = dist.TCPStore("127.0.0.1", 0, WORLD, is_master=True, wait_for_workers=False)
+    results = ctx.SimpleQueue()
+    procs = [
+        ctx.Process(target=_rank, args=(r, server.port, run, str(root), results), daemon=True) for r in range(WORLD)
+    ]
+    start = time.monotonic()
+    for p in procs:
+        p.start()
+    deadline = start + timeout
+    outcomes: dict[int, Any] = {}
+    while len(outcomes) < expected and time.monotonic() < deadline:
+        if not results.empty():
+            rank, value = results.get()
+            outcomes[rank] = value
+        elif all(not p.is_alive() for p in procs):
+            break
+        else:
+            time.sleep(0.05)
+    elapsed = time.monotonic() - start
+    for p in procs:
+        p.join(max(0.0, min(deadline - time.monotonic(), 10.0)))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    while not results.empty():
+        rank, value = results.get()
+        outcomes[rank] = value
+    return outcomes, [p.exitcode for p in procs], elapsed

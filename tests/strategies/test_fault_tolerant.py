@@ -1,0 +1,168 @@
+"""``RingAllReduceStrategy(fault_tolerant=True)``: the survivors of a lost rank end on the uninterrupted parameters.
+
+Three gloo ranks launched as torchrun launches them (``fault_tolerant_scenarios``); the specification is the
+uninterrupted run's final parameters, to 1e-6 (the survivors' sums run in another order: about 1e-7 apart).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+from lightning_dp_strategies import RingAllReduceStrategy
+from lightning_dp_strategies.core.fault_tolerance import FaultTolerance, LostBatches, Survivors
+from lightning_dp_strategies.core.membership import Membership, MembershipConfig
+from tests.helpers.distributed import run_script
+from tests.strategies.fault_tolerant_scenarios import WORLD, Run, launch
+
+TOLERANCE = 1e-6
+
+
+def _params(outcomes: dict[int, object], rank: int) -> torch.Tensor:
+    value = outcomes.get(rank)
+    assert isinstance(value, dict), f"rank {rank} did not finish: {value}"
+    return torch.tensor(value["params"])
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> torch.Tensor:
+    outcomes, codes, _ = launch(Run(), tmp_path_factory.mktemp("uninterrupted"))
+    assert codes == [0] * WORLD, outcomes
+    final = [_params(outcomes, r) for r in range(WORLD)]
+    assert all(torch.equal(final[0], f) for f in final[1:])
+    return final[0]
+
+
+@pytest.mark.timeout(240)
+def test_survivors_of_a_killed_rank_end_on_the_uninterrupted_parameters(
+    uninterrupted: torch.Tensor, tmp_path: Path
+) -> None:
+    outcomes, codes, _ = launch(Run(victim=1, fail_at=3), tmp_path)
+    assert codes == [0, -9, 0], outcomes
+    for rank in (0, 2):
+        result = outcomes[rank]
+        assert isinstance(result, dict), result
+        assert result["global_step"] == Run().steps
+        assert result["recoveries"] == [(3, [1], [0, 2])]
+        assert (_params(outcomes, rank) - uninterrupted).abs().max().item() <= TOLERANCE
+    # rank 0 still leads: it wrote the best checkpoint, and it loads
+    assert outcomes[0]["is_global_zero"] and not outcomes[2]["is_global_zero"]  # type: ignore[index]
+    best = outcomes[0]["best"]  # type: ignore[index]
+    assert Path(best).is_file()
+    state = torch.load(best, weights_only=False)["state_dict"]
+    assert set(state) >= {"net.0.weight", "net.2.bias"}
+
+
+@pytest.mark.timeout(240)
+def test_when_rank_zero_is_lost_the_lowest_survivor_leads(uninterrupted: torch.Tensor, tmp_path: Path) -> None:
+    outcomes, codes, _ = launch(Run(victim=0, fail_at=2), tmp_path)
+    assert codes == [-9, 0, 0], outcomes
+    assert outcomes[1]["recoveries"] == [(2, [0], [1, 2])]  # type: ignore[index]
+    assert outcomes[1]["is_global_zero"] and not outcomes[2]["is_global_zero"]  # type: ignore[index]
+    assert Path(outcomes[1]["best"]).is_file()  # type: ignore[index]  # written by the new leader
+    for rank in (1, 2):
+        assert (_params(outcomes, rank) - uninterrupted).abs().max().item() <= TOLERANCE
+
+
+@pytest.mark.timeout(240)
+def test_a_hung_rank_is_left_behind_after_the_timeout(uninterrupted: torch.Tensor, tmp_path: Path) -> None:
+    outcomes, codes, _ = launch(Run(victim=2, fail_at=4, kind="hang"), tmp_path, expected=2)
+    assert codes[:2] == [0, 0] and codes[2] == -9, outcomes  # the hung rank is killed by the launcher at the end
+    assert outcomes[0]["recoveries"] == [(4, [2], [0, 1])]  # type: ignore[index]
+    for rank in (0, 1):
+        assert (_params(outcomes, rank) - uninterrupted).abs().max().item() <= TOLERANCE
+
+
+@pytest.mark.timeout(240)
+def test_a_shrinking_batch_departs_from_the_uninterrupted_run(uninterrupted: torch.Tensor, tmp_path: Path) -> None:
+    """The control of the first test: without the lost rank's batches the parameters differ far beyond 1e-6."""
+    outcomes, codes, _ = launch(Run(victim=1, fail_at=3, keep_global_batch=False), tmp_path)
+    assert codes == [0, -9, 0], outcomes
+    assert (_params(outcomes, 0) - uninterrupted).abs().max().item() > 1e-4
+    assert torch.equal(_params(outcomes, 0), _params(outcomes, 2))
+
+
+# ---------------------------------------------------------------------------------------------- one process
+
+
+def test_lost_batches_are_the_ones_the_lost_ranks_sampler_gives() -> None:
+    data = torch.arange(50.0)
+    sampler = DistributedSampler(data, num_replicas=3, rank=0, shuffle=True, seed=7)
+    sampler.set_epoch(2)
+    lost = LostBatches(DataLoader(data, batch_size=4, sampler=sampler))
+    for rank in (1, 2):
+        theirs = DistributedSampler(data, num_replicas=3, rank=rank, shuffle=True, seed=7)
+        theirs.set_epoch(2)
+        expected = list(DataLoader(data, batch_size=4, sampler=theirs))
+        got = [lost.batch(rank, i) for i in range(len(expected))]
+        assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+        assert lost.batch(rank, len(expected)) is None
+
+
+def test_a_loader_whose_batches_cannot_be_rebuilt_is_refused_naming_the_fix() -> None:
+    with pytest.raises(ValueError, match="keep_global_batch=False"):
+        LostBatches(DataLoader(torch.arange(8.0), batch_size=2))  # no DistributedSampler
+    assert Survivors(FaultTolerance(keep_global_batch=False)).use_loader([1, 2]) is None  # not needed: not checked
+
+
+def test_a_stopped_heartbeat_is_stale_after_stale_s() -> None:
+    store = torch.distributed.HashStore()
+    config = MembershipConfig(heartbeat_s=0.05, stale_s=0.3)
+    watcher, beating = Membership(store, 0, 2, config), Membership(store, 1, 2, config)
+    beating.start_heartbeat()
+    time.sleep(0.2)
+    assert watcher.stale([1]) == []
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:
+        assert watcher.stale([1]) == []  # beating: never stale
+        time.sleep(0.05)
+    beating.stop_heartbeat()
+    time.sleep(0.1)  # a beat under way when it stopped lands
+    watcher.stale([1])
+    time.sleep(0.35)
+    assert watcher.stale([1]) == [1]
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"shard_optimizer_state": True}, "shard_optimizer_state=True"),
+        ({"two_level": True}, "two_level=True"),
+        ({"reducer": "auto"}, "reducer='auto'"),
+        ({"fault_tolerant": "yes"}, "True, False or a FaultTolerance"),
+    ],
+)
+def test_impossible_combinations_are_refused_at_construction(options: dict[str, object], message: str) -> None:
+    options = {"fault_tolerant": True, **options}
+    with pytest.raises((ValueError, TypeError), match=message.replace("(", r"\(")):
+        RingAllReduceStrategy(**options)  # type: ignore[arg-type]
+
+
+def test_fault_tolerance_options_are_checked() -> None:
+    with pytest.raises(ValueError, match="timeout_s"):
+        FaultTolerance(timeout_s=0)
+    with pytest.raises(ValueError, match="stale_s"):
+        FaultTolerance(heartbeat_s=1.0, stale_s=1.5)
+    assert math.isclose(Survivors(FaultTolerance()).grad_scale, 1.0)
+
+
+ACCUMULATING = """
+import lightning as L
+from torch.utils.data import DataLoader
+from lightning_dp_strategies import RingAllReduceStrategy
+from tests.strategies.fault_tolerant_scenarios import Regression, data
+
+trainer = L.Trainer(strategy=RingAllReduceStrategy(fault_tolerant=True), accelerator="cpu", devices=1, max_steps=1,
+                    accumulate_grad_batches=2, logger=False, enable_progress_bar=False, default_root_dir={root!r})
+trainer.fit(Regression(), DataLoader(data(8, 0), batch_size=2))
+"""
+
+
+def test_accumulation_is_refused_at_setup(tmp_path: Path) -> None:
+    with pytest.raises(AssertionError, match=r"accumulate_grad_batches=2\): raise the batch size"):
+        run_script(["-c", ACCUMULATING.format(root=str(tmp_path))], timeout=120)
