@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
-from lightning_dp_strategies.core.membership import Membership, MembershipConfig
+from lightning_dp_strategies.core.membership import ExcludedError, Membership, MembershipConfig
 
 __all__ = ["FaultTolerance", "LostBatches", "Recovery", "Survivors", "check_fault_tolerance"]
 
@@ -283,6 +283,13 @@ class Survivors:
         """
         membership = self.membership
         assert membership is not None, "recover() before start()"
+        since = membership.cut_off()
+        if since is not None:
+            raise ExcludedError(
+                f"Rank {membership.rank} lost the job's store: its heartbeat has not reached it for {since:.1f} s "
+                f"(this node's link is down, or the store's host is gone), so the other ranks go on without it. "
+                "This process exits; the survivors finish the run."
+            )
         before = list(membership.state.members)
         self.group = membership.recover(self.options.timeout_s, agreement=self.options.timeout_s)
         self.control_group = self._new_control_group()

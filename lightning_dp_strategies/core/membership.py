@@ -217,6 +217,8 @@ class Membership:
         self._beating = threading.Event()
         self._heartbeat: threading.Thread | None = None
         self._seen: dict[int, tuple[int, float]] = {}  # member -> (last counter read, when it last changed)
+        self._last_beat = time.monotonic()  # when a beat last reached the store
+        self._observed: tuple[int, str | None] = (0, None)  # (epoch, what the heartbeat thread saw then)
 
     @property
     def leader(self) -> int:
@@ -237,11 +239,14 @@ class Membership:
         if self._heartbeat is not None:
             return
         self.store.add(self._heartbeat_key(self.rank), 1)
+        self._last_beat = time.monotonic()
         self._beating.set()
         self._heartbeat = threading.Thread(target=self._beat, name="ldps-heartbeat", daemon=True)
         self._heartbeat.start()
 
     def _beat(self) -> None:
+        """Beat, then look at the peers for :meth:`interrupted` (so that the training thread never waits on the
+        store: where the link is cut, a store call blocks until the store's own timeout)."""
         key = self._heartbeat_key(self.rank)
         while True:
             time.sleep(self.config.heartbeat_s)
@@ -249,9 +254,19 @@ class Membership:
                 return
             try:
                 self.store.add(key, 1)
+                self._last_beat = time.monotonic()
+                epoch = self.state.epoch
+                self._observed = (epoch, self._observe())
             except Exception as error:  # the store is out of reach: the peers will take this rank for gone
                 self.heartbeat_error = error
-                return
+
+    def cut_off(self) -> float | None:
+        """Seconds since this rank's last beat reached the store, where that is over ``stale_s`` (its link is down
+        or the store's host gone: the others are taking it for gone); ``None`` otherwise or without heartbeats."""
+        if self._heartbeat is None:
+            return None
+        since = time.monotonic() - self._last_beat
+        return since if since > self.config.stale_s else None
 
     def stop_heartbeat(self) -> None:
         """Stop beating (peers take this rank for gone ``stale_s`` later)."""
@@ -276,7 +291,18 @@ class Membership:
 
     def interrupted(self) -> str | None:
         """Why a collective in flight on the current group cannot complete, or ``None``: a survivor has begun the
-        next agreement (it saw a peer fail), or a member's heartbeat stopped. Polled while waiting."""
+        next agreement (it saw a peer fail), a member's heartbeat stopped, or this rank's own beats no longer reach
+        the store. Polled while waiting; with heartbeats it reads what the heartbeat thread last saw (never the store).
+        """
+        if self._heartbeat is None:
+            return self._observe()
+        since = self.cut_off()
+        if since is not None:
+            return f"this rank's heartbeat has not reached the job's store for {since:.1f} s"
+        epoch, reason = self._observed
+        return reason if epoch == self.state.epoch else None
+
+    def _observe(self) -> str | None:
         base = f"{self.config.prefix}/{self.state.epoch + 1}"
         started = [r for r in self.state.members if self.store.check([f"{base}/alive/{r}"])]
         if started:

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_dp_strategies import RingAllReduceStrategy
 from lightning_dp_strategies.core.fault_tolerance import FaultTolerance, LostBatches, Survivors
-from lightning_dp_strategies.core.membership import Membership, MembershipConfig
+from lightning_dp_strategies.core.membership import ExcludedError, Membership, MembershipConfig
 from tests.helpers.distributed import run_script
 from tests.strategies.fault_tolerant_scenarios import WORLD, Run, launch
 
@@ -126,6 +126,45 @@ def test_a_stopped_heartbeat_is_stale_after_stale_s() -> None:
     watcher.stale([1])
     time.sleep(0.35)
     assert watcher.stale([1]) == [1]
+
+
+class BlockingStore(torch.distributed.Store):
+    """A store whose calls block (as over a cut link) once ``blocked`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.blocked = torch.distributed.HashStore(), False
+
+    def _wait(self) -> None:
+        while self.blocked:
+            time.sleep(0.01)
+
+    def add(self, key: str, value: int) -> int:
+        self._wait()
+        return self.inner.add(key, value)
+
+    def check(self, keys: list[str]) -> bool:
+        self._wait()
+        return self.inner.check(keys)
+
+
+def test_a_rank_cut_from_the_store_knows_without_waiting_on_it_and_leaves() -> None:
+    store = BlockingStore()
+    survivors = Survivors(FaultTolerance(heartbeat_s=0.05, stale_s=0.3))
+    membership = survivors.membership = Membership(store, 0, 2, MembershipConfig(heartbeat_s=0.05, stale_s=0.3))
+    membership.start_heartbeat()
+    time.sleep(0.2)
+    assert membership.interrupted() is None and membership.cut_off() is None
+    store.blocked = True  # the link goes down: every store call hangs
+    time.sleep(0.5)
+    start = time.monotonic()
+    reason = membership.interrupted()
+    assert time.monotonic() - start < 0.05  # answered without touching the store
+    assert reason is not None and "has not reached the job's store" in reason
+    with pytest.raises(ExcludedError, match="lost the job's store"):
+        survivors.recover(step=7, error=RuntimeError("Timed out waiting 5000ms for recv"))
+    store.blocked = False
+    membership.stop_heartbeat()
 
 
 @pytest.mark.parametrize(
