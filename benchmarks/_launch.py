@@ -14,8 +14,8 @@ Launching side:
 A script that torchrun starts is its own worker: :func:`worker_command` adds ``--worker VARIANT --out PATH`` and the
 settings the ranks need, and :func:`parse_or_work` runs the worker when the command line has them;
 :func:`add_comparison_arguments` and :func:`add_mlp_arguments` declare the options such scripts share. The worker side:
-:data:`QUIET_TRAINER`, :func:`cluster_trainer` (a quiet CPU Trainer for the processes torchrun started) and
-:func:`fit_rank`.
+:data:`QUIET_TRAINER`, :func:`cluster_trainer` (a quiet CPU Trainer for the processes torchrun started), :func:`mlp`
+(the model) and :func:`fit_rank`.
 
 Only the standard library is imported here at module level: a script's ``--help`` stays fast.
 """
@@ -299,6 +299,35 @@ def cluster_trainer(strategy: Any, max_steps: int, callbacks: list[Any]) -> Any:
         callbacks=callbacks,
         **QUIET_TRAINER,
     )
+
+
+def mlp(args: argparse.Namespace) -> Any:
+    """The MLP of :func:`add_mlp_arguments` as a ``LightningModule``: ``args.depth`` layers ``Linear(width, width)``
+    with tanh and a 10-class head (12.6 M parameters by default), cross-entropy, SGD with lr 0.01; ``net`` is the
+    body ``hybrid_pipeline`` splits into stages (``pipeline_body``, ``pipeline_loss``)."""
+    import lightning as L
+    import torch
+    from torch import nn
+
+    class MLP(L.LightningModule):
+        pipeline_body = "net"
+
+        def __init__(self) -> None:
+            super().__init__()
+            layers: list[nn.Module] = [nn.Linear(args.width, args.width) for _ in range(args.depth)]
+            self.net = nn.Sequential(*[m for layer in layers for m in (layer, nn.Tanh())], nn.Linear(args.width, 10))
+
+        def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            return nn.functional.cross_entropy(output, target)
+
+        def training_step(self, batch: Any, _: int) -> torch.Tensor:
+            x, y = batch
+            return self.pipeline_loss(self.net(x), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    return MLP()
 
 
 def fit_rank(

@@ -50,6 +50,7 @@ from _launch import (
     fit_rank,
     launch_order,
     measured_cluster,
+    mlp,
     parse_or_work,
     torchrun_on_cluster,
     worker_command,
@@ -93,7 +94,6 @@ def worker(args: argparse.Namespace) -> None:
     """One rank of one launch (started by torchrun on every simulated node)."""
     import lightning as L
     import torch
-    from torch import nn
 
     torch.set_num_threads(1)  # the simulated nodes share the machine's cores (OMP_NUM_THREADS=1 keeps Lightning to it)
 
@@ -112,26 +112,8 @@ def worker(args: argparse.Namespace) -> None:
             stats = getattr(trainer.strategy, "step_stats", None)
             self.exposed.append(stats.exposed_seconds if stats is not None else float("nan"))
 
-    class MLP(L.LightningModule):
-        pipeline_body = "net"  # what hybrid_pipeline splits into stages
-
-        def __init__(self) -> None:
-            super().__init__()
-            layers: list[nn.Module] = [nn.Linear(args.width, args.width) for _ in range(args.depth)]
-            self.net = nn.Sequential(*[m for layer in layers for m in (layer, nn.Tanh())], nn.Linear(args.width, 10))
-
-        def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-            return nn.functional.cross_entropy(output, target)
-
-        def training_step(self, batch: Any, _: int) -> torch.Tensor:
-            x, y = batch
-            return self.pipeline_loss(self.net(x), y)
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=0.01)
-
     timer = Timer()
-    trainer, model = fit_rank(MLP, lambda: make_strategy(args.worker, args.bucket_cap_mb), timer, args)
+    trainer, model = fit_rank(lambda: mlp(args), lambda: make_strategy(args.worker, args.bucket_cap_mb), timer, args)
     steps = [b - a for a, b in zip(timer.times, timer.times[1:], strict=False)][args.warmup :]
     exposed = timer.exposed[1:][args.warmup :]
     result: dict[str, Any] = {"variant": args.worker, "step_ms": 1e3 * statistics.median(steps)}
