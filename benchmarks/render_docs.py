@@ -1,5 +1,5 @@
 """Regenerate the result tables of the docs (``docs/benchmarks.md``, ``docs/network.md``, ``docs/sharding.md``,
-``docs/slow_links.md``) from the stored runs in ``benchmarks/results/*.json``.
+``docs/slow_links.md``, ``docs/fault_tolerance.md``) from the stored runs in ``benchmarks/results/*.json``.
 
 Each table sits between markers named after its result file::
 
@@ -8,7 +8,12 @@ Each table sits between markers named after its result file::
     <!-- /results:plan -->
 
 Everything between the markers is replaced; the rest of the page is left alone. A marker whose file is missing gets
-the command that produces it instead of a table. Usage::
+the command that produces it instead of a table. A sentence of the page's text that quotes measured numbers sits
+between quote markers, inline, naming the result file and one of its ``quotes``::
+
+    ... <!-- quote:survive/kill -->the sentence stored under "quotes": {"kill": ...}<!-- /quote:survive/kill --> ...
+
+Usage::
 
     python benchmarks/render_docs.py            # rewrite the pages
     python benchmarks/render_docs.py --check    # exit 1 if a page is not what the stored results give
@@ -24,7 +29,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = tuple(ROOT / "docs" / page for page in ("benchmarks.md", "network.md", "sharding.md", "slow_links.md"))
+PAGES = tuple(
+    ROOT / "docs" / page
+    for page in ("benchmarks.md", "network.md", "sharding.md", "slow_links.md", "fault_tolerance.md")
+)
 RESULTS = ROOT / "benchmarks" / "results"
 
 COMMANDS = {
@@ -45,10 +53,12 @@ COMMANDS = {
     "network_guide": "python benchmarks/cluster_model.py --guide",
     "zero": "python benchmarks/bench_zero.py",
     "lm": "python benchmarks/bench_lm.py --links 200mbit 1gbit --nodes 2",
+    "restart": "python benchmarks/bench_restart.py --tries 4",
 }
 """The command that produces each result file (without ``--json``), shown where the file is missing."""
 
 MARKER = re.compile(r"(<!-- results:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /results:(?P=name) -->)", re.S)
+QUOTE = re.compile(r"(<!-- quote:(?P<name>\w+)/(?P<key>\w+) -->)(?P<body>[^<]*)(<!-- /quote:(?P=name)/(?P=key) -->)")
 
 
 def _cell(value: Any) -> str:
@@ -121,11 +131,22 @@ def render(name: str) -> str:
     return "\n".join(lines)
 
 
+def quote(name: str, key: str) -> str:
+    """The sentence stored as ``quotes[key]`` in ``name``'s result file, or what to run when there is none."""
+    path = RESULTS / f"{name}.json"
+    said = json.loads(path.read_text()).get("quotes", {}).get(key) if path.exists() else None
+    if said is None:
+        command = COMMANDS.get(name, f"python benchmarks/bench_{name}.py")
+        return f"(not measured yet: `{command} --json benchmarks/results/{name}.json`)"
+    return str(said)
+
+
 def render_page(page: Path, check: bool) -> bool:
-    """Rewrite (or with ``check`` only compare) ``page``'s result blocks; whether it was up to date."""
+    """Rewrite (or with ``check`` only compare) ``page``'s result blocks and quotes; whether it was up to date."""
     text = page.read_text()
     names = [m.group("name") for m in MARKER.finditer(text)]
     new = MARKER.sub(lambda m: m.group(1) + render(m.group("name")) + m.group(4), text)
+    new = QUOTE.sub(lambda m: m.group(1) + quote(m.group("name"), m.group("key")) + m.group(5), new)
     if check:
         print(f"{page} is {'up to date' if new == text else 'out of date'} ({len(names)} result blocks)")
         return new == text
