@@ -457,7 +457,7 @@ def report(runs: list[dict[str, Any]], args: argparse.Namespace, bandwidth: str)
     settings = {k: getattr(args, k) for k in keys}
     result = Report("survive", {**settings, "nodes": NODES, "processes_per_node": 1, **package_version()})
     costs(runs, args.fail_at)
-    result.note(f"link: {args.link}, measured node 0 -> node 1: {bandwidth}")
+    result.note(f"link: {args.link}, measured {bandwidth}")
     notes = [
         "s: launch until the last survivor's fit returned; cost s: that minus the uninterrupted run's.",
         "worker exits: as each node's torchrun agent logged them; max |param diff|: the survivors' final parameters "
