@@ -306,10 +306,11 @@ def step_times(steps: list[list[float]], fail_at: int) -> dict[str, float | None
 
 def costs(runs: list[dict[str, Any]], fail_at: int) -> None:
     """Each run's ``cost_s`` (its wall time minus the uninterrupted run's), worst parameter difference, and rank 0's
-    step times around step ``fail_at`` (:func:`step_times`)."""
+    step times around the step it redid (``fail_at`` where it redid none; :func:`step_times`)."""
     base = next((r["seconds"] for r in runs if r["run"] == "uninterrupted"), None)
     for run in runs:
-        run.update(step_times(run["ranks"]["0"]["steps"], fail_at))
+        redone = [r["step"] for r in run["ranks"]["0"].get("recoveries", [])]  # where the failure hit rank 0
+        run.update(step_times(run["ranks"]["0"]["steps"], min(redone, default=fail_at)))
         known = base is not None and run["seconds"] is not None
         run["cost_s"] = round(run["seconds"] - base, 1) if known else None
         diffs = [r.get("max_param_diff") for r in run["ranks"].values() if "done_s" in r]

@@ -5,6 +5,7 @@ Nothing here asserts on speed: the figures themselves are measured by running th
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -251,3 +252,55 @@ def test_planning_benchmark_prices_a_nominal_link_with_the_cpu_costs_without_a_c
     assert cell["predicted_ms"]["shared_cores"] > planned + 150
     assert bench_planning.rows([cell])[0][:5] == ["10gbit", "2 x 2", 300, 310, "0.97"]
     assert "--layouts" in _run("bench_planning.py", "--help")
+
+
+def test_survive_benchmark_parses_quick_and_summarizes_a_run_from_its_files(tmp_path: Path) -> None:
+    """The fault-tolerance benchmark's options (``--quick`` among them) and what it makes of a run's files: the
+    victim's step start as the failure, the survivors' recoveries as detection/agreement/formation, the cost over
+    the reference, the table row and the quoted sentence; no cluster started, no torchrun."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import bench_survive
+    import torch
+
+    args = bench_survive.parse_args(["--quick"])
+    assert (args.steps, args.fail_at, args.width) == (12, 4, 256) and args.json.name == "survive_quick.json"
+    assert args.figure is None and bench_survive.parse_args([]).figure == bench_survive.FIGURE
+    with pytest.raises(SystemExit):
+        bench_survive.parse_args(["--quick", "--json", str(bench_survive.RESULTS / "survive.json")])
+    command = bench_survive.agent_command(2, tmp_path, args, kill=True)
+    assert command[command.index("--node-rank") + 1] == "2" and command[command.index("--max-restarts") + 1] == "0"
+    assert "--rdzv-backend" not in command and command[command.index("--kill-at") + 1] == "4"
+
+    args.fail_at = 2
+    start, params = 1000.0, {"w": torch.zeros(3)}
+    runs = []
+    for name, lost in (("uninterrupted", False), ("kill", True)):
+        out = tmp_path / name
+        out.mkdir()
+        for rank in range(3):
+            steps = range(2 if lost and rank == 1 else 12)
+            lines = [f"start {s} {start + s + 0.1}\nend {s} {start + s + 1}\n" for s in steps]
+            (out / f"rank{rank}.steps").write_text("".join(lines) + (f"start 2 {start + 2.1}\n" if lost else ""))
+            if lost and rank == 1:
+                continue
+            torch.save({"w": params["w"] + (1e-7 if lost else 0.0)}, out / f"rank{rank}.pt")
+            recovery = {"step": 2, "lost": [1], "members": [0, 2], "reason": "Connection reset by peer"}
+            recovery.update(agreement_s=5.0, formation_s=0.02, at=start + 2.1 + 0.4 + 5.02)
+            done = start + (17 if lost else 12)
+            result = {"global_step": 12, "recoveries": [recovery] if lost else [], "done_at": done}
+            (out / f"rank{rank}.json").write_text(json.dumps(result))
+        logs = ["worker group successfully finished"] * 3
+        if lost:
+            logs[1] = "Root Cause (first observed failure):\n  exitcode  : -9 (pid: 7)  (SIGKILL)"
+        job = bench_survive.Job(start, [0, 1, 0], [13.0, 3.0, 13.0], logs)
+        reference = None if name == "uninterrupted" else tmp_path / "uninterrupted"
+        runs.append(bench_survive.summarize(name, job, out, reference, args))
+    report = bench_survive.report(runs, args, "118 MB/s")
+    kill = runs[1]
+    assert kill["seconds"] == 17 and kill["cost_s"] == 5.0 and kill["failure_s"] == 2.1 and kill["finished"] == [0, 2]
+    assert kill["recoveries"][0]["detection_s"] == pytest.approx(0.4) and kill["max_param_diff"] == pytest.approx(1e-7)
+    row = report.data["tables"][0]["rows"][1]
+    assert row[:9] == ["kill", "17.0", "+5.0", "0 -9 0", "1.0e-07", "1.00 / 1.00 / 1.00", "0.40", "5.000", "0.020"]
+    assert row[-1] == "yes"
+    assert report.data["tables"][0]["rows"][0][-1] == "yes"  # the reference's ranks agree
+    assert "noticed it within 0.4 s" in report.data["quotes"]["kill"] and "(+5.0 s)" in report.data["quotes"]["kill"]
