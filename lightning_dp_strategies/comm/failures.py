@@ -3,8 +3,21 @@
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
-__all__ = ["PEER_FAILURE_HINT", "PeerLostError", "announce_failure"]
+import torch.distributed as dist
+
+__all__ = [
+    "PEER_FAILURE_HINT",
+    "PEER_FAILURE_MARKERS",
+    "PeerFailure",
+    "PeerLostError",
+    "announce_failure",
+    "detect",
+    "is_peer_failure",
+]
 
 
 PEER_FAILURE_HINT = (
@@ -30,3 +43,68 @@ def announce_failure(message: str) -> str:
     the strategy's teardown runs before the traceback is shown."""
     _log.error(message)
     return message
+
+
+PEER_FAILURE_MARKERS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Timed out waiting",
+    "Connect timeout",
+    "wait timeout",
+)
+"""What gloo's and the store's errors say when a peer is gone or did not answer in time."""
+
+
+@dataclass(frozen=True)
+class PeerFailure:
+    """A collective that raised because a peer is gone or did not answer within the group's timeout."""
+
+    error: BaseException
+    seconds: float
+    """From the call to the raise."""
+
+    @property
+    def timed_out(self) -> bool:
+        """Whether the collective waited the group's whole timeout (a hung peer, a cut link, a dead non-neighbour)."""
+        return "timeout" in str(self.error).lower().replace("timed out", "timeout")
+
+
+def is_peer_failure(error: BaseException) -> bool:
+    """Whether ``error`` says that a peer is gone or silent, rather than that the call itself was wrong.
+
+    Examples:
+        >>> is_peer_failure(RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:7052"))
+        True
+        >>> is_peer_failure(RuntimeError("Tensors must have the same shape"))
+        False
+    """
+    if isinstance(error, PeerLostError) or (error.__cause__ is not None and is_peer_failure(error.__cause__)):
+        return True
+    return isinstance(error, dist.DistError) or (
+        isinstance(error, RuntimeError) and any(marker in str(error) for marker in PEER_FAILURE_MARKERS)
+    )
+
+
+def detect(fn: Callable[[], object]) -> PeerFailure | None:
+    """Run ``fn`` (collectives on a group with a short timeout); the peer failure it raised, or ``None``.
+
+    Any other exception propagates. After a failure the tensors ``fn`` passed to the collective hold undefined values
+    (a partial reduction): redo the work from a copy on the new group.
+
+    Examples:
+        >>> detect(lambda: None) is None
+        True
+        >>> def collective(): raise RuntimeError("Timed out waiting 2000ms for recv operation to complete")
+        >>> failure = detect(collective)
+        >>> failure.timed_out, failure.seconds < 1
+        (True, True)
+    """
+    start = time.monotonic()
+    try:
+        fn()
+    except Exception as error:
+        if not is_peer_failure(error):
+            raise
+        return PeerFailure(error, time.monotonic() - start)
+    return None

@@ -44,6 +44,7 @@ __all__ = [
     "attempt_store",
     "init_restart_safe_process_group",
     "init_strategy_process_group",
+    "running_attempt_store",
     "shares_agent_store",
 ]
 
@@ -131,7 +132,21 @@ def attempt_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:
         timeout=timeout,
     )
     nonce = agree_on_attempt(agent, rank, world_size, timeout)
+    if rank == 0:
+        agent.set(f"{PREFIX}/current", nonce)  # for a replacement that joins the running attempt (fault_tolerant)
     return dist.PrefixStore(f"{PREFIX}/{nonce}/", agent)
+
+
+def running_attempt_store(suffix: str, timeout: timedelta) -> dist.Store | None:
+    """The agent's store under the running attempt's prefix and ``suffix`` (a fault-tolerant job's own keys, which a
+    replacement started later reaches the same way); ``None`` where the job does not share torchrun's agent store."""
+    if not shares_agent_store():
+        return None
+    agent = dist.TCPStore(
+        os.environ.get("MASTER_ADDR", "localhost"), int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+    )
+    agent.wait([f"{PREFIX}/current"], timeout)
+    return dist.PrefixStore(f"{PREFIX}/{agent.get(f'{PREFIX}/current').decode()}/{suffix}", agent)
 
 
 def init_restart_safe_process_group(
@@ -181,14 +196,17 @@ class DistributedStrategy(Protocol):
     def _get_process_group_backend(self) -> str: ...
 
 
-def init_strategy_process_group(strategy: DistributedStrategy) -> None:
+def init_strategy_process_group(strategy: DistributedStrategy, init: bool = True) -> None:
     """:func:`init_restart_safe_process_group` for ``strategy``, its world ranks already set: its backend, its device,
-    and its collective timeout, which is set to ``default_timeout(backend)`` when none was given.
+    and its collective timeout, which is set to ``default_timeout(backend)`` when none was given (only that with
+    ``init=False``).
 
     Lightning's own initialisation (``super().setup_distributed()``) follows it and uses the same timeout.
     """
     backend = strategy._get_process_group_backend()
     if strategy._timeout is None:
         strategy._timeout = default_timeout(backend)
+    if not init:
+        return
     assert strategy.cluster_environment is not None
     init_restart_safe_process_group(strategy.cluster_environment, backend, strategy._timeout, strategy.root_device)

@@ -20,7 +20,9 @@ original world's micro-batches.
 from __future__ import annotations
 
 import logging
+import os
 import time
+import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -28,11 +30,21 @@ from typing import Any
 
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler
 
-from lightning_dp_strategies.core.membership import ExcludedError, Membership, MembershipConfig
+from lightning_dp_strategies.core.lost_batches import LostBatches
+from lightning_dp_strategies.core.membership import ExcludedError, Membership, MembershipConfig, MembershipState
 
-__all__ = ["FaultTolerance", "LostBatches", "Recovery", "Survivors", "check_fault_tolerance"]
+__all__ = [
+    "JOIN_ENV",
+    "Admission",
+    "FaultTolerance",
+    "LostBatches",
+    "Recovery",
+    "Survivors",
+    "check_fault_tolerance",
+    "request_join",
+    "wants_to_join",
+]
 
 _log = logging.getLogger("lightning_dp_strategies")
 
@@ -132,79 +144,42 @@ class Recovery:
     """What the failed collective said (first line)."""
     agreement_s: float
     formation_s: float
+    behind: list[int] = field(default_factory=list)
+    """Survivors whose step failed while the others' completed: they take the step's result from a survivor that
+    completed it instead of redoing it."""
     at: float = field(default_factory=time.time)
     """When the survivors' groups were ready (``time.time()``)."""
 
 
-class LostBatches:
-    """The micro-batches of the logical ranks a survivor trains for the lost ones, as their sampler would give them.
+JOIN_ENV = "LDPS_JOIN"
+"""Set to ``1`` in a process started to replace a lost rank of a running ``fault_tolerant`` job."""
 
-    The train loader must be a map-style ``DataLoader`` with a ``batch_size`` whose sampler is a
-    :class:`~torch.utils.data.DistributedSampler` (Lightning injects one by default): logical rank ``r``'s batch
-    ``i`` of the sampler's current epoch is rebuilt from the same permutation its process would have drawn.
 
-    Examples:
-        >>> import torch
-        >>> data = list(range(12))
-        >>> loader = DataLoader(data, batch_size=2, sampler=DistributedSampler(data, 3, 1, shuffle=False))
-        >>> LostBatches(loader).batch(logical_rank=2, batch_idx=1)
-        tensor([ 8, 11])
+def wants_to_join() -> bool:
+    """Whether this process was started as a replacement (``LDPS_JOIN=1``)."""
+    return os.environ.get(JOIN_ENV) == "1"
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What a replacement is told: the membership epoch it joins at, the leader and every rank joining with it."""
+
+    epoch: int
+    leader: int
+    joining: list[int]
+
+
+def request_join(store: dist.Store, rank: int, timeout: timedelta) -> Admission:
+    """Ask the running job to take this process in as ``rank``; its answer (at the survivors' next epoch start).
+
+    Raises:
+        DistStoreError: if no answer comes within ``timeout`` (nobody lost ``rank``, or the job ended).
     """
-
-    def __init__(self, loader: object) -> None:
-        reason = self.unusable(loader)
-        if reason is not None:
-            raise ValueError(reason)
-        assert isinstance(loader, DataLoader) and isinstance(loader.sampler, DistributedSampler)
-        self.loader = loader
-        self.sampler: DistributedSampler[Any] = loader.sampler
-        self._indices: dict[tuple[int, int], list[int]] = {}
-
-    @staticmethod
-    def unusable(loader: object) -> str | None:
-        """Why ``loader``'s batches cannot be rebuilt for another logical rank, naming the fix; ``None`` if they can."""
-        fix = (
-            "Pass one map-style DataLoader with a `batch_size` and let Lightning add its DistributedSampler "
-            "(`use_distributed_sampler=True`, the default), or pass `fault_tolerant=FaultTolerance("
-            "keep_global_batch=False)` to let the global batch shrink when a rank is lost."
-        )
-        if not isinstance(loader, DataLoader):
-            return (
-                "`fault_tolerant` keeps the global batch by training a lost rank's batches, but the train loader is "
-                f"{type(loader).__name__}, not one DataLoader. {fix}"
-            )
-        if not isinstance(loader.sampler, DistributedSampler) or loader.batch_size is None:
-            return (
-                "`fault_tolerant` keeps the global batch by rebuilding a lost rank's batches from its "
-                f"DistributedSampler, but the train loader's sampler is {type(loader.sampler).__name__} with "
-                f"batch_size={loader.batch_size}. {fix}"
-            )
-        return None
-
-    def batch(self, logical_rank: int, batch_idx: int) -> Any:
-        """Logical rank ``logical_rank``'s batch ``batch_idx`` of the sampler's current epoch, collated (``None``
-        past its end)."""
-        epoch = int(self.sampler.epoch)
-        key = (logical_rank, epoch)
-        if key not in self._indices:
-            self._indices = {k: v for k, v in self._indices.items() if k[1] == epoch}
-            other: DistributedSampler[Any] = DistributedSampler(
-                self.loader.dataset,
-                num_replicas=self.sampler.num_replicas,
-                rank=logical_rank,
-                shuffle=self.sampler.shuffle,
-                seed=self.sampler.seed,
-                drop_last=self.sampler.drop_last,
-            )
-            other.set_epoch(epoch)
-            self._indices[key] = list(other)
-        size = self.loader.batch_size
-        assert size is not None
-        chunk = self._indices[key][batch_idx * size : (batch_idx + 1) * size]
-        if not chunk or (self.loader.drop_last and len(chunk) < size):
-            return None
-        dataset = self.loader.dataset
-        return self.loader.collate_fn([dataset[i] for i in chunk])
+    token = uuid.uuid4().hex
+    store.set(f"{PREFIX}/join/{rank}", token)
+    store.wait([f"{PREFIX}/admitted/{token}"], timeout)
+    epoch, leader, joining = store.get(f"{PREFIX}/admitted/{token}").decode().split(";")
+    return Admission(int(epoch), int(leader), [int(r) for r in joining.split(",")])
 
 
 class Survivors:
@@ -253,16 +228,44 @@ class Survivors:
             return 1.0
         return len(self.members) / self.world_size
 
-    def start(self, store: dist.Store, rank: int, world_size: int, control_timeout: timedelta) -> None:
-        """Form the gradient and control groups over the whole world and start beating (every rank, at setup)."""
+    def start(self, store: dist.Store, rank: int, world_size: int, control_timeout: timedelta, epoch: int = 0) -> None:
+        """Form the gradient and control groups over the whole world and start beating (every rank, at setup; a
+        replacement at the ``epoch`` it was admitted at)."""
         config = MembershipConfig(
             prefix=PREFIX, heartbeat_s=self.options.heartbeat_s, stale_s=self.options.stale_s, poll_s=0.02
         )
         self.membership = Membership(store, rank, world_size, config)
         self._control_timeout = control_timeout
-        self.group = self.membership.form_group(list(range(world_size)), 0, self.options.timeout_s)
-        self.control_group = self._new_control_group()
+        self.readmit(epoch)
         self.membership.start_heartbeat()
+
+    def readmit(self, epoch: int) -> None:
+        """The whole original world is back (replacements joined) from membership ``epoch`` on: new groups over it."""
+        membership = self.membership
+        assert membership is not None
+        membership.state = MembershipState(epoch=epoch, members=list(range(membership.world_size)))
+        self.group = membership.form_group(membership.state.members, epoch, self.options.timeout_s)
+        self.control_group = self._new_control_group()
+        for metric, _ in self._metric_groups.values():
+            metric.process_group = self.control_group
+
+    # ------------------------------------------------------------------ replacements
+    def join_requests(self) -> dict[int, str]:
+        """The lost ranks a replacement has asked to take over (rank -> its token), read from the store."""
+        membership = self.membership
+        assert membership is not None
+        missing = [r for r in range(membership.world_size) if r not in membership.state.members]
+        keys = {r: f"{PREFIX}/join/{r}" for r in missing}
+        return {r: membership.store.get(k).decode() for r, k in keys.items() if membership.store.check([k])}
+
+    def admit(self, requests: dict[int, str], epoch: int) -> None:
+        """Tell the replacements they join at membership ``epoch`` (the leader, once the survivors agreed)."""
+        membership = self.membership
+        assert membership is not None
+        answer = f"{epoch};{membership.leader};{','.join(map(str, sorted(requests)))}"
+        for rank, token in requests.items():
+            membership.store.delete_key(f"{PREFIX}/join/{rank}")
+            membership.store.set(f"{PREFIX}/admitted/{token}", answer)
 
     def _new_control_group(self) -> dist.ProcessGroup:
         group = dist.new_group(
@@ -276,7 +279,9 @@ class Survivors:
         return self.membership.interrupted() if self.membership is not None else None
 
     def recover(self, step: int, error: BaseException) -> Recovery:
-        """After a peer failure: agree on the survivors, form their groups, point the metrics at them.
+        """After a peer failure in optimizer step ``step``: agree on the survivors, form their groups, point the
+        metrics at them. A collective can complete on some ranks and fail on others, so a survivor may already have
+        taken ``step`` and failed in the next: the record names the survivors one step behind (``behind``).
 
         Raises:
             ExcludedError: if the others went on without this rank (it should exit).
@@ -291,17 +296,19 @@ class Survivors:
                 "This process exits; the survivors finish the run."
             )
         before = list(membership.state.members)
-        self.group = membership.recover(self.options.timeout_s, agreement=self.options.timeout_s)
+        self.group = membership.recover(self.options.timeout_s, agreement=self.options.timeout_s, note=str(step))
+        steps = {rank: int(note) for rank, note in membership.notes().items()}
         self.control_group = self._new_control_group()
         for metric, _ in self._metric_groups.values():
             metric.process_group = self.control_group
         record = Recovery(
-            step=step,
+            step=max(steps.values()),
             lost=[r for r in before if r not in membership.state.members],
             members=list(membership.state.members),
             reason=str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__,
             agreement_s=membership.stats.agreements_s[-1],
             formation_s=membership.stats.formations_s[-1],
+            behind=sorted(r for r, taken in steps.items() if taken < max(steps.values())),
         )
         self.recoveries.append(record)
         if membership.rank == membership.leader:

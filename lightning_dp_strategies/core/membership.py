@@ -38,13 +38,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch.distributed as dist
 
-from lightning_dp_strategies.comm.failures import PeerLostError
+from lightning_dp_strategies.comm.failures import PeerFailure, PeerLostError, detect, is_peer_failure
 
 __all__ = [
     "ExcludedError",
@@ -59,73 +58,9 @@ __all__ = [
     "logical_shares",
 ]
 
-PEER_FAILURE_MARKERS = (
-    "Connection closed by peer",
-    "Connection reset by peer",
-    "Broken pipe",
-    "Timed out waiting",
-    "Connect timeout",
-    "wait timeout",
-)
-"""What gloo's and the store's errors say when a peer is gone or did not answer in time."""
-
 
 class ExcludedError(RuntimeError):
     """This rank answered the membership agreement too late: the survivors went on without it."""
-
-
-@dataclass(frozen=True)
-class PeerFailure:
-    """A collective that raised because a peer is gone or did not answer within the group's timeout."""
-
-    error: BaseException
-    seconds: float
-    """From the call to the raise."""
-
-    @property
-    def timed_out(self) -> bool:
-        """Whether the collective waited the group's whole timeout (a hung peer, a cut link, a dead non-neighbour)."""
-        return "timeout" in str(self.error).lower().replace("timed out", "timeout")
-
-
-def is_peer_failure(error: BaseException) -> bool:
-    """Whether ``error`` says that a peer is gone or silent, rather than that the call itself was wrong.
-
-    Examples:
-        >>> is_peer_failure(RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:7052"))
-        True
-        >>> is_peer_failure(RuntimeError("Tensors must have the same shape"))
-        False
-    """
-    if isinstance(error, PeerLostError) or (error.__cause__ is not None and is_peer_failure(error.__cause__)):
-        return True
-    return isinstance(error, dist.DistError) or (
-        isinstance(error, RuntimeError) and any(marker in str(error) for marker in PEER_FAILURE_MARKERS)
-    )
-
-
-def detect(fn: Callable[[], object]) -> PeerFailure | None:
-    """Run ``fn`` (collectives on a group with a short timeout); the peer failure it raised, or ``None``.
-
-    Any other exception propagates. After a failure the tensors ``fn`` passed to the collective hold undefined values
-    (a partial reduction): redo the work from a copy on the new group.
-
-    Examples:
-        >>> detect(lambda: None) is None
-        True
-        >>> def collective(): raise RuntimeError("Timed out waiting 2000ms for recv operation to complete")
-        >>> failure = detect(collective)
-        >>> failure.timed_out, failure.seconds < 1
-        (True, True)
-    """
-    start = time.monotonic()
-    try:
-        fn()
-    except Exception as error:
-        if not is_peer_failure(error):
-            raise
-        return PeerFailure(error, time.monotonic() - start)
-    return None
 
 
 def logical_shares(live: list[int], world_size: int) -> dict[int, list[int]]:
@@ -316,11 +251,12 @@ class Membership:
         """The logical ranks this rank trains now (see :func:`logical_shares`)."""
         return logical_shares(self.state.members, self.world_size)[self.rank]
 
-    def agree(self, epoch: int, timeout: timedelta | float) -> list[int]:
+    def agree(self, epoch: int, timeout: timedelta | float, note: str = "1") -> list[int]:
         """The sorted live original ranks, the same on every survivor (a collective over the store).
 
         Every survivor of the current members calls it with the same ``epoch``, one past the current one. It waits
         until all current members announced themselves, or ``timeout`` (seconds or a ``timedelta``) since it began.
+        ``note`` is announced with this rank (:meth:`notes` reads the survivors' afterwards: e.g. their steps).
 
         Raises:
             ValueError: if ``epoch`` is not one past the current epoch.
@@ -333,7 +269,7 @@ class Membership:
             )
         start = time.monotonic()
         base = f"{self.config.prefix}/{epoch}"
-        self.store.set(f"{base}/alive/{self.rank}", "1")
+        self.store.set(f"{base}/alive/{self.rank}", note)
         decided = self._decide(base, _seconds(timeout))
         self.stats.agreements_s.append(time.monotonic() - start)
         if self.rank not in decided:
@@ -359,6 +295,11 @@ class Membership:
                 return [int(r) for r in written.decode().split(",")]
             time.sleep(self.config.poll_s)
         return [int(r) for r in self.store.get(decided_key).decode().split(",")]
+
+    def notes(self) -> dict[int, str]:
+        """What each current member announced with itself in the agreement of the current epoch."""
+        base = f"{self.config.prefix}/{self.state.epoch}/alive"
+        return {r: self.store.get(f"{base}/{r}").decode() for r in self.state.members}
 
     def form_group(self, live: list[int], epoch: int, timeout: timedelta | float) -> dist.ProcessGroup:
         """A gloo group over ``live`` only, made without the default (WORLD) group, with collective timeout ``timeout``.
@@ -391,7 +332,7 @@ class Membership:
         self.state = MembershipState(epoch=epoch, members=sorted(live), group=group)
         return group
 
-    def recover(self, timeout: timedelta | float, agreement: float | None = None) -> dist.ProcessGroup:
+    def recover(self, timeout: timedelta | float, agreement: float | None = None, note: str = "1") -> dist.ProcessGroup:
         """After a peer failure: agree on the survivors under the next epoch and form their group.
 
         ``timeout`` is the new group's collective timeout (the detection's bound, as the failed group's); the
@@ -399,7 +340,7 @@ class Membership:
         (unless ``agreement`` says otherwise: with heartbeats and :meth:`interrupted` polled, the survivors join
         within a poll of each other).
         """
-        live = self.agree(self.state.epoch + 1, 2 * _seconds(timeout) if agreement is None else agreement)
+        live = self.agree(self.state.epoch + 1, 2 * _seconds(timeout) if agreement is None else agreement, note)
         return self.form_group(live, self.state.epoch, timeout)
 
 

@@ -13,17 +13,17 @@ BUFFER_BROADCAST_BYTES = 250 * 1024 * 1024
 """Bytes per coalesced broadcast: torch DDP's bucket size for broadcasting parameters and buffers."""
 
 
-def sync_module_states(module: nn.Module) -> None:
-    """Give every rank rank 0's parameters and buffers, as torch DDP does when it wraps a module (torch's own helper,
-    honouring ``module._ddp_params_and_buffers_to_ignore``); a no-op on one process or before ``torch.distributed``
-    is initialised.
+def sync_module_states(module: nn.Module, src: int = 0) -> None:
+    """Give every rank global rank ``src``'s (default 0) parameters and buffers, as torch DDP does when it wraps a
+    module (torch's own helper, honouring ``module._ddp_params_and_buffers_to_ignore``); a no-op on one process or
+    before ``torch.distributed`` is initialised.
 
     Examples:
         >>> sync_module_states(nn.Linear(2, 2))  # one process: nothing to do
     """
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", []))
-        _torch_sync_module_states(module, _get_default_group(), BUFFER_BROADCAST_BYTES, 0, ignore)
+        _torch_sync_module_states(module, _get_default_group(), BUFFER_BROADCAST_BYTES, src, ignore)
 
 
 def broadcast_module_buffers(module: nn.Module, group: dist.ProcessGroup | None = None, src: int = 0) -> None:

@@ -203,7 +203,7 @@ class BucketedDataParallel(DDPStrategy):
     @override
     def setup_distributed(self) -> None:
         self.set_world_ranks()
-        init_strategy_process_group(self)
+        (self.survival.init_process_group if self.survival is not None else init_strategy_process_group)(self)
         super().setup_distributed()
         backend = self._get_process_group_backend()
         self.engine.start_model_averaging(self.world_size, self.global_rank, self.num_processes, backend)
@@ -221,8 +221,10 @@ class BucketedDataParallel(DDPStrategy):
         assert module is not None
         self._require_trainable("train with `strategy='auto'`")
         self._check_ranks_agree()  # before the broadcast below, which mismatched shapes would hang
-        sync_module_states(module)
+        sync_module_states(module, self.survival.leader if self.survival is not None else 0)
         self._build_buckets()
+        if self.survival is not None:  # a replacement: the live ranks' training state
+            self.survival.receive_state(module.trainer)
 
     def _build_buckets(
         self, named_params: Sequence[tuple[str, nn.Parameter]] | None = None, allow_no_trainable: bool = False
@@ -271,9 +273,7 @@ class BucketedDataParallel(DDPStrategy):
 
     def _check_ranks_agree(self) -> None:
         """Fail on every rank, before anything else is communicated, if the ranks' models or options differ."""
-        module = self.lightning_module
-        assert module is not None
-        check_ranks_agree(model_fingerprint(module, self._fingerprint_options()))
+        check_ranks_agree(model_fingerprint(self.lightning_module, self._fingerprint_options()))  # type: ignore[arg-type]
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -322,7 +322,7 @@ class BucketedDataParallel(DDPStrategy):
         if module is not None:
             closure = self.engine.guard(closure, optimizer, module.named_parameters(), self.root_device)
         step = functools.partial(super().optimizer_step, optimizer, closure, model, **kwargs)
-        output = step() if self.survival is None else self.survival.step(step)
+        output = step() if self.survival is None else self.survival.step(step, closure)
         self.engine.after_step(optimizer)
         self._log_step()
         return output

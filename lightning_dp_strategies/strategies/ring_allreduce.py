@@ -203,6 +203,9 @@ class RingAllReduceStrategy(BucketedDataParallel):
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        """Lightning's reduce; with ``fault_tolerant`` over the survivors (a replacement's setup: its own value)."""
+        if self.survival is not None and self.survival.joining:
+            return tensor
         if self.survivors is not None and group is None:
             group = self.survivors.control_group
         return super().reduce(tensor, group=group, reduce_op=reduce_op)

@@ -16,12 +16,12 @@ A bucketed strategy with ``fault_tolerant`` holds one :class:`TrainerSurvival` a
 Edits of objects the strategy does not own, each put back at teardown: the torchmetrics metrics of the module get
 the survivors' control group as ``process_group``; the fit loop's ``_broadcast_sigterm_tensor`` (Lightning broadcasts
 a SIGTERM flag from rank 0 over the whole world before every batch, which a lost rank blocks until the world's
-timeout) is replaced by the same broadcast over the survivors from the leader.
+timeout) is replaced by :func:`_before_batch`: the replacements' admission at an epoch's start, and each rank
+stopping on its own SIGTERM.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable, Mapping
 from datetime import timedelta
@@ -33,10 +33,18 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
 
+from lightning_dp_strategies.core.elastic import DistributedStrategy, init_strategy_process_group, running_attempt_store
 from lightning_dp_strategies.core.engine import BucketedEngine
-from lightning_dp_strategies.core.fault_tolerance import Recovery, Survivors
+from lightning_dp_strategies.core.fault_tolerance import (
+    JOIN_ENV,
+    Admission,
+    Recovery,
+    Survivors,
+    request_join,
+    wants_to_join,
+)
 from lightning_dp_strategies.core.membership import is_peer_failure
-from lightning_dp_strategies.core.module_state import broadcast_module_buffers
+from lightning_dp_strategies.core.module_state import broadcast_module_buffers, sync_module_states
 from lightning_dp_strategies.reducers import Reducer
 
 __all__ = ["TrainerSurvival", "check_survivable"]
@@ -64,17 +72,13 @@ def check_survivable(trainer: pl.Trainer) -> None:
         )
 
 
-def _broadcast_sigterm(trainer: pl.Trainer, survivors: Survivors) -> None:
-    """Lightning's per-batch SIGTERM broadcast, over the survivors' gradient group from the leader. A failure here
-    is left to the step's gradient reduction to notice, as Lightning's own leaves it."""
-    flag = torch.tensor([1 if getattr(trainer, "received_sigterm", False) else 0])
-    try:
-        dist.broadcast(flag, src=survivors.leader, group=survivors.group)
-    except Exception:
-        flag = torch.tensor([0])
-    if flag.item() == 1:
-        with contextlib.suppress(Exception):
-            dist.barrier(group=survivors.control_group)
+def _before_batch(trainer: pl.Trainer, survival: TrainerSurvival) -> None:
+    """Before every batch, instead of Lightning's SIGTERM broadcast from rank 0: at an epoch's start, take in the
+    replacements waiting; then stop on this rank's own SIGTERM. No collective runs here, so a survivor that took
+    a step another redoes meets it in that step's gradient reduction."""
+    if trainer.fit_loop.epoch_loop.batch_progress.current.ready == 0:
+        survival.admit_replacements(trainer)
+    if getattr(trainer, "received_sigterm", False):
         raise SIGTERMException()
 
 
@@ -95,10 +99,13 @@ class SurvivingStrategy(Protocol):
     def lightning_module(self) -> pl.LightningModule | None: ...
     @property
     def precision_plugin(self) -> Any: ...
+    @property
+    def optimizers(self) -> list[Any]: ...
     def _get_process_group_backend(self) -> str: ...
     def configure_reducer(self) -> Reducer: ...
     def arrange_reducer(self, reducer: Reducer) -> Reducer: ...
     def _build_buckets(self) -> None: ...
+    def _check_ranks_agree(self) -> None: ...
     def batch_to_device(self, batch: Any) -> Any: ...
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any: ...
 
@@ -109,7 +116,46 @@ class TrainerSurvival:
     def __init__(self, strategy: SurvivingStrategy, survivors: Survivors) -> None:
         self.strategy = strategy
         self.survivors = survivors
+        self.admission: Admission | None = None
+        """A replacement's: when it joined and from whom; ``None`` in a process that started with the job."""
+        self.joining = wants_to_join()
+        """A replacement until the live ranks' training state arrived (Lightning's collectives wait till then)."""
+        self.joins: list[tuple[int, list[int]]] = []
+        """``(global_step, ranks)`` of each admission of replacements this rank took part in."""
+        self._store: dist.Store | None = None  # the job's store, under this attempt's prefix
         self._loop: Any = None  # the fit loop whose SIGTERM broadcast is replaced
+
+    @property
+    def leader(self) -> int:
+        return self.survivors.leader if self.survivors.started else 0
+
+    def init_process_group(self, strategy: DistributedStrategy) -> None:
+        """The default group: as every strategy makes it, or, in a replacement, the one the live ranks make anew
+        for it (under the membership epoch it is admitted at)."""
+        init_strategy_process_group(strategy, init=not self.joining)
+        assert strategy._timeout is not None
+        self._store = running_attempt_store("ft/", strategy._timeout)
+        if not self.joining:
+            return
+        if self._store is None:
+            raise RuntimeError(
+                f"{JOIN_ENV}=1: a replacement joins a fault-tolerant job through torchrun's agent store "
+                "(TORCHELASTIC_USE_AGENT_STORE=True, MASTER_ADDR:MASTER_PORT): start it with the job's torchrun "
+                "command on the replacement node, with that node's --node-rank."
+            )
+        self.admission = request_join(self._store, self.strategy.global_rank, strategy._timeout)
+        self._init_world(self.admission.epoch)
+
+    def _init_world(self, epoch: int) -> None:
+        store = self._store
+        assert store is not None and self.strategy._timeout is not None
+        dist.init_process_group(
+            "gloo",
+            store=dist.PrefixStore(f"world/{epoch}/", store),
+            rank=self.strategy.global_rank,
+            world_size=self.strategy.world_size,
+            timeout=self.strategy._timeout,
+        )
 
     # ------------------------------------------------------------------ setup
     def start(self) -> None:
@@ -121,10 +167,11 @@ class TrainerSurvival:
                 f"`fault_tolerant=True` runs on gloo only (CPU training), got process_group_backend={backend!r}: "
                 "NCCL cannot re-form its communicators in place. Pass `fault_tolerant=False` on GPUs."
             )
-        # the default group's store: torchrun's agent store (under this attempt's prefix), or the one rank 0 hosts
-        store = dist.distributed_c10d._get_default_store()
+        # torchrun's agent store under this attempt's prefix, else the default group's (hosted by rank 0)
+        store = self._store if self._store is not None else dist.distributed_c10d._get_default_store()
         assert strategy._timeout is not None
-        self.survivors.start(store, strategy.global_rank, strategy.world_size, strategy._timeout)
+        epoch = self.admission.epoch if self.admission is not None else 0
+        self.survivors.start(store, strategy.global_rank, strategy.world_size, strategy._timeout, epoch)
         assert self.survivors.group is not None
         reducer = strategy.arrange_reducer(strategy.configure_reducer())
         strategy.engine.grad_sync.use_group(self.survivors.group, reducer)
@@ -138,29 +185,116 @@ class TrainerSurvival:
         self.survivors.use_loader(trainer.train_dataloader)
         self.survivors.watch_metrics(module.modules(), _is_metric)
         self._loop = trainer.fit_loop.epoch_loop
-        self._loop._broadcast_sigterm_tensor = functools.partial(_broadcast_sigterm, trainer, self.survivors)
+        self._loop._broadcast_sigterm_tensor = functools.partial(_before_batch, trainer, self)
+        self.joining = False  # a replacement's setup is over: Lightning's collectives meet the others again
+
+    # ------------------------------------------------------------------ replacements
+    def admit_replacements(self, trainer: pl.Trainer) -> None:
+        """At an epoch's start, where ranks are missing and a replacement waits for each: re-form the world with
+        them, then give them the leader's training state (the steps :meth:`receive_state` mirrors)."""
+        survivors = self.survivors
+        if not survivors.started or len(survivors.members) == survivors.world_size:
+            return
+        requests = survivors.join_requests() if self.is_leader() else {}
+        missing = survivors.world_size - len(survivors.members)
+        box: list[Any] = [requests if len(requests) == missing else {}]
+        dist.broadcast_object_list(box, survivors.leader, group=survivors.control_group)
+        if not box[0]:
+            return
+        assert survivors.membership is not None
+        epoch, leader, joining = survivors.membership.state.epoch + 1, survivors.leader, sorted(box[0])
+        state = self._training_state(trainer) if self.is_leader() else None
+        if self.is_leader():
+            survivors.admit(box[0], epoch)
+        dist.destroy_process_group()  # every group: the world, the gradient and control groups over the lost ranks
+        self._init_world(epoch)
+        survivors.readmit(epoch)
+        self._regroup()
+        # what a replacement's setup runs (configure_ddp, then receive_state), mirrored
+        assert self.strategy.lightning_module is not None
+        self.strategy._check_ranks_agree()
+        sync_module_states(self.strategy.lightning_module, leader)
+        self._share_state(leader, joining, state)
+        self.joins.append((trainer.global_step, joining))
+
+    def _training_state(self, trainer: pl.Trainer) -> dict[str, Any]:
+        state = trainer._checkpoint_connector.dump_checkpoint()
+        state["lightning_dp_strategies/rng"] = torch.get_rng_state()
+        return state
+
+    def _share_state(self, leader: int, joining: list[int], state: Any) -> Any:
+        """The leader's training state to the replacements (a collective of the leader and them)."""
+        if self.strategy.global_rank not in (leader, *joining):
+            return None
+        box = [state]
+        group = dist.new_group([leader, *joining], backend="gloo", use_local_synchronization=True)
+        dist.broadcast_object_list(box, leader, group=group)
+        return box[0]
+
+    def receive_state(self, trainer: pl.Trainer) -> None:
+        """In a replacement, at the end of its setup: the leader's training state, restored by Lightning next (the
+        optimizer states and the loops' progress) and here (the weights, callbacks' state, RNG)."""
+        if not self.joining or self.admission is None:
+            return
+        admission = self.admission
+        state = self._share_state(admission.leader, admission.joining, None)
+        torch.set_rng_state(state.pop("lightning_dp_strategies/rng"))
+        connector = trainer._checkpoint_connector
+        connector._loaded_checkpoint = state
+        connector.restore_model()
+        connector.restore_datamodule()
+        connector.restore_callbacks()
+
+    def _regroup(self) -> None:
+        strategy, survivors = self.strategy, self.survivors
+        assert survivors.group is not None
+        strategy.engine.grad_sync.regroup(survivors.group, strategy.arrange_reducer(strategy.configure_reducer()))
+        strategy._build_buckets()
 
     # ------------------------------------------------------------------ one step
-    def step(self, run: Callable[[], Any]) -> Any:
-        """``run()`` (Lightning's optimizer step), redone over the survivors after each peer failure in it (the
-        closure zeroes the gradients and recomputes them)."""
+    def step(self, run: Callable[[], Any], closure: Callable[[], Any]) -> Any:
+        """``run()`` (Lightning's optimizer step with ``closure``), redone over the survivors after each peer failure
+        in it (the closure zeroes the gradients and recomputes them). A survivor whose step failed while the others'
+        completed takes their result instead (:meth:`catch_up`)."""
         for _ in range(self.strategy.world_size):
             try:
                 return run()
             except Exception as error:
                 if not is_peer_failure(error):
                     raise
-                self.recover(error)
+                record = self.recover(error)
+                if record.behind and self.catch_up(record, closure):
+                    return None
         return run()
+
+    def catch_up(self, record: Recovery, closure: Callable[[], Any]) -> bool:
+        """The parameters and optimizer states of the lowest survivor that completed the step, sent to those that
+        did not (every survivor takes part); whether this rank was behind (then its step is done: the closure runs
+        once more without communicating, as Lightning expects of a step, and nothing is stepped)."""
+        strategy = self.strategy
+        module = strategy.lightning_module
+        assert module is not None
+        source = min(r for r in record.members if r not in record.behind)
+        behind = strategy.global_rank in record.behind
+        if behind:
+            with strategy.engine.grad_sync.no_sync():
+                closure()
+        state = {"module": module.state_dict(), "optimizers": [o.state_dict() for o in strategy.optimizers]}
+        box = [state if strategy.global_rank == source else None]
+        dist.broadcast_object_list(box, source, group=self.survivors.control_group)
+        received: dict[str, Any] = box[0]  # type: ignore[assignment]
+        if behind:
+            module.load_state_dict(received["module"])
+            for optimizer, optimizer_state in zip(strategy.optimizers, received["optimizers"], strict=True):
+                optimizer.load_state_dict(optimizer_state)
+        return behind
 
     def recover(self, error: BaseException) -> Recovery:
         """Agree on the survivors; average over their new group from now on (buckets built anew)."""
         strategy, survivors = self.strategy, self.survivors
         assert strategy.lightning_module is not None
         record = survivors.recover(strategy.lightning_module.trainer.global_step, error)
-        assert survivors.group is not None
-        strategy.engine.grad_sync.regroup(survivors.group, strategy.arrange_reducer(strategy.configure_reducer()))
-        strategy._build_buckets()
+        self._regroup()
         return record
 
     def backward(self, run: Callable[[Tensor], Tensor], closure_loss: Tensor) -> Tensor:
@@ -210,10 +344,13 @@ class TrainerSurvival:
         return self.strategy.global_rank == self.survivors.leader
 
     def barrier(self) -> None:
-        dist.barrier(group=self.survivors.control_group)
+        if not self.joining:  # a replacement's setup meets nobody: the live ranks are training
+            dist.barrier(group=self.survivors.control_group)
 
     def broadcast(self, obj: Any, src: int) -> Any:
-        """Lightning's broadcast over the survivors; rank 0's part is the leader's."""
+        """Lightning's broadcast over the survivors; rank 0's part is the leader's (a replacement's setup: its own)."""
+        if self.joining:
+            return obj
         box = [obj]
         dist.broadcast_object_list(box, self.survivors.leader if src == 0 else src, group=self.survivors.control_group)
         return box[0]

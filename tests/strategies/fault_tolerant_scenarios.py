@@ -25,8 +25,9 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_dp_strategies.comm.failures import PeerLostError
 from lightning_dp_strategies.core.failures import FailureInjector, FailureKind
-from lightning_dp_strategies.core.fault_tolerance import FaultTolerance
+from lightning_dp_strategies.core.fault_tolerance import JOIN_ENV, FaultTolerance
 from tests.helpers.distributed import _PRELOAD
 
 WORLD = 3
@@ -67,6 +68,27 @@ def data(samples: int, seed: int) -> TensorDataset:
     return TensorDataset(x, x.sum(dim=1, keepdim=True).sin())
 
 
+class Pace(L.Callback):
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        time.sleep(self.seconds)
+
+
+class Stumble(L.Callback):
+    """A peer failure raised on ``rank`` after step ``step``'s reduction completed everywhere: its step fails
+    while the others' complete, as when a link goes down in the last milliseconds of a reduction."""
+
+    def __init__(self, rank: int, step: int) -> None:
+        self.rank, self.step, self.fired = rank, step, False
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step == self.step and not self.fired:
+            self.fired = True
+            raise PeerLostError("injected: the step failed on this rank only")
+
+
 class Fail(L.Callback):
     """``rank`` fails (``kind``: SIGKILL, or a hang) at the start of optimizer step ``step`` (FailureInjector)."""
 
@@ -84,6 +106,12 @@ class Run:
     fail_at: int = 3
     kind: FailureKind = "kill"
     keep_global_batch: bool = True
+    replace: bool = False
+    """Start a replacement for the victim once it is gone (``LDPS_JOIN=1``)."""
+    stumble: tuple[int, int] | None = None
+    """``(rank, step)``: that rank's step fails after its gradients were averaged (the others' completed)."""
+    pace_s: float = 0.0
+    """Seconds every rank sleeps after each batch (so a replacement's start-up spans a few epochs)."""
 
 
 def train(rank: int, run: Run, root: str) -> dict[str, Any]:
@@ -95,8 +123,12 @@ def train(rank: int, run: Run, root: str) -> dict[str, Any]:
     tolerance = FaultTolerance(**{**TOLERANCE.__dict__, "keep_global_batch": run.keep_global_batch})
     strategy = RingAllReduceStrategy(fault_tolerant=tolerance, timeout=timedelta(seconds=60))
     callbacks: list[L.Callback] = [ModelCheckpoint(dirpath=f"{root}/ckpt", monitor="val_loss", save_top_k=1)]
-    if run.victim is not None:
+    if run.victim is not None and os.environ.get(JOIN_ENV) != "1":
         callbacks.append(Fail(run.victim, run.fail_at, run.kind))
+    if run.stumble is not None:
+        callbacks.append(Stumble(*run.stumble))
+    if run.pace_s:
+        callbacks.append(Pace(run.pace_s))
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",
@@ -112,20 +144,25 @@ def train(rank: int, run: Run, root: str) -> dict[str, Any]:
     train_loader = DataLoader(data(WORLD * BATCH * STEPS_PER_EPOCH, 1), batch_size=BATCH, shuffle=True)
     val_loader = DataLoader(data(WORLD * BATCH * 2, 2), batch_size=BATCH)
     trainer.fit(model, train_loader, val_loader)
-    survivors = strategy.survivors
-    assert survivors is not None
+    survivors, survival = strategy.survivors, strategy.survival
+    assert survivors is not None and survival is not None
     return {
         "params": torch.cat([p.detach().flatten() for p in model.parameters()]).tolist(),
         "global_step": trainer.global_step,
         "recoveries": [(r.step, r.lost, r.members) for r in survivors.recoveries],
+        "behind": [r.behind for r in survivors.recoveries],
         "best": trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else None,
         "is_global_zero": trainer.is_global_zero,
         "val_mse": float(trainer.callback_metrics["val_mse"]),
         "step_bytes": strategy.comm_stats.bytes_sent,
+        "joins": survival.joins,
+        "admitted_at": None if survival.admission is None else survival.admission.epoch,
     }
 
 
-def _rank(rank: int, port: int, run: Run, root: str, results: Any) -> None:
+def _rank(rank: int, port: int, run: Run, root: str, results: Any, join: bool = False) -> None:
+    if join:
+        os.environ[JOIN_ENV] = "1"
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -161,11 +198,18 @@ def launch(
         p.start()
     deadline = start + timeout
     outcomes: dict[int, Any] = {}
+    replaced = False
     while len(outcomes) < expected and time.monotonic() < deadline:
+        if run.replace and run.victim is not None and not replaced and procs[run.victim].exitcode is not None:
+            replaced = True  # the victim is gone: its replacement starts, as a new torchrun agent would start it
+            procs.append(
+                ctx.Process(target=_rank, args=(run.victim, server.port, run, str(root), results, True), daemon=True)
+            )
+            procs[-1].start()
         if not results.empty():
             rank, value = results.get()
             outcomes[rank] = value
-        elif all(not p.is_alive() for p in procs):
+        elif all(not p.is_alive() for p in procs) and (replaced or not run.replace):
             break
         else:
             time.sleep(0.05)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -23,10 +24,14 @@ from tests.strategies.fault_tolerant_scenarios import WORLD, Run, launch
 TOLERANCE = 1e-6
 
 
-def _params(outcomes: dict[int, object], rank: int) -> torch.Tensor:
+def _result(outcomes: dict[int, object], rank: int) -> dict[str, Any]:
     value = outcomes.get(rank)
     assert isinstance(value, dict), f"rank {rank} did not finish: {value}"
-    return torch.tensor(value["params"])
+    return value
+
+
+def _params(outcomes: dict[int, object], rank: int) -> torch.Tensor:
+    return torch.tensor(_result(outcomes, rank)["params"])
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +90,20 @@ def test_a_shrinking_batch_departs_from_the_uninterrupted_run(uninterrupted: tor
     assert codes == [0, -9, 0], outcomes
     assert (_params(outcomes, 0) - uninterrupted).abs().max().item() > 1e-4
     assert torch.equal(_params(outcomes, 0), _params(outcomes, 2))
+
+
+@pytest.mark.timeout(240)
+def test_a_rank_whose_step_failed_while_the_others_completed_takes_their_result(
+    uninterrupted: torch.Tensor, tmp_path: Path
+) -> None:
+    """Rank 2's step 2 fails after the reduction completed everywhere; ranks 0 and 1 took step 2 and fail in step
+    3. All three are alive: rank 2 is one step behind and receives rank 0's state instead of redoing step 2."""
+    outcomes, codes, _ = launch(Run(stumble=(2, 2)), tmp_path)
+    assert codes == [0] * WORLD, outcomes
+    for rank in range(WORLD):
+        assert _result(outcomes, rank)["recoveries"] == [(3, [], [0, 1, 2])]
+        assert _result(outcomes, rank)["behind"] == [[2]]
+        assert (_params(outcomes, rank) - uninterrupted).abs().max().item() <= TOLERANCE
 
 
 # ---------------------------------------------------------------------------------------------- one process
@@ -205,3 +224,22 @@ trainer.fit(Regression(), DataLoader(data(8, 0), batch_size=2))
 def test_accumulation_is_refused_at_setup(tmp_path: Path) -> None:
     with pytest.raises(AssertionError, match=r"accumulate_grad_batches=2\): raise the batch size"):
         run_script(["-c", ACCUMULATING.format(root=str(tmp_path))], timeout=120)
+
+
+@pytest.mark.timeout(300)
+def test_a_replacement_joins_at_an_epoch_start_and_the_run_ends_on_the_uninterrupted_parameters(
+    tmp_path: Path,
+) -> None:
+    long = Run(steps=40, pace_s=0.15)
+    reference, codes, _ = launch(long, tmp_path / "reference")
+    assert codes == [0] * WORLD, reference
+    outcomes, codes, _ = launch(Run(steps=40, pace_s=0.15, victim=1, fail_at=3, replace=True), tmp_path / "joined")
+    assert codes[:WORLD] == [0, -9, 0] and codes[WORLD:] == [0], outcomes
+    joined = outcomes[1]
+    assert isinstance(joined, dict), joined
+    assert joined["admitted_at"] == 2  # membership epochs: 1 when rank 1 was lost, 2 when its replacement came
+    ((step, ranks),) = outcomes[0]["joins"]  # type: ignore[index]
+    assert ranks == [1] and step % 5 == 0 and 5 <= step < 40  # at an epoch's start
+    for rank in range(WORLD):
+        assert (_params(outcomes, rank) - _params(reference, 0)).abs().max().item() <= TOLERANCE
+        assert outcomes[rank]["global_step"] == 40  # type: ignore[index]
