@@ -3,14 +3,17 @@ fault_tolerance.Survivors`.
 
 A bucketed strategy with ``fault_tolerant`` holds one :class:`TrainerSurvival` and hands it these hooks::
 
-    setup_distributed   start()                 survivors' groups; the gradient sync averages over theirs
-    setup               check(trainer)          refusals (manual optimization, accumulation)
+    setup_distributed   init_process_group()    the default group (a replacement: asks to join, waits, joins the
+                        start()                 world the live ranks re-form); the survivors' groups, heartbeats
+    setup               check_survivable()      refusals (manual optimization, accumulation)
+    configure_ddp       receive_state(trainer)  a replacement: the leader's training state, restored by Lightning
     on_train_start      on_train_start(trainer) the train loader (lost ranks' batches), the metrics' group, and
-                                                Lightning's per-batch SIGTERM broadcast over the survivors
-    optimizer_step      step(run)               a peer failure: agree, regroup, redo the step
+                                                _before_batch in place of Lightning's SIGTERM broadcast
+    before each batch   admit_replacements()    at an epoch's start, replacements waiting for every lost rank
+    optimizer_step      step(run, closure)      a peer failure: agree, regroup, redo the step (or catch up)
     backward            backward(run, loss)     the lost ranks' micro-batches too, one reduction
     post_backward       scale_gradients()       members / world size (global batch kept)
-    barrier, broadcast, reduce, all_gather, reduce_boolean_decision, is_global_zero: over the survivors, leader first
+    barrier, broadcast, reduce, reduce_boolean_decision, is_global_zero: over the survivors, the leader for rank 0
     teardown            teardown()              heartbeat stopped, metrics' groups and Lightning's loop put back
 
 Edits of objects the strategy does not own, each put back at teardown: the torchmetrics metrics of the module get
