@@ -3,11 +3,12 @@ registered idempotently, and the module paths of earlier releases (:data:`MOVED`
 
 from __future__ import annotations
 
+import functools
 import importlib
 import pkgutil
 import sys
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from lightning.fabric.strategies.registry import _StrategyRegistry
@@ -126,3 +127,19 @@ def register_discovered(package: str, base: type, registry: _StrategyRegistry) -
     """Register every strategy :func:`discover` finds in ``package`` with ``registry`` (safe to call twice)."""
     for strategy in discover(package, base):
         strategy.register_strategies(registry)  # type: ignore[attr-defined]  # Lightning's classmethod
+
+
+def discovery(
+    package: str, base: type, registry: _StrategyRegistry
+) -> tuple[Callable[[], list[type]], Callable[[], None]]:
+    """``package``'s two functions: the one that finds its strategies (:func:`discover`) and the one that registers
+    them with ``registry`` (:func:`register_discovered`, safe to call twice), both bound to ``package`` and ``base``.
+
+    Examples:
+        >>> from lightning.pytorch.strategies import Strategy, StrategyRegistry
+        >>> strategies, register = discovery("lightning_dp_strategies.strategies", Strategy, StrategyRegistry)
+        >>> register()
+        >>> [cls.registered_name for cls in strategies()][:2]
+        ['hybrid_pipeline', 'local_sgd']
+    """
+    return functools.partial(discover, package, base), functools.partial(register_discovered, package, base, registry)

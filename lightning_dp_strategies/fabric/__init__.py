@@ -25,11 +25,9 @@ Examples:
     ['FabricLocalSGDStrategy', 'FabricRingAllReduceStrategy', 'FabricScatterGatherStrategy']
 """
 
-import functools
-
 from lightning.fabric.strategies import STRATEGY_REGISTRY, Strategy
 
-from lightning_dp_strategies.core.registry import discover, register_discovered
+from lightning_dp_strategies.core.registry import discovery
 from lightning_dp_strategies.fabric.local_sgd import FabricLocalSGDStrategy
 from lightning_dp_strategies.fabric.ring_allreduce import FabricRingAllReduceStrategy
 from lightning_dp_strategies.fabric.scatter_gather import FabricScatterGatherStrategy
@@ -42,14 +40,7 @@ __all__ = [
     "register_fabric_strategies",
 ]
 
-
-fabric_strategies = functools.partial(discover, __name__, Strategy)
-"""The package's Fabric strategies: every class in this package's modules that has a ``registered_name``."""
-
-
-register_fabric_strategies = functools.partial(register_discovered, __name__, Strategy, STRATEGY_REGISTRY)
-"""Register the Fabric strategy names with Fabric's ``STRATEGY_REGISTRY`` (safe to call twice: importing
-:mod:`lightning_dp_strategies` already did)."""
-
-
+# fabric_strategies() finds the classes in this package's modules that have a ``registered_name``;
+# register_fabric_strategies() registers their names with Fabric's STRATEGY_REGISTRY (safe to call twice)
+fabric_strategies, register_fabric_strategies = discovery(__name__, Strategy, STRATEGY_REGISTRY)
 register_fabric_strategies()

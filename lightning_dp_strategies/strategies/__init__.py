@@ -10,13 +10,11 @@ Examples:
     ['HybridPipelineStrategy', 'LocalSGDStrategy', 'RingAllReduceStrategy', 'ScatterGatherStrategy']
 """
 
-import functools
-
 from lightning.pytorch.strategies import Strategy, StrategyRegistry
 
 from lightning_dp_strategies.core.checkpoint_io import AtomicCheckpointIO
 from lightning_dp_strategies.core.options import BucketedConfig
-from lightning_dp_strategies.core.registry import discover, register_discovered
+from lightning_dp_strategies.core.registry import discovery
 from lightning_dp_strategies.strategies.bucketed import BucketedDataParallel
 from lightning_dp_strategies.strategies.hybrid_pipeline import HybridPipelineStrategy
 from lightning_dp_strategies.strategies.local_sgd import LocalSGDStrategy
@@ -35,13 +33,7 @@ __all__ = [
     "trainer_strategies",
 ]
 
-
-trainer_strategies = functools.partial(discover, __name__, Strategy)
-"""The package's Trainer strategies: every class in this package's modules that has a ``registered_name``."""
-
-
-register_trainer_strategies = functools.partial(register_discovered, __name__, Strategy, StrategyRegistry)
-"""Register the Trainer strategy names with the Trainer's ``StrategyRegistry`` (safe to call twice)."""
-
-
+# trainer_strategies() finds the classes in this package's modules that have a ``registered_name``;
+# register_trainer_strategies() registers their names with the Trainer's StrategyRegistry (safe to call twice)
+trainer_strategies, register_trainer_strategies = discovery(__name__, Strategy, StrategyRegistry)
 register_trainer_strategies()
