@@ -331,18 +331,23 @@ def mlp(args: argparse.Namespace) -> Any:
 
 
 def fit_rank(
-    model: Callable[[], Any], strategy: Callable[[], Any], callback: Any, args: argparse.Namespace
+    model: Callable[[], Any],
+    strategy: Callable[[], Any],
+    callback: Any,
+    args: argparse.Namespace,
+    epoch_steps: int | None = None,
 ) -> tuple[Any, Any]:
     """Seed 0, build ``model()`` and fit it with ``strategy()`` on random 10-class data (``args.width`` features,
     seed 1, ``args.batch`` samples per rank and step) for ``args.steps`` steps under :func:`cluster_trainer`, the
-    strategy made after the model and the data; returns the trainer and the module."""
+    strategy made after the model and the data; returns the trainer and the module. The data makes one epoch of
+    ``epoch_steps`` steps (default: ``args.steps``, a single epoch), passed over again until the last step."""
     import lightning as L
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
     L.seed_everything(0)
     module = model()
-    samples = args.steps * args.batch * int(os.environ["WORLD_SIZE"])
+    samples = (epoch_steps or args.steps) * args.batch * int(os.environ["WORLD_SIZE"])
     gen = torch.Generator().manual_seed(1)
     data = TensorDataset(
         torch.randn(samples, args.width, generator=gen), torch.randint(0, 10, (samples,), generator=gen)

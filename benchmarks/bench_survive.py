@@ -6,24 +6,32 @@ restarts (node 0's agent hosts the job's store)::
 
     node i: torchrun --nnodes 3 --nproc-per-node 1 --max-restarts 0 --node-rank i
                      --master-addr 10.77.0.1 --master-port PORT --local-addr 10.77.0.<i+1>
-                     benchmarks/survive_worker.py --out DIR --steps 60 ...
+                     benchmarks/survive_worker.py --out DIR --steps 60 --epoch-steps 10 ...
 
 Every rank trains the cluster benchmarks' 12.6 M-parameter MLP (``_launch.mlp``, batch 32 a rank) with
-``Trainer(strategy=RingAllReduceStrategy(fault_tolerant=True), num_nodes=3, devices=1, max_steps=60)``. Runs:
+``Trainer(strategy=RingAllReduceStrategy(fault_tolerant=True), num_nodes=3, devices=1, max_steps=60)`` on data of
+``--epoch-steps`` steps an epoch (10: a replacement is taken in at an epoch's start). Runs:
 
 1. ``uninterrupted``: the reference (final parameters and each step's wall-clock time on every rank);
 2. ``kill``: node 1's worker SIGKILLs itself at the start of step ``--fail-at`` (``FailureInjector``);
 3. ``cut``: node 1's link down for ``--cut-s`` seconds from the moment node 0's worker starts step ``--fail-at``
-   (``netsim.py link 1 down``, then ``up``); node 1's worker should exit with an error naming the cause.
+   (``netsim.py link 1 down``, then ``up``); node 1's worker should exit with an error naming the cause;
+4. ``join``: as ``kill``, and as soon as node 1's torchrun agent has exited (its worker died, no restarts) the same
+   agent command is started again on node 1 with ``LDPS_JOIN=1`` in its environment: a second agent for node rank 1
+   against the running job (node 0's agent still hosts the store). Its worker asks to join and is admitted at the
+   survivors' next epoch start, healed from the leader; all three ranks must end on the reference's parameters.
 
 For each: the workers' exit codes (from their agents' logs), the survivors' largest parameter difference from the
 reference (must be <= 1e-6), the wall time from launch until the last survivor's ``fit`` returned, the failure's cost
 (that time minus the reference's), and for each recovery the survivors' detection (the failure until they began to
-agree), agreement and group-formation times, with each rank's steps against time. The survivors' torchrun agents
-wait in torchrun's exit barrier (300 s, not configurable from the command line) for the lost node's agent, which
-never arrives: they are given ``--agent-grace`` seconds after their workers ended, then stopped, and the table says
-so. ``--quick`` is a reviewer's short run (a small MLP, 12 steps, a 20 s cut; a few minutes on 2 cores), written to
-``--json`` (by default in the temporary folder; never into ``benchmarks/results``). Always leaves the cluster down::
+agree), agreement and group-formation times, with each rank's steps against time; for ``join``, when the replacement's
+agent started, when its worker was admitted (its setup over, the step it went on from), the seconds from its start
+to its first trained step, and when the survivors took it in. The survivors' torchrun agents wait in torchrun's exit
+barrier (300 s, not configurable from the command line) for the lost node's agent, which never arrives (in ``join``
+the replacement's agent arrives instead): they are given ``--agent-grace`` seconds after their workers ended, then
+stopped, and the table says so. ``--quick`` is a reviewer's short run (a small MLP, 12 steps of 4 an epoch, a 20 s
+cut; a few minutes on 2 cores), written to ``--json`` (by default in the temporary folder; never into
+``benchmarks/results``). Always leaves the cluster down::
 
     python benchmarks/bench_survive.py --json benchmarks/results/survive.json   # and docs/figures/survive_steps.png
     python benchmarks/bench_survive.py --quick
@@ -54,11 +62,13 @@ PORT = 29577
 TOLERANCE = 1e-6
 VICTIM = 1
 """The rank (and node: one process a node) that fails; node 0's agent hosts the store, so it must stay."""
-RUNS = ("uninterrupted", "kill", "cut")
+RUNS = ("uninterrupted", "kill", "cut", "join")
+JOIN_TARGET_S = 30.0
+"""The issue's target: the replacement admitted within this many seconds of its agent's start."""
 RESULTS = ROOT / "benchmarks" / "results"
 FIGURE = ROOT / "docs" / "figures" / "survive_steps.png"
 WORKER = Path(__file__).resolve().with_name("survive_worker.py")
-QUICK = {"steps": 12, "fail_at": 4, "cut_s": 20.0, "width": 256, "depth": 4, "agent_grace": 10.0}
+QUICK = {"steps": 12, "fail_at": 4, "epoch_steps": 4, "cut_s": 20.0, "width": 256, "depth": 4, "agent_grace": 10.0}
 """What ``--quick`` sets, where the command line left the default."""
 
 
@@ -70,6 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps of every run")
     parser.add_argument("--fail-at", type=int, default=20, help="the step at whose start node 1 is lost")
     parser.add_argument("--cut-s", type=float, default=60.0, help="seconds node 1's link is down in the cut run")
+    parser.add_argument("--epoch-steps", type=int, default=10, help="steps an epoch (replacements join at its start)")
     parser.add_argument("--link", default="1gbit")
     add_mlp_arguments(parser)
     parser.add_argument("--deadline", type=float, default=600.0, help="seconds a run may take before it is stopped")
@@ -91,6 +102,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.figure = FIGURE
     if not 0 < args.fail_at < args.steps:
         parser.error(f"--fail-at must be a step of the run (1..{args.steps - 1}), got {args.fail_at}")
+    if "join" in args.runs and args.fail_at + args.epoch_steps >= args.steps:
+        parser.error("join: the run needs an epoch start after --fail-at (lower --epoch-steps or raise --steps)")
     return args
 
 
@@ -102,6 +115,7 @@ def agent_command(node: int, out: Path, args: argparse.Namespace, kill: bool) ->
     torchrun += ["--master-port", str(PORT), "--local-addr", f"10.77.0.{node + 1}"]
     worker = [str(WORKER), "--out", str(out), "--steps", str(args.steps), "--mark-at", str(args.fail_at)]
     worker += ["--width", str(args.width), "--depth", str(args.depth), "--batch", str(args.batch)]
+    worker += ["--epoch-steps", str(args.epoch_steps)]
     if kill:
         worker += ["--kill-rank", str(VICTIM), "--kill-at", str(args.fail_at)]
     return [*NETSIM_COMMAND, "exec", str(node), *torchrun, *worker]
@@ -110,13 +124,15 @@ def agent_command(node: int, out: Path, args: argparse.Namespace, kill: bool) ->
 @dataclass
 class Job:
     """What the benchmark process saw of one run: when it started, each agent's exit status and time (``None``:
-    stopped by the benchmark), their logs, and when node 1's link went down and up again."""
+    stopped by the benchmark), their logs, when node 1's link went down and up again, and node 1's replacement
+    agent (``join``: when it started, seconds since the launch, its exit status and time and its log)."""
 
     started: float
     codes: list[int | None]
     exited_s: list[float | None]
     logs: list[str]
     cut: list[float] = field(default_factory=list)
+    replacement: dict[str, Any] | None = None
 
 
 def cut_link(out: Path, seconds: float, times: list[float], stop: threading.Event) -> None:
@@ -131,59 +147,73 @@ def cut_link(out: Path, seconds: float, times: list[float], stop: threading.Even
     times.append(time.time())
 
 
-def settled(out: Path, rank: int, agent_done: bool) -> bool:
-    """Whether rank ``rank``'s worker is over: it wrote its result or its error, or its agent exited."""
-    return agent_done or (out / f"rank{rank}.json").exists() or (out / f"rank{rank}.error").exists()
+def settled(out: Path, name: str, agent_done: bool) -> bool:
+    """Whether the worker writing ``name`` (``rank1``, ``rank1-join``) is over: it wrote its result or its error, or
+    its agent exited."""
+    return agent_done or (out / f"{name}.json").exists() or (out / f"{name}.error").exists()
 
 
-def run_job(out: Path, args: argparse.Namespace, env: dict[str, str], kill: bool, cut: bool) -> Job:
-    """The three agents of one run, started together. Once every worker is over, agents still running get
-    ``--agent-grace`` seconds, then their process groups are killed; so is everything at ``--deadline``."""
+def run_job(out: Path, args: argparse.Namespace, env: dict[str, str], kill: bool, cut: bool, join: bool) -> Job:
+    """The three agents of one run, started together (``join``: node 1's agent started again with ``LDPS_JOIN=1``
+    as soon as the first one exited). Once every worker is over, agents still running get ``--agent-grace`` seconds,
+    then their process groups are killed; so is everything at ``--deadline``."""
     out.mkdir(parents=True)
     stop, cut_times = threading.Event(), list[float]()
     cutter = threading.Thread(target=cut_link, args=(out, args.cut_s, cut_times, stop), daemon=True)
-    logs = [open(out / f"agent{node}.log", "w") for node in range(NODES)]
+    names = [f"agent{node}" for node in range(NODES)] + (["agent1-join"] if join else [])
+    logs = {name: open(out / f"{name}.log", "w") for name in names}
+
+    def start(node: int, log: str, **extra: str) -> subprocess.Popen[bytes]:
+        command = agent_command(node, out, args, kill)
+        kwargs: dict[str, Any] = {"stdout": logs[log], "stderr": subprocess.STDOUT, "start_new_session": True}
+        return subprocess.Popen(command, cwd=ROOT, env={**env, **extra}, **kwargs)
+
     started = time.time()
-    procs = [
-        subprocess.Popen(
-            agent_command(node, out, args, kill),
-            cwd=ROOT,
-            env=env,
-            stdout=logs[node],
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        for node in range(NODES)
-    ]
+    procs = [start(node, f"agent{node}") for node in range(NODES)]
     if cut:
         cutter.start()
     exited: list[float | None] = [None] * NODES
+    spare: subprocess.Popen[bytes] | None = None
+    spare_row: dict[str, Any] = {"started_s": None, "code": None, "exited_s": None}
     over_at = None
     try:
         while time.time() - started < args.deadline:
             for node, proc in enumerate(procs):
                 if exited[node] is None and proc.poll() is not None:
                     exited[node] = time.time() - started
-            if all(e is not None for e in exited):
+            if join and spare is None and exited[VICTIM] is not None:
+                spare = start(VICTIM, "agent1-join", LDPS_JOIN="1")
+                spare_row["started_s"] = time.time() - started
+            if spare is not None and spare_row["exited_s"] is None and spare.poll() is not None:
+                spare_row.update(code=spare.returncode, exited_s=time.time() - started)
+            every = [*procs, *([spare] if join else [])]
+            if all(p is not None and p.poll() is not None for p in every):
                 break
-            if over_at is None and all(settled(out, n, exited[n] is not None) for n in range(NODES)):
+            done = [settled(out, f"rank{n}", exited[n] is not None) for n in range(NODES)]
+            if join:
+                done.append(spare is not None and settled(out, "rank1-join", spare_row["exited_s"] is not None))
+            if over_at is None and all(done):
                 over_at = time.time()
             if over_at is not None and time.time() - over_at > args.agent_grace:
                 break
             time.sleep(0.1)
     finally:
-        for proc in procs:
+        for proc in [*procs, *([spare] if spare is not None else [])]:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         stop.set()
         if cutter.is_alive():
             cutter.join()  # the link always comes back up before the next run
-        for log in logs:
+        for log in logs.values():
             log.close()
     codes = [proc.returncode if exited[node] is not None else None for node, proc in enumerate(procs)]
     texts = [(out / f"agent{node}.log").read_text(errors="replace") for node in range(NODES)]
-    return Job(started, codes, exited, texts, cut_times)
+    replacement = None
+    if join:
+        spare_row["log"] = (out / "agent1-join.log").read_text(errors="replace")
+        replacement = spare_row
+    return Job(started, codes, exited, texts, cut_times, replacement)
 
 
 # ---------------------------------------------------------------------- what a run shows
@@ -192,6 +222,15 @@ def read_steps(path: Path, started: float) -> list[list[float]]:
     if not path.exists():
         return []
     found = re.findall(r"^end (\d+) ([\d.]+)$", path.read_text(), re.M)
+    return [[int(step), round(float(t) - started, 3)] for step, t in found]
+
+
+def joined(path: Path, started: float) -> list[list[float]]:
+    """``[step, seconds since launch]`` for each time a survivor took replacements in (``joined`` lines: it went on
+    with ``step`` then)."""
+    if not path.exists():
+        return []
+    found = re.findall(r"^joined (\d+) ([\d.]+)$", path.read_text(), re.M)
     return [[int(step), round(float(t) - started, 3)] for step, t in found]
 
 
@@ -222,7 +261,8 @@ def params_diff(path: Path, reference: Path) -> float | None:
 
 
 def summarize(name: str, job: Job, out: Path, reference: Path | None, args: argparse.Namespace) -> dict[str, Any]:
-    """One run as the JSON stores it (``reference``: the uninterrupted run's folder; ``None`` for that run)."""
+    """One run as the JSON stores it (``reference``: the uninterrupted run's folder; ``None`` for that run); in
+    ``join``, ``seconds`` and ``finished`` count the replacement with the survivors."""
     ranks: dict[str, Any] = {}
     for rank in range(NODES):
         exited = job.exited_s[rank]
@@ -249,7 +289,7 @@ def summarize(name: str, job: Job, out: Path, reference: Path | None, args: argp
         ranks[str(rank)] = row
     survivors = [r for r in ranks.values() if "done_s" in r]
     failure_at = None
-    if name == "kill":
+    if name in ("kill", "join"):
         failure_at = step_started(out / f"rank{VICTIM}.steps", args.fail_at)
     elif name == "cut" and job.cut:
         failure_at = job.cut[0]
@@ -262,7 +302,57 @@ def summarize(name: str, job: Job, out: Path, reference: Path | None, args: argp
         "ranks": ranks,
     }
     summary["recoveries"] = recovery_times(ranks, failure_at)
+    if job.replacement is not None:  # its time and its steps count with the survivors'
+        spare = summary["replacement"] = replacement_summary(job, out, reference, args)
+        summary["seconds"] = _worst([summary["seconds"], spare.get("done_s")])
+        if spare.get("global_step") == args.steps:
+            summary["finished"] = sorted([*summary["finished"], VICTIM])
     return summary
+
+
+def replacement_summary(job: Job, out: Path, reference: Path | None, args: argparse.Namespace) -> dict[str, Any]:
+    """Node 1's replacement in a ``join`` run: its agent (started, exit), its worker's admission (the membership
+    epoch, the leader, the step it went on from and when), its steps, its start until admitted and until its first
+    trained step, when the survivors took it in (rank 0's ``joined`` line), its parameters against the reference's
+    rank 1, and its exit as its agent logged it."""
+    spare = job.replacement
+    assert spare is not None
+
+    def since(t: float | None) -> float | None:
+        return None if t is None else round(t - job.started, 2)
+
+    began = spare["started_s"]
+    row: dict[str, Any] = {
+        "agent_started_s": None if began is None else round(began, 2),
+        "agent_exit": spare["code"],
+        "agent_exited_s": None if spare["exited_s"] is None else round(spare["exited_s"], 1),
+        "worker_exit": worker_status(spare["log"]) if began is not None else "-",
+        "steps": read_steps(out / "rank1-join.steps", job.started),
+        "survivors_joined": joined(out / "rank0.steps", job.started),
+    }
+    admitted = out / "rank1-join.admitted"
+    if admitted.exists():
+        data = json.loads(admitted.read_text())
+        row.update(epoch=data["epoch"], leader=data["leader"], joining=data["joining"])
+        row.update(admitted_s=since(data["admitted_at"]), train_start_s=since(data.get("train_start_at")))
+        row["admitted_step"] = data.get("global_step")
+    result = out / "rank1-join.json"
+    if result.exists():
+        data = json.loads(result.read_text())
+        row.update(done_s=round(data["done_at"] - job.started, 2), global_step=data["global_step"])
+    error = out / "rank1-join.error"
+    if error.exists():
+        row["error"] = error.read_text().strip()
+    if reference is not None:
+        row["max_param_diff"] = params_diff(out / "rank1-join.pt", reference / f"rank{VICTIM}.pt")
+    first = row["steps"][0][1] if row["steps"] else None
+    if began is not None:
+        row["start_to_admitted_s"] = None if row.get("admitted_s") is None else round(row["admitted_s"] - began, 2)
+        row["start_to_first_step_s"] = None if first is None else round(first - began, 2)
+    if row["survivors_joined"]:  # rank 0's step that took it in: the world re-formed and the state sent
+        step = row["survivors_joined"][0][0]
+        row["join_step_s"] = step_times(read_steps(out / "rank0.steps", job.started), step)["failed_step_s"]
+    return row
 
 
 def recovery_times(ranks: dict[str, Any], failure_at: float | None) -> list[dict[str, Any]]:
@@ -314,18 +404,26 @@ def costs(runs: list[dict[str, Any]], fail_at: int) -> None:
         known = base is not None and run["seconds"] is not None
         run["cost_s"] = round(run["seconds"] - base, 1) if known else None
         diffs = [r.get("max_param_diff") for r in run["ranks"].values() if "done_s" in r]
+        spare = run.get("replacement")
+        if spare is not None:  # a replacement that never finished has no parameters: the run fails ``ok``
+            diffs.append(spare.get("max_param_diff") if "done_s" in spare else None)
         run["max_param_diff"] = _worst(diffs)
 
 
 def ok(run: dict[str, Any], args: argparse.Namespace) -> bool:
     """A run passes when every survivor finished every step within ``TOLERANCE`` of the reference, and node 1 (in a
-    failure run) ended with an error, not a hang."""
+    failure run) ended with an error, not a hang; in ``join``, when the replacement finished every step too, within
+    ``TOLERANCE`` (part of the run's worst difference), admitted within :data:`JOIN_TARGET_S` of its agent's start."""
     survivors = [0, 2] if run["run"] != "uninterrupted" else [0, 1, 2]
     diff = run["max_param_diff"]
     good = all(r in run["finished"] for r in survivors) and (diff is not None and diff <= TOLERANCE)
     if run["run"] != "uninterrupted":
         victim = run["ranks"][str(VICTIM)]
         good = good and victim["worker_exit"] not in ("0", "?") and len(run["recoveries"]) >= len(survivors)
+    if run["run"] == "join":
+        spare = run.get("replacement", {})
+        admitted = spare.get("start_to_admitted_s")
+        good = good and spare.get("global_step") == args.steps and admitted is not None and admitted <= JOIN_TARGET_S
     return good
 
 
@@ -355,15 +453,31 @@ def table_rows(runs: list[dict[str, Any]], args: argparse.Namespace) -> list[lis
                 _fmt(_worst([r["agreement_s"] for r in recs]), ".3f"),
                 _fmt(_worst([r["formation_s"] for r in recs]), ".3f"),
                 ended,
+                replacement_cell(run.get("replacement")),
                 "yes" if ok(run, args) else "no",
             ]
         )
     return rows
 
 
+def replacement_cell(spare: dict[str, Any] | None) -> str:
+    """The ``join`` run's replacement in the table: its agent's start (since launch), admitted (seconds after that
+    start, at which step), its first step's end (after that start), the step that took it in on rank 0."""
+    if spare is None:
+        return "-"
+    if spare.get("agent_started_s") is None:
+        return "never started"
+    admitted, step = _fmt(spare.get("start_to_admitted_s"), ".1f"), _fmt(spare.get("admitted_step"), "d")
+    first, took = _fmt(spare.get("start_to_first_step_s"), ".1f"), _fmt(spare.get("join_step_s"), ".2f")
+    started = spare["agent_started_s"]
+    return f"started {started:.1f} s; admitted {admitted} s later (step {step}); first step done {first} s; " + (
+        f"that step {took} s on rank 0"
+    )
+
+
 COLUMNS = ["run", "s", "cost s", "worker exits (rank 0 1 2)", "max |param diff|", "step s: before / failed / after"]
 COLUMNS += ["detection s", "agreement s"]
-COLUMNS += ["formation s", "node 1's worker", "ok"]
+COLUMNS += ["formation s", "node 1's worker", "node 1's replacement", "ok"]
 
 
 def quotes(runs: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, str]:
@@ -374,6 +488,9 @@ def quotes(runs: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, st
         if run["run"] == "uninterrupted" or base is None or run["seconds"] is None:
             continue
         recs = run["recoveries"]
+        if run["run"] == "join":
+            said["join"] = join_quote(run, base, args)
+            continue
         what = {
             "kill": f"node 1's worker SIGKILLed at the start of step {args.fail_at}",
             "cut": f"node 1's link cut for {args.cut_s:g} s from step {args.fail_at}",
@@ -382,13 +499,32 @@ def quotes(runs: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, st
             f"On the simulated 3-node cluster ({args.link}, {args.steps} steps), with {what}, the two survivors "
             f"noticed it within {_fmt(_worst([r['detection_s'] for r in recs]), '.1f')} s, agreed in "
             f"{_fmt(_worst([r['agreement_s'] for r in recs]), '.2f')} s and formed their groups in "
-            f"{_fmt(_worst([r['formation_s'] for r in recs]), '.2f')} s; the failure's step took "
+            f"{_fmt(_worst([r['formation_s'] for r in recs]), '.3f')} s; the failure's step took "
             f"{_fmt(run['failed_step_s'], '.1f')} s against {_fmt(run['step_s_before'], '.2f')} s before it and "
             f"{_fmt(run['step_s_after'], '.2f')} s after, and they finished in {run['seconds']:.1f} s "
             f"against {base['seconds']:.1f} s uninterrupted ({run['cost_s']:+.1f} s), within "
             f"{_fmt(run['max_param_diff'], '.0e')} of its parameters."
         )
     return said
+
+
+def join_quote(run: dict[str, Any], base: dict[str, Any], args: argparse.Namespace) -> str:
+    """The sentence on the ``join`` run: when the replacement started, was admitted and trained, and the end."""
+    spare = run.get("replacement", {})
+    lost = run["ranks"][str(VICTIM)].get("agent_exited_s")
+    gap = None if lost is None or run["failure_s"] is None else spare.get("agent_started_s", 0) - run["failure_s"]
+    return (
+        f"On the simulated 3-node cluster ({args.link}, {args.steps} steps, {args.epoch_steps} steps an epoch), with "
+        f"node 1's worker SIGKILLed at the start of step {args.fail_at} and the same torchrun command started again "
+        f"on node 1 with `LDPS_JOIN=1` as soon as its agent had exited ({_fmt(gap, '.1f')} s after the kill), the "
+        f"replacement was admitted at the start of step {_fmt(spare.get('admitted_step'), 'd')} (membership epoch "
+        f"{_fmt(spare.get('epoch'), 'd')}), {_fmt(spare.get('start_to_admitted_s'), '.1f')} s after its agent "
+        f"started (target: {JOIN_TARGET_S:g} s), and finished its first step "
+        f"{_fmt(spare.get('start_to_first_step_s'), '.1f')} s after it started; the step that took it in took "
+        f"{_fmt(spare.get('join_step_s'), '.1f')} s on rank 0, and the three ranks finished in {run['seconds']:.1f} s "
+        f"against {base['seconds']:.1f} s uninterrupted ({run['cost_s']:+.1f} s), within "
+        f"{_fmt(run['max_param_diff'], '.0e')} of its parameters (the replacement's included)."
+    )
 
 
 def restart_quote(path: Path) -> str | None:
@@ -432,35 +568,47 @@ def plot(path: Path, figure: Path) -> None:
             ax.axvline(run["failure_s"], color=line.get_color(), ls="--", lw=0.8, label=label)
         if len(run["cut_s"]) == 2:
             ax.axvspan(*run["cut_s"], color=line.get_color(), alpha=0.08, label="cut: link down")
+        spare = run.get("replacement")
+        if spare and spare["steps"]:
+            ax.plot([t for _, t in spare["steps"]], [s + 1 for s, _ in spare["steps"]], ":", color=line.get_color())
+        if spare and spare.get("agent_started_s") is not None:
+            label = f"{run['run']}: replacement started"
+            ax.axvline(spare["agent_started_s"], color=line.get_color(), ls="-.", lw=0.8, label=label)
     settings = data["settings"]
     ax.set_xlabel("seconds since launch")
     ax.set_ylabel("optimizer steps done (rank 0)")
-    ax.set_title(f"fault_tolerant=True, 3 nodes x 1 process over {settings['link']} (dotted: node 1)")
+    ax.set_title(f"fault_tolerant=True, 3 nodes x 1 process over {settings['link']} (dotted: node 1)", fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     save_figure(fig, figure)
 
 
 def package_version() -> dict[str, Any]:
-    """The commit the package was measured at, and its files that differed from it (uncommitted edits)."""
+    """The commit the package was measured at, and its files that differed from it (uncommitted edits), listed
+    only where there were any."""
     git = ["git", "-C", str(ROOT)]
     head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=False).stdout.strip()
     status = [*git, "status", "--porcelain", "--", "lightning_dp_strategies"]
     changed = subprocess.run(status, capture_output=True, text=True, check=False).stdout.splitlines()
-    return {"commit": head or None, "package_files_changed": [line[3:] for line in changed]}
+    found: dict[str, Any] = {"commit": head or None}
+    if changed:
+        found["package_files_changed"] = [line[3:] for line in changed]
+    return found
 
 
 def report(runs: list[dict[str, Any]], args: argparse.Namespace, bandwidth: str) -> Any:
     """The stored result: the table, the quoted sentences, every run's detail."""
     from _results import Report
 
-    keys = ("runs", "steps", "fail_at", "cut_s", "link", "width", "depth", "batch", "agent_grace", "quick")
+    keys = ("runs", "steps", "fail_at", "cut_s", "epoch_steps", "link", "width", "depth", "batch", "agent_grace")
+    keys += ("quick",)
     settings = {k: getattr(args, k) for k in keys}
     result = Report("survive", {**settings, "nodes": NODES, "processes_per_node": 1, **package_version()})
     costs(runs, args.fail_at)
     result.note(f"link: {args.link}, measured {bandwidth}")
     notes = [
-        "s: launch until the last survivor's fit returned; cost s: that minus the uninterrupted run's.",
+        "s: launch until the last survivor's fit returned (join: the replacement's too); cost s: that minus the "
+        "uninterrupted run's.",
         "worker exits: as each node's torchrun agent logged them; max |param diff|: the survivors' final parameters "
         "against the same ranks' in the uninterrupted run.",
         "The uninterrupted run's max |param diff|: its ranks against its rank 0.",
@@ -471,6 +619,12 @@ def report(runs: list[dict[str, Any]], args: argparse.Namespace, bandwidth: str)
         "agree; agreement and formation: as the strategy's recoveries record them. The slowest survivor's each.",
         "The survivors' torchrun agents then wait in torchrun's exit barrier (300 s) for node 1's agent, which "
         f"exited without reaching it; the benchmark stopped them {args.agent_grace:g} s after their workers ended.",
+        f"join: as kill, and node 1's agent command started again with LDPS_JOIN=1 once the first agent exited "
+        f"(data of {args.epoch_steps} steps an epoch, in every run). node 1's replacement: its agent's start (since "
+        "launch); admitted: its setup over, the join answered (seconds after that start), at the step it went on "
+        "from; first step done: its first step's end after that start; that step: rank 0's step that took it in "
+        "(world re-formed, state sent). max |param diff| includes the replacement's parameters against the "
+        f"reference's rank 1; ok needs it admitted within {JOIN_TARGET_S:g} s and finished.",
     ]
     title = (
         f"RingAllReduceStrategy(fault_tolerant=True), {NODES} nodes x 1 process over {args.link}, "
@@ -501,7 +655,7 @@ def main(argv: list[str] | None = None) -> None:
         reference = folder / "uninterrupted"
         for name in ("uninterrupted", *[r for r in args.runs if r != "uninterrupted"]):
             out = folder / name
-            job = run_job(out, args, env, kill=name == "kill", cut=name == "cut")
+            job = run_job(out, args, env, kill=name in ("kill", "join"), cut=name == "cut", join=name == "join")
             run = summarize(name, job, out, None if name == "uninterrupted" else reference, args)
             runs.append(run)
             if name != "uninterrupted":
@@ -513,6 +667,12 @@ def main(argv: list[str] | None = None) -> None:
                 if "done_s" not in row or row.get("error"):
                     keep = [line for line in job.logs[int(rank)].splitlines() if line.strip()][-25:]
                     print(f"--- node {rank}'s agent log (last lines) ---\n" + "\n".join(keep), flush=True)
+            spare = run.get("replacement")
+            if spare is not None:
+                print(f"join: replacement {replacement_cell(spare)}", flush=True)
+                if "done_s" not in spare or spare.get("error"):
+                    keep = [line for line in job.replacement["log"].splitlines() if line.strip()][-40:]
+                    print("--- node 1's replacement agent log (last lines) ---\n" + "\n".join(keep), flush=True)
     for saved in reference.glob("rank*.pt"):
         saved.unlink()
     result = report(runs, args, bandwidth)

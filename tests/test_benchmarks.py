@@ -257,29 +257,36 @@ def test_planning_benchmark_prices_a_nominal_link_with_the_cpu_costs_without_a_c
 def test_survive_benchmark_parses_quick_and_summarizes_a_run_from_its_files(tmp_path: Path) -> None:
     """The fault-tolerance benchmark's options (``--quick`` among them) and what it makes of a run's files: the
     victim's step start as the failure, the survivors' recoveries as detection/agreement/formation, the cost over
-    the reference, the table row and the quoted sentence; no cluster started, no torchrun."""
+    the reference, the table row and the quoted sentence; in ``join``, the replacement's start, admission and first
+    step, its parameters counted in the run's; no cluster started, no torchrun."""
     sys.path.insert(0, str(BENCHMARKS))
     import bench_survive
     import torch
 
     args = bench_survive.parse_args(["--quick"])
-    assert (args.steps, args.fail_at, args.width) == (12, 4, 256) and args.json.name == "survive_quick.json"
+    assert (args.steps, args.fail_at, args.width, args.epoch_steps) == (12, 4, 256, 4)
+    assert args.json.name == "survive_quick.json" and "join" in args.runs
     assert args.figure is None and bench_survive.parse_args([]).figure == bench_survive.FIGURE
     with pytest.raises(SystemExit):
         bench_survive.parse_args(["--quick", "--json", str(bench_survive.RESULTS / "survive.json")])
+    with pytest.raises(SystemExit):  # no epoch start left after the failure for the replacement to join at
+        bench_survive.parse_args(["--steps", "12", "--fail-at", "4", "--epoch-steps", "8"])
     command = bench_survive.agent_command(2, tmp_path, args, kill=True)
     assert command[command.index("--node-rank") + 1] == "2" and command[command.index("--max-restarts") + 1] == "0"
     assert "--rdzv-backend" not in command and command[command.index("--kill-at") + 1] == "4"
+    assert command[command.index("--epoch-steps") + 1] == "4"
 
     args.fail_at = 2
     start, params = 1000.0, {"w": torch.zeros(3)}
     runs = []
-    for name, lost in (("uninterrupted", False), ("kill", True)):
+    for name, lost in (("uninterrupted", False), ("kill", True), ("join", True)):
         out = tmp_path / name
         out.mkdir()
         for rank in range(3):
             steps = range(2 if lost and rank == 1 else 12)
             lines = [f"start {s} {start + s + 0.1}\nend {s} {start + s + 1}\n" for s in steps]
+            if name == "join" and rank == 0:
+                lines.insert(8, f"joined 8 {start + 8.05}\n")
             (out / f"rank{rank}.steps").write_text("".join(lines) + (f"start 2 {start + 2.1}\n" if lost else ""))
             if lost and rank == 1:
                 continue
@@ -292,15 +299,39 @@ def test_survive_benchmark_parses_quick_and_summarizes_a_run_from_its_files(tmp_
         logs = ["worker group successfully finished"] * 3
         if lost:
             logs[1] = "Root Cause (first observed failure):\n  exitcode  : -9 (pid: 7)  (SIGKILL)"
-        job = bench_survive.Job(start, [0, 1, 0], [13.0, 3.0, 13.0], logs)
+        spare = None
+        if name == "join":  # started 3.0 s after launch, admitted 5.0 s later at step 8, done at 17.5 s
+            lines = [f"start {s} {start + s + 0.1}\nend {s} {start + s + 1}\n" for s in range(8, 12)]
+            (out / "rank1-join.steps").write_text("".join(lines))
+            admitted = {"admitted_at": start + 8.0, "epoch": 2, "leader": 0, "joining": [1]}
+            admitted.update(train_start_at=start + 8.02, global_step=8)
+            (out / "rank1-join.admitted").write_text(json.dumps(admitted))
+            (out / "rank1-join.json").write_text(json.dumps({"global_step": 12, "done_at": start + 17.5}))
+            torch.save({"w": params["w"] + 2e-7}, out / "rank1-join.pt")
+            spare = {"started_s": 3.0, "code": 0, "exited_s": 18.0, "log": "worker group successfully finished"}
+        job = bench_survive.Job(start, [0, 1, 0], [13.0, 3.0, 13.0], logs, replacement=spare)
         reference = None if name == "uninterrupted" else tmp_path / "uninterrupted"
         runs.append(bench_survive.summarize(name, job, out, reference, args))
     report = bench_survive.report(runs, args, "118 MB/s")
     kill = runs[1]
     assert kill["seconds"] == 17 and kill["cost_s"] == 5.0 and kill["failure_s"] == 2.1 and kill["finished"] == [0, 2]
     assert kill["recoveries"][0]["detection_s"] == pytest.approx(0.4) and kill["max_param_diff"] == pytest.approx(1e-7)
-    row = report.data["tables"][0]["rows"][1]
-    assert row[:9] == ["kill", "17.0", "+5.0", "0 -9 0", "1.0e-07", "1.00 / 1.00 / 1.00", "0.40", "5.000", "0.020"]
-    assert row[-1] == "yes"
-    assert report.data["tables"][0]["rows"][0][-1] == "yes"  # the reference's ranks agree
+    rows = report.data["tables"][0]["rows"]
+    assert rows[1][:9] == ["kill", "17.0", "+5.0", "0 -9 0", "1.0e-07", "1.00 / 1.00 / 1.00", "0.40", "5.000", "0.020"]
+    assert rows[1][-2:] == ["-", "yes"]
+    assert rows[0][-1] == "yes"  # the reference's ranks agree
     assert "noticed it within 0.4 s" in report.data["quotes"]["kill"] and "(+5.0 s)" in report.data["quotes"]["kill"]
+
+    join = runs[2]
+    spare = join["replacement"]
+    assert (spare["start_to_admitted_s"], spare["start_to_first_step_s"], spare["admitted_step"]) == (5.0, 6.0, 8)
+    assert spare["survivors_joined"] == [[8, 8.05]] and spare["join_step_s"] == 1.0 and spare["epoch"] == 2
+    assert join["seconds"] == 17.5 and join["finished"] == [0, 1, 2] and join["failure_s"] == 2.1
+    assert join["max_param_diff"] == pytest.approx(2e-7)  # the replacement's parameters counted
+    assert rows[2][0] == "join" and rows[2][-1] == "yes"
+    assert rows[2][-2].startswith("started 3.0 s; admitted 5.0 s later (step 8); first step done 6.0 s")
+    said = report.data["quotes"]["join"]
+    assert "admitted at the start of step 8" in said and "5.0 s after its agent started" in said
+    assert "(+5.5 s)" in said and "0.9 s after the kill" in said
+    spare["start_to_admitted_s"] = bench_survive.JOIN_TARGET_S + 1  # admitted too late: the run fails
+    assert not bench_survive.ok(join, args)
