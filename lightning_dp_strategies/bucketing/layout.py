@@ -21,9 +21,10 @@ def assign_buckets(
 ) -> list[list[int]]:
     """Group parameter indices into buckets, in reverse registration order, one dtype and device per bucket.
 
-    A bucket is closed before it would exceed its cap (``first_bucket_cap_mb`` for the first bucket of each dtype and
-    device, ``bucket_cap_mb`` after); a single tensor larger than the cap gets a bucket of its own. Buckets are ordered
-    by the position of their first parameter in reverse order, the order their gradients become ready.
+    The first bucket of each dtype and device takes tensors until it reaches ``first_bucket_cap_mb``; the rest go into
+    as many buckets as ``bucket_cap_mb`` needs, cut evenly (no bucket larger than the cap, nor than that count
+    requires); a single tensor larger than the cap gets a bucket of its own (see :func:`bucket_boundaries`). Buckets
+    are ordered by the position of their first parameter in reverse order, the order their gradients become ready.
 
     Examples:
         >>> import torch

@@ -32,32 +32,67 @@ def bucket_boundaries(
     ``sizes[i]`` is ``(kind, nbytes)`` of tensor ``i``. The first bucket of each kind takes tensors until it holds
     ``first_bucket_cap_mb`` (the tensor that reaches the cap included, as torch DDP's first bucket does), so it is
     never left nearly empty by a large tensor that follows a few small ones: its reduction starts early in backward.
-    Later buckets are closed before they would exceed ``bucket_cap_mb``; a single tensor larger than the cap gets a
-    bucket of its own. Buckets are ordered by the position of their first tensor in reverse order.
+    The tensors after it go into as many buckets as ``bucket_cap_mb`` needs (each closed before it would exceed the
+    cap, a single tensor larger than the cap alone), but cut evenly: the largest bucket is as small as that count
+    allows. Filling each bucket to the cap would leave the last one a remainder, and the one before it, nearly the
+    whole gradient on a model a little over one cap, ready only at the end of backward, with the link idle while it
+    fills. Buckets are ordered by the position of their first tensor in reverse order.
 
     Examples:
         >>> bucket_boundaries([("f32", 400), ("f32", 1_200_000), ("f32", 40), ("f32", 1_200_000)], 2, 1)
         [[3], [2, 1, 0]]
         >>> bucket_boundaries([("f32", 400), ("f32", 2_400_000), ("f32", 1_000)], 25, 1)  # the first bucket: 2 tensors
         [[2, 1], [0]]
+        >>> bucket_boundaries([("f32", 1_100_000)] + [("f32", 400_000)] * 6, 2, 1)  # 2.4 MB after the first: 2 x 1.2
+        [[6, 5, 4], [3, 2, 1], [0]]
     """
     check_caps(bucket_cap_mb, first_bucket_cap_mb)
-    open_buckets: dict[Hashable, tuple[list[int], int, bool]] = {}
-    closed: list[list[int]] = []
+    order: dict[Hashable, list[int]] = {}  # each kind's tensors, in reverse order
     for index in reversed(range(len(sizes))):
-        kind, nbytes = sizes[index]
-        members, size, is_first = open_buckets.get(kind, ([], 0, True))
-        if members and not is_first and size + nbytes > bucket_cap_mb * MiB:
-            closed.append(members)
+        order.setdefault(sizes[index][0], []).append(index)
+    closed: list[list[int]] = []
+    for indices in order.values():
+        first, size = 0, 0
+        while first < len(indices) and size < first_bucket_cap_mb * MiB:  # up to the tensor that reaches the cap
+            size += sizes[indices[first]][1]
+            first += 1
+        closed.append(indices[:first])
+        rest = indices[first:]
+        closed.extend(_even_cut(rest, [sizes[i][1] for i in rest], int(bucket_cap_mb * MiB)))
+    return sorted((members for members in closed if members), key=lambda members: len(sizes) - 1 - members[0])
+
+
+def _greedy_cut(indices: list[int], nbytes: list[int], limit: int) -> list[list[int]]:
+    """``indices`` in order, a bucket closed before it would exceed ``limit`` bytes (a larger tensor alone)."""
+    buckets: list[list[int]] = []
+    members: list[int] = []
+    size = 0
+    for index, n in zip(indices, nbytes, strict=True):
+        if members and size + n > limit:
+            buckets.append(members)
             members, size = [], 0
         members.append(index)
-        size += nbytes
-        if is_first and size >= first_bucket_cap_mb * MiB:  # the first bucket closes once it reaches its cap
-            closed.append(members)
-            members, size, is_first = [], 0, False
-        open_buckets[kind] = (members, size, is_first)
-    closed.extend(members for members, _, _ in open_buckets.values() if members)
-    return sorted(closed, key=lambda members: len(sizes) - 1 - members[0])
+        size += n
+    return [*buckets, members] if members else buckets
+
+
+def _even_cut(indices: list[int], nbytes: list[int], cap: int) -> list[list[int]]:
+    """As many buckets as :func:`_greedy_cut` at ``cap`` makes, cut at the smallest limit that needs no more.
+
+    The count falls as the limit grows, so the smallest such limit is found by bisection; at it no bucket is larger
+    than necessary for that count (a tensor larger than ``cap`` still alone).
+    """
+    count = len(_greedy_cut(indices, nbytes, cap))
+    if count >= len(indices):  # one tensor a bucket (or none)
+        return [[index] for index in indices]
+    low, high = 0, cap  # a limit of 0 bytes puts every tensor alone: too many buckets; `cap` makes `count`
+    while high - low > 1:
+        middle = (low + high) // 2
+        if len(_greedy_cut(indices, nbytes, middle)) <= count:
+            high = middle
+        else:
+            low = middle
+    return _greedy_cut(indices, nbytes, high)
 
 
 def ring_bytes_per_rank(nbytes: float, world_size: int) -> float:

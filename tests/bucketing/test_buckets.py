@@ -47,6 +47,53 @@ def test_the_first_bucket_takes_the_tensor_that_reaches_its_cap() -> None:
     assert assign_buckets(tensors(1000, large, 100), bucket_cap_mb=25, first_bucket_cap_mb=1) == [[2, 1], [0]]
 
 
+def test_the_buckets_after_the_first_are_cut_evenly() -> None:
+    """As many buckets as the cap needs, but not filled to it in turn: on a gradient a little over one cap, filling
+    would make one bucket of nearly everything, ready only at the end of backward, and a sliver after it."""
+    tenth = MiB // 10 // 4  # elements of 0.1 MiB in fp32
+    buckets = assign_buckets(tensors(*[tenth] * 11, 2 * MiB // 4), bucket_cap_mb=1, first_bucket_cap_mb=1)
+    assert buckets == [[11], [10, 9, 8, 7, 6, 5], [4, 3, 2, 1, 0]]  # filling: [10 .. 1], [0]
+
+
+def _filled(sizes: list[int], cap: int) -> list[list[int]]:
+    """The buckets after the first as filling each to the cap cuts them (in order, a larger tensor alone)."""
+    out: list[list[int]] = [[]]
+    for n in sizes:
+        if out[-1] and sum(out[-1]) + n > cap:
+            out.append([])
+        out[-1].append(n)
+    return out if out[-1] else []
+
+
+def test_the_even_cut_keeps_the_count_and_the_cap_and_minimises_the_largest_bucket() -> None:
+    import itertools
+    import random
+
+    from lightning_dp_strategies.plan import bucket_boundaries
+
+    rng = random.Random(0)
+    for _ in range(300):
+        sizes = [rng.choice([4, 400, 40_000, 300_000, 700_000, 1_200_000]) for _ in range(rng.randint(1, 9))]
+        cap = rng.choice([1.0, 2.0])
+        rest = sizes[::-1][1:] if sizes[-1] >= MiB else None  # one tensor reaches the first cap of 1 MiB
+        if rest is None:
+            continue
+        buckets = bucket_boundaries([(None, n) for n in sizes], cap, 1)
+        later = [[sizes[i] for i in b] for b in buckets[1:]]
+        assert [i for b in buckets for i in b] == list(reversed(range(len(sizes))))
+        assert len(later) == len(_filled(rest, int(cap * MiB))), (sizes, cap)
+        assert all(sum(b) <= cap * MiB or len(b) == 1 for b in later), (sizes, cap)
+        best = (
+            min(  # every cut of `rest` into that many contiguous buckets: the smallest largest bucket
+                max(sum(rest[a:b]) for a, b in itertools.pairwise([0, *cuts, len(rest)]))
+                for cuts in itertools.combinations(range(1, len(rest)), len(later) - 1)
+            )
+            if later
+            else 0
+        )
+        assert max((sum(b) for b in later), default=0) == best, (sizes, cap)
+
+
 def test_one_dtype_per_bucket() -> None:
     mixed = [*tensors(4, 4), *tensors(4, dtype=torch.float64), *tensors(4)]
     buckets = assign_buckets(mixed)
