@@ -100,13 +100,17 @@ def worker(args: argparse.Namespace) -> None:
     L.seed_everything(0)
     module = lightning_module(config)
     clock = clock_callback(args.budget, args.eval_seconds, val_batches(val, config.context, count=64))
-    trainer = cluster_trainer(make_strategy(args.worker), args.max_steps, [clock])
+    profile = profile_callback(os.environ["LM_PROFILE"]) if os.environ.get("LM_PROFILE") else None
+    trainer = cluster_trainer(make_strategy(args.worker), args.max_steps, [clock] + [profile] * bool(profile))
     data = DataLoader(TrainWindows(train, config, rank, world, seed=1), batch_size=None)
     trainer.fit(module, data)
     if trainer.global_rank == 0:
         tokens = world * config.tokens_per_step
         result = {"variant": args.worker, "points": clock.points, "segments": clock.segments, "steps": clock.step_s}
         result["tokens_per_step"] = tokens
+        if profile is not None:
+            result["profile"] = profile.steps
+            result["cpu"] = profile.cpu
         local = getattr(trainer.strategy, "local_sgd", None)
         if local is not None:  # the period in use ("auto": as chosen) and the time the loop waited for averages
             result["local_sgd"] = {
@@ -182,6 +186,129 @@ def clock_callback(budget: float, eval_seconds: float, batches: list[Any]) -> An
             return {"step": step, "seconds": now, "val_loss": loss}
 
     return Clock()
+
+
+def profile_callback(mode: str) -> Any:
+    """``--profile``: per step, when the batch started, backward began, the last gradient was accumulated, backward
+    returned (the gradients averaged), the optimizer stepped and the batch ended, and per gradient bucket when it
+    was launched, when its reduction started and when it ended (seconds from the batch's start). The ring's buckets
+    are timed on :class:`~lightning_dp_strategies.reducers.RingReducer`; ddp's through a communication hook (the
+    default hook's work, timed) when ``mode`` is ``hooks``, else not at all."""
+    import lightning as L
+    import torch
+    import torch.distributed as dist
+
+    from lightning_dp_strategies.bucketing import GradientBuckets
+    from lightning_dp_strategies.reducers import builtin
+
+    now = time.perf_counter
+    state: dict[str, Any] = {"t0": 0.0, "step": None}
+
+    def record(key: str, **fields: Any) -> None:
+        step = state["step"]
+        if step is not None:
+            relative = {k: (v - state["t0"] if k.startswith("t") else v) for k, v in fields.items()}
+            step.setdefault(key, []).append(relative)
+
+    launch, reduce = builtin.RingReducer.__call__, builtin.RingReducer.reduce
+
+    def timed_call(self: Any, bucket: Any) -> Any:
+        record("launch", t=now(), index=bucket.index, mb=bucket.buffer.numel() * bucket.buffer.element_size() / 1e6)
+        return launch(self, bucket)
+
+    def timed_reduce(self: Any, bucket: Any) -> Any:
+        start = now()
+        out = reduce(self, bucket)
+        record("reduce", t_start=start, t_end=now(), index=bucket.index)
+        return out
+
+    builtin.RingReducer.__call__, builtin.RingReducer.reduce = timed_call, timed_reduce
+    finish = GradientBuckets.finish
+
+    def timed_finish(self: Any) -> None:  # the ring's wait for its buckets, after backward
+        start = now()
+        finish(self)
+        record("finish", t_start=start, t_end=now())
+
+    GradientBuckets.finish = timed_finish  # type: ignore[method-assign]
+
+    class Profile(L.Callback):
+        def __init__(self) -> None:
+            self.steps: list[dict[str, Any]] = []
+            self.cpu: dict[str, Any] = {}
+
+        @staticmethod
+        def cpu_times() -> dict[str, Any]:
+            """CPU seconds so far of each thread of this process (by name and id), and the machine's (/proc/stat)."""
+            tick = os.sysconf("SC_CLK_TCK")
+            threads = {}
+            for task in Path("/proc/self/task").iterdir():
+                try:
+                    name = (task / "comm").read_text().strip()
+                    fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+                threads[f"{name}/{task.name}"] = (int(fields[11]) + int(fields[12])) / tick
+            machine = dict(
+                zip(
+                    ["user", "nice", "system", "idle", "iowait", "irq", "softirq"],
+                    [int(x) / tick for x in Path("/proc/stat").read_text().split()[1:8]],
+                    strict=True,
+                )
+            )
+            return {"threads": threads, "machine": machine, "time": now()}
+
+        def on_train_end(self, *_: Any) -> None:
+            self.cpu["end"] = self.cpu_times()
+
+        def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+            self.cpu["start"] = self.cpu_times()
+            for p in module.parameters():
+                p.register_post_accumulate_grad_hook(lambda _: state.__setitem__("grad", now()))
+            inner = getattr(module, "model", module)  # the network alone: when the forward starts and ends
+            inner.register_forward_pre_hook(lambda *_: self.mark("t_forward"))
+            inner.register_forward_hook(lambda *_: self.mark("t_forward_end"))
+            model = trainer.strategy.model
+            if mode == "hooks" and isinstance(model, torch.nn.parallel.DistributedDataParallel):
+                model.register_comm_hook(None, self.ddp_hook)
+
+        @staticmethod
+        def ddp_hook(_, bucket):  # type: ignore[no-untyped-def]  # torch checks the annotations: none or GradBucket
+            buffer, index, t = bucket.buffer(), bucket.index(), now()
+            record("launch", t=t, index=index, mb=buffer.numel() * buffer.element_size() / 1e6)
+            buffer.div_(dist.get_world_size())
+            fut = dist.all_reduce(buffer, async_op=True).get_future()
+
+            def done(f: Any) -> Any:
+                record("reduce", t_start=t, t_end=now(), index=index)
+                return f.value()[0]
+
+            return fut.then(done)
+
+        @staticmethod
+        def mark(key: str) -> None:
+            if state["step"] is not None and key not in state["step"]:
+                state["step"][key] = now() - state["t0"]
+
+        def on_train_batch_start(self, *_: Any) -> None:
+            state["t0"], state["step"] = now(), {}
+
+        def on_before_backward(self, *_: Any) -> None:
+            state["step"]["t_backward"] = now() - state["t0"]
+
+        def on_after_backward(self, *_: Any) -> None:
+            state["step"]["t_grads"] = state.get("grad", state["t0"]) - state["t0"]
+            state["step"]["t_averaged"] = now() - state["t0"]
+
+        def on_before_optimizer_step(self, *_: Any) -> None:
+            state["step"]["t_optimizer"] = now() - state["t0"]
+
+        def on_train_batch_end(self, *_: Any) -> None:
+            state["step"]["t_end"] = now() - state["t0"]
+            self.steps.append(state["step"])
+            state["step"] = None
+
+    return Profile()
 
 
 # ---------------------------------------------------------------------- launching
@@ -377,6 +504,11 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--sample-interval", type=float, default=0.05, help="seconds between link samples")
     parser.add_argument("--quick", action="store_true", help="one cell (200mbit x 2), ddp and local_sgd, 20 s each")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and exit")
+    parser.add_argument(
+        "--profile",
+        choices=["steps", "hooks"],
+        help="record per-step and per-bucket timings in the JSON (hooks: ddp's buckets too, through a comm hook)",
+    )
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--add-to", type=Path, help="keep the other cells of this stored result in the new one")
     return parser
@@ -400,6 +532,8 @@ def main() -> None:
         print(line)
     if args.dry_run:
         return
+    if args.profile:
+        os.environ["LM_PROFILE"] = args.profile  # the workers inherit it
     if os.geteuid() != 0:
         print("bench_lm.py needs root for the simulated cluster (network namespaces and tc); nothing measured.")
         return
