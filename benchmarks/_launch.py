@@ -28,6 +28,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -50,6 +51,25 @@ QUIET_TRAINER: dict[str, Any] = {
     "enable_model_summary": False,
 }
 """The ``Trainer`` arguments of a timed run: nothing logged, saved or drawn beside the steps."""
+
+
+RESULTS = ROOT / "benchmarks" / "results"
+"""Where the stored results live; a ``--quick`` run writes elsewhere."""
+
+
+def apply_quick(
+    args: argparse.Namespace, parser: argparse.ArgumentParser, quick: dict[str, Any], default_json: str
+) -> None:
+    """Give ``args`` the settings of ``quick`` that the command line left at their defaults, and a ``--json`` named
+    ``default_json`` in the temporary folder when none is given; refuse a ``--json`` among the stored results (a quick
+    run replaces none)."""
+    for name, value in quick.items():
+        if getattr(args, name) == parser.get_default(name):
+            setattr(args, name, value)
+    if args.json is None:
+        args.json = Path(tempfile.gettempdir()) / default_json
+    if args.json.resolve().parent == RESULTS:
+        parser.error(f"--quick does not write into {RESULTS}: give --json another path (e.g. /tmp/{default_json})")
 
 
 def free_port() -> int:

@@ -47,6 +47,7 @@ from typing import Any
 
 from _launch import (
     add_comparison_arguments,
+    apply_quick,
     fit_rank,
     launch_order,
     measured_cluster,
@@ -250,19 +251,6 @@ QUICK = {
 }
 """What ``--quick`` sets, each where the command line left the default: one link, one layout, two variants, a small
 MLP (1.1 M parameters), one launch."""
-RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def apply_quick(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    """Give ``args`` the settings of :data:`QUICK` that the command line left at their defaults, and a ``--json`` in the
-    temporary folder when none is given; refuse a ``--json`` among the stored results (a quick run replaces none)."""
-    for name, value in QUICK.items():
-        if getattr(args, name) == parser.get_default(name):
-            setattr(args, name, value)
-    if args.json is None:
-        args.json = Path(tempfile.gettempdir()) / "cluster_quick.json"
-    if args.json.resolve().parent == RESULTS:
-        parser.error(f"--quick does not write into {RESULTS}: give --json another path (e.g. /tmp/cluster_quick.json)")
 
 
 def main() -> None:
@@ -275,7 +263,7 @@ def main() -> None:
     if args is None:
         return None
     if args.quick:
-        apply_quick(args, parser)
+        apply_quick(args, parser, QUICK, "cluster_quick.json")
     if os.geteuid() != 0:
         print("bench_cluster.py needs root for the simulated cluster (network namespaces and tc); nothing measured.")
         return None

@@ -55,7 +55,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from _launch import NETSIM_COMMAND, ROOT, add_mlp_arguments, child_env, measured_cluster, netsim
+from _launch import (
+    NETSIM_COMMAND,
+    RESULTS,
+    ROOT,
+    add_mlp_arguments,
+    apply_quick,
+    child_env,
+    measured_cluster,
+    netsim,
+)
 
 NODES = 3
 PORT = 29577
@@ -65,7 +74,6 @@ VICTIM = 1
 RUNS = ("uninterrupted", "kill", "cut", "join")
 JOIN_TARGET_S = 30.0
 """The issue's target: the replacement admitted within this many seconds of its agent's start."""
-RESULTS = ROOT / "benchmarks" / "results"
 FIGURE = ROOT / "docs" / "figures" / "survive_steps.png"
 WORKER = Path(__file__).resolve().with_name("survive_worker.py")
 QUICK = {"steps": 12, "fail_at": 4, "epoch_steps": 4, "cut_s": 20.0, "width": 256, "depth": 4, "agent_grace": 10.0}
@@ -91,13 +99,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--figure", type=Path, default=None, help=f"default: {FIGURE.relative_to(ROOT)} (not quick)")
     args = parser.parse_args(argv)
     if args.quick:
-        for name, value in QUICK.items():
-            if getattr(args, name) == parser.get_default(name):
-                setattr(args, name, value)
-        if args.json is None:
-            args.json = Path(tempfile.gettempdir()) / "survive_quick.json"
-        if args.json.resolve().parent == RESULTS:
-            parser.error(f"--quick does not write into {RESULTS}: give --json another path")
+        apply_quick(args, parser, QUICK, "survive_quick.json")
     if args.figure is None and (args.plot is not None or not args.quick):
         args.figure = FIGURE
     if not 0 < args.fail_at < args.steps:
