@@ -245,9 +245,7 @@ class Survivors:
         assert membership is not None
         membership.state = MembershipState(epoch=epoch, members=list(range(membership.world_size)))
         self.group = membership.form_group(membership.state.members, epoch, self.options.timeout_s)
-        self.control_group = self._new_control_group()
-        for metric, _ in self._metric_groups.values():
-            metric.process_group = self.control_group
+        self._form_control_group()
 
     # ------------------------------------------------------------------ replacements
     def join_requests(self) -> dict[int, str]:
@@ -267,12 +265,15 @@ class Survivors:
             membership.store.delete_key(f"{PREFIX}/join/{rank}")
             membership.store.set(f"{PREFIX}/admitted/{token}", answer)
 
-    def _new_control_group(self) -> dist.ProcessGroup:
+    def _form_control_group(self) -> None:
+        """The control group over the current members; the watched metrics sync over it from now on."""
         group = dist.new_group(
             self.members, timeout=self._control_timeout, backend="gloo", use_local_synchronization=True
         )
         assert group is not None
-        return group
+        self.control_group = group
+        for metric, _ in self._metric_groups.values():
+            metric.process_group = group
 
     def interrupted(self) -> str | None:
         """Polled while waiting for the gradients: why the wait cannot complete (a peer known lost), or ``None``."""
@@ -298,9 +299,7 @@ class Survivors:
         before = list(membership.state.members)
         self.group = membership.recover(self.options.timeout_s, agreement=self.options.timeout_s, note=str(step))
         steps = {rank: int(note) for rank, note in membership.notes().items()}
-        self.control_group = self._new_control_group()
-        for metric, _ in self._metric_groups.values():
-            metric.process_group = self.control_group
+        self._form_control_group()
         record = Recovery(
             step=max(steps.values()),
             lost=[r for r in before if r not in membership.state.members],
