@@ -222,7 +222,8 @@ def profile_callback(mode: str) -> Any:
         record("reduce", t_start=start, t_end=now(), index=bucket.index)
         return out
 
-    builtin.RingReducer.__call__, builtin.RingReducer.reduce = timed_call, timed_reduce
+    builtin.RingReducer.__call__ = timed_call  # type: ignore[method-assign]
+    builtin.RingReducer.reduce = timed_reduce  # type: ignore[method-assign]
     finish = GradientBuckets.finish
 
     def timed_finish(self: Any) -> None:  # the ring's wait for its buckets, after backward
@@ -436,6 +437,7 @@ def table(cells: list[dict[str, Any]]) -> list[list[Any]]:
     for cell in cells:
         for variant, row in cell["variants"].items():
             reached, ratio = row["seconds_to_target"], row["ratio_to_ddp"]
+            unreached = "not reached" if cell["target_loss"] is not None else "-"  # no ddp run: no target
             rows.append(
                 [
                     cell["link"],
@@ -444,7 +446,7 @@ def table(cells: list[dict[str, Any]]) -> list[list[Any]]:
                     row["steps"],
                     f"{row['seconds_per_step']:.2f}",
                     f"{row['final_loss']:.3f}",
-                    f"{reached:.0f}" if reached is not None else "not reached",
+                    f"{reached:.0f}" if reached is not None else unreached,
                     f"{ratio:.2f}" if ratio is not None else "-",
                     f"{row['sent_mb_per_step']:.2f}" if "sent_mb_per_step" in row else "-",
                     f"{row['peak_mb_per_s']:.1f}" if "peak_mb_per_s" in row else "-",
@@ -556,7 +558,7 @@ def save(cells: list[dict[str, Any]], args: argparse.Namespace, skipped: list[st
         cells = [c for c in json.loads(args.add_to.read_text())["cells"] if (c["link"], c["nodes"]) not in done] + cells
         cells = [{**c, **summarize(c["runs"])} for c in cells]  # every cell summarised the same way
     params = parameter_count(lm_config(args))
-    notes = [f"{c['link']} x {c['nodes']}: ddp's loss {c['target_loss']:.3f}; {c['bandwidth']}" for c in cells]
+    notes = [cell_note(c) for c in cells]
     notes += local_notes(cells)
     report.note(
         f"{params / 1e6:.1f} M parameters; one process a node with one thread; every variant {args.budget:.0f} s "
@@ -571,6 +573,15 @@ def save(cells: list[dict[str, Any]], args: argparse.Namespace, skipped: list[st
     report.save(args.json)
     if args.json is not None:
         plot(args.json, args.figure)
+
+
+def cell_note(cell: dict[str, Any]) -> str:
+    """The cell's target (ddp's final loss) and its link as measured; a cell without ddp has no target, and its time
+    to ddp's loss and ratio to ddp stay blank."""
+    where = f"{cell['link']} x {cell['nodes']}"
+    if cell["target_loss"] is None:
+        return f"{where}: ddp not run, so no target loss (s to ddp's loss and / ddp left blank); {cell['bandwidth']}"
+    return f"{where}: ddp's loss {cell['target_loss']:.3f}; {cell['bandwidth']}"
 
 
 def local_notes(cells: list[dict[str, Any]]) -> list[str]:
