@@ -554,9 +554,12 @@ def save(cells: list[dict[str, Any]], args: argparse.Namespace, skipped: list[st
     report.data["machine"]["cpu"] = cpu_model()
     report.data["machine"]["lightning"] = lightning.__version__
     if args.add_to is not None:
+        stored = json.loads(args.add_to.read_text())
         done = {(c["link"], c["nodes"]) for c in cells}
-        cells = [c for c in json.loads(args.add_to.read_text())["cells"] if (c["link"], c["nodes"]) not in done] + cells
-        cells = [{**c, **summarize(c["runs"])} for c in cells]  # every cell summarised the same way
+        kept = [c for c in stored["cells"] if (c["link"], c["nodes"]) not in done]
+        cells = [{**c, **summarize(c["runs"])} for c in kept + cells]  # every cell summarised the same way
+        if kept:  # the command that measured the kept cells, then this one
+            report.data["command"] = f"{stored['command']} && {report.data['command']}"
     params = parameter_count(lm_config(args))
     notes = [cell_note(c) for c in cells]
     notes += local_notes(cells)
