@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -568,14 +569,181 @@ def save(cells: list[dict[str, Any]], args: argparse.Namespace, skipped: list[st
         f"of training; variants not in the installed package: {', '.join(skipped) or 'none'}."
     )
     report.table("Time to ddp's held-out loss, bytes and peak bandwidth", COLUMNS, table(cells), notes)
+    report.data["quotes"] = quotes(cells)
     report.data["cells_run"] = [f"{c['link']} x {c['nodes']}" for c in cells]
     report.data["skipped"] = skipped
     report.data["cells"] = cells
     for row in table(cells):
         print("  ".join(str(c) for c in row))
+    for sentence in report.data["quotes"].values():
+        print(sentence)
     report.save(args.json)
     if args.json is not None:
         plot(args.json, args.figure)
+
+
+# ---------------------------------------------------------------------- the sentences docs/slow_links.md quotes
+NAMES = {
+    "ring_allreduce_auto": "`ring_allreduce_auto`",
+    "local_sgd": "local SGD (H = 8)",
+    "diloco": "DiLoCo (H = 16, its Nesterov outer step)",
+    "powersgd": "PowerSGD",
+    "streaming_diloco": "`streaming_diloco`",
+}
+"""How the quoted sentences name the variants they compare with ddp."""
+
+
+def quotes(cells: list[dict[str, Any]]) -> dict[str, str]:
+    """The sentences ``docs/slow_links.md`` quotes (``render_docs.py`` fills them in). Per cell with a ddp run, keyed
+    ``LINK_NODES`` (``200mbit_2``): ddp's step, what streaming DiLoCo sent and bought, the others' times to ddp's loss
+    and the losses at ddp's step count; ``outer_LINK_NODES``: DiLoCo's outer Nesterov step against plain averaging.
+    ``ring``: the package's ring against ddp in every such cell. A clause whose variants did not run is left out."""
+    said: dict[str, str] = {}
+    cells = [c for c in cells if "ddp" in c["variants"]]
+    for cell in cells:
+        key = f"{cell['link']}_{cell['nodes']}"
+        clauses = [step_clause(cell), streaming_clause(cell), others_clause(cell), per_step_clause(cell)]
+        said[key] = " ".join(c for c in clauses if c)
+        outer = outer_clause(cell)
+        if outer:
+            said[f"outer_{key}"] = outer
+    if cells and all("ring_allreduce" in c["variants"] for c in cells):
+        said["ring"] = ring_quote(cells)
+    return said
+
+
+def _share(row: dict[str, Any]) -> str:
+    """The row's time to ddp's loss as a share of ddp's, or that it did not get there."""
+    ratio = row["ratio_to_ddp"]
+    return f"{ratio:.2f}" if ratio is not None else "not reached"
+
+
+def _and(items: list[str]) -> str:
+    """``a, b and c``."""
+    return " and ".join(filter(None, [", ".join(items[:-1]), items[-1]])) if items else ""
+
+
+def loss_at(points: list[dict[str, Any]], step: float) -> float | None:
+    """The held-out loss at ``step``, interpolated between the evaluations around it; ``None`` past the last.
+
+    Examples:
+        >>> loss_at([{"step": 0, "val_loss": 5.0}, {"step": 10, "val_loss": 3.0}], 5)
+        4.0
+    """
+    for before, after in itertools.pairwise(points):
+        if before["step"] <= step <= after["step"]:
+            share = (step - before["step"]) / max(1, after["step"] - before["step"])
+            return float(before["val_loss"] + share * (after["val_loss"] - before["val_loss"]))
+    return None
+
+
+def step_clause(cell: dict[str, Any]) -> str:
+    """ddp's seconds a step, against the compute's (local SGD's median step, a step that sends nothing)."""
+    rows = cell["variants"]
+    said = f"Over {cell['link']} between {cell['nodes']} nodes, ddp took {rows['ddp']['seconds_per_step']:.2f} s"
+    said += " a step"
+    if "local_sgd" in rows:
+        compute = rows["local_sgd"]["median_step_s"]
+        said += f" where the compute takes about {compute:.2f} s (local SGD's median step, which sends nothing)"
+    return said + "."
+
+
+def streaming_clause(cell: dict[str, Any]) -> str:
+    """``streaming_diloco``'s step, time to ddp's loss, bytes a step, peak (against DiLoCo's and local SGD's) and
+    the share of its training time its loop waited for averages."""
+    rows, run = cell["variants"], cell["runs"].get("streaming_diloco")
+    row, int8 = rows.get("streaming_diloco"), rows.get("streaming_diloco_int8")
+    if row is None or run is None or "peak_mb_per_s" not in row:
+        return ""
+    bursts = [f"{name}'s {rows[v]['peak_mb_per_s']:.0f} MB" for v, name in BURSTS.items() if v in rows]
+    waited = run["local_sgd"]["exposed_seconds"] / row["seconds"]
+    return (
+        f"`streaming_diloco` took {row['seconds_per_step']:.2f} s a step, reached ddp's final held-out loss in "
+        f"{_share(row)} of ddp's time" + (f" (its int8 variant {_share(int8)})" if int8 is not None else "") + ", "
+        f"sent {row['sent_mb_per_step']:.2f} MB a step where ddp sends {rows['ddp']['sent_mb_per_step']:.0f} MB, and "
+        f"never more than {row['peak_mb_per_s']:.1f} MB in one second"
+        + (f", against {_and(bursts)}" if bursts else "")
+        + f"; its loop waited for averages {100 * waited:.0f}% of its training time."
+    )
+
+
+BURSTS = {"diloco": "DiLoCo", "local_sgd": "local SGD"}
+"""The variants whose peak bandwidth streaming DiLoCo's is set against (they send the whole model at once)."""
+
+
+def others_clause(cell: dict[str, Any]) -> str:
+    """The other variants' times to ddp's loss, as shares of ddp's."""
+    rows = cell["variants"]
+    chosen = [v for v in ("ring_allreduce_auto", "local_sgd", "diloco", "powersgd") if v in rows]
+    shares = [f"{NAMES[v]} {_share(rows[v])}" for v in chosen]
+    return f"As shares of ddp's time to its loss: {', '.join(shares)}." if shares else ""
+
+
+def per_step_clause(cell: dict[str, Any]) -> str:
+    """The held-out losses at ddp's final step count: ddp's, and those of the variants that took more steps."""
+    rows, runs, steps = cell["variants"], cell["runs"], cell["variants"]["ddp"]["steps"]
+    chosen = [v for v in ("streaming_diloco", "ring_allreduce_auto", "powersgd") if v in runs]
+    losses = [(NAMES[v], loss_at(runs[v]["points"], steps)) for v in chosen]
+    known = [f"{loss:.2f} for {name}" for name, loss in losses if loss is not None]
+    if not known:
+        return ""
+    ddp = f"{rows['ddp']['final_loss']:.2f} for ddp"
+    interpolated = "interpolated between evaluations"
+    return f"At ddp's final step count ({steps}), {interpolated}, the held-out loss was {_and([ddp, *known])}."
+
+
+def outer_clause(cell: dict[str, Any]) -> str:
+    """DiLoCo's outer Nesterov step (``diloco``, ``streaming_nesterov``) against plain averaging (``local_sgd``,
+    ``streaming_diloco``): their periods and times to ddp's loss, and which were faster to reach it."""
+    rows, runs = cell["variants"], cell["runs"]
+    if not all(v in rows for v in ("diloco", "streaming_nesterov", "local_sgd", "streaming_diloco")):
+        return ""
+
+    def period(v: str) -> int:
+        return int(runs[v]["local_sgd"]["sync_every"])
+
+    def seconds(v: str) -> float:
+        reached = rows[v]["seconds_to_target"]
+        return math.inf if reached is None else float(reached)
+
+    nesterov = [seconds("diloco"), seconds("streaming_nesterov")]
+    plain = [seconds("local_sgd"), seconds("streaming_diloco")]
+    when = "neither consistently slower nor faster"
+    if min(nesterov) > max(plain):
+        when = "slower"
+    elif max(nesterov) < min(plain):
+        when = "faster"
+    return (
+        f"DiLoCo's outer Nesterov step at a period of {period('diloco')}, with the whole model (`diloco`, "
+        f"{_share(rows['diloco'])}) or in fragments at {period('streaming_nesterov')} (`streaming_nesterov`, "
+        f"{_share(rows['streaming_nesterov'])}), was {when} to reach ddp's loss than plain averaging at periods of "
+        f"{period('local_sgd')} (local SGD, {_share(rows['local_sgd'])}) and {period('streaming_diloco')} "
+        f'(`streaming_diloco`, as `"auto"` chose, {_share(rows["streaming_diloco"])}).'
+    )
+
+
+def ring_quote(cells: list[dict[str, Any]]) -> str:
+    """The package's ring against ddp, a sentence a cell: seconds and bytes a step, whether and when the ring reached
+    ddp's final loss, and how far apart their held-out losses were at the steps both evaluated."""
+    said = []
+    for cell in cells:
+        ring, ddp = cell["variants"]["ring_allreduce"], cell["variants"]["ddp"]
+        ratio = ring["seconds_per_step"] / ddp["seconds_per_step"]
+        mb = sorted({round(ring["sent_mb_per_step"]), round(ddp["sent_mb_per_step"])})
+        sent = f"both sending {mb[0]} MB a step" if len(mb) == 1 else f"sending {mb[0]}-{mb[1]} MB a step"
+        if ring["ratio_to_ddp"] is not None:
+            reached = f"reached ddp's final loss in {ring['ratio_to_ddp']:.2f} of ddp's time"
+        else:
+            reached = "did not reach ddp's final loss within its budget"
+        losses = {p["step"]: p["val_loss"] for p in cell["runs"]["ring_allreduce"]["points"] if p["step"] > 0}
+        apart = [abs(p["val_loss"] - losses[p["step"]]) for p in cell["runs"]["ddp"]["points"] if p["step"] in losses]
+        same = "identical" if apart and max(apart) == 0 else f"at most {max(apart or [math.nan]):.1e} apart"
+        said.append(
+            f"Over {cell['link']}, `ring_allreduce` took {ring['seconds_per_step']:.2f} s a step against ddp's "
+            f"{ddp['seconds_per_step']:.2f} ({ratio:.2f}x), {sent}, and {reached} ({ring['steps']} steps against "
+            f"ddp's {ddp['steps']}; their held-out losses at the {len(apart)} steps both evaluated were {same})."
+        )
+    return " ".join(said)
 
 
 def cell_note(cell: dict[str, Any]) -> str:
