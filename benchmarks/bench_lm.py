@@ -737,11 +737,13 @@ def ring_quote(cells: list[dict[str, Any]]) -> str:
             reached = "did not reach ddp's final loss within its budget"
         losses = {p["step"]: p["val_loss"] for p in cell["runs"]["ring_allreduce"]["points"] if p["step"] > 0}
         apart = [abs(p["val_loss"] - losses[p["step"]]) for p in cell["runs"]["ddp"]["points"] if p["step"] in losses]
-        same = "identical" if apart and max(apart) == 0 else f"at most {max(apart or [math.nan]):.1e} apart"
+        detail = f"{ring['steps']} steps against ddp's {ddp['steps']}"
+        if apart:  # evaluations come every so many seconds: at the same step only where the two steps took as long
+            same = "identical" if max(apart) == 0 else f"at most {max(apart):.1e} apart"
+            detail += f"; their held-out losses at the {len(apart)} steps both evaluated were {same}"
         said.append(
             f"Over {cell['link']}, `ring_allreduce` took {ring['seconds_per_step']:.2f} s a step against ddp's "
-            f"{ddp['seconds_per_step']:.2f} ({ratio:.2f}x), {sent}, and {reached} ({ring['steps']} steps against "
-            f"ddp's {ddp['steps']}; their held-out losses at the {len(apart)} steps both evaluated were {same})."
+            f"{ddp['seconds_per_step']:.2f} ({ratio:.2f}x), {sent}, and {reached} ({detail})."
         )
     return " ".join(said)
 
