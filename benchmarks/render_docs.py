@@ -1,5 +1,5 @@
-"""Regenerate the result tables of the docs (``docs/benchmarks.md``, ``docs/network.md``, ``docs/sharding.md``,
-``docs/slow_links.md``, ``docs/fault_tolerance.md``) from the stored runs in ``benchmarks/results/*.json``.
+"""Regenerate what the docs state about measurements from the stored runs in ``benchmarks/results/*.json``: the
+result tables, and every measured number the pages' prose quotes. Every page of ``docs/`` and ``README.md`` is read.
 
 Each table sits between markers named after its result file::
 
@@ -13,6 +13,17 @@ between quote markers, inline, naming the result file and one of its ``quotes``:
 
     ... <!-- quote:survive/kill -->the sentence stored under "quotes": {"kill": ...}<!-- /quote:survive/kill --> ...
 
+A single number (or a short phrase, a small table, a log) the text takes from a result sits between value markers,
+inline, naming the result file and a function of it in ``benchmarks/doc_values.py`` (``VALUES[NAME][KEY]``, a
+named, typed function of the stored JSON: nothing written in a page is evaluated)::
+
+    ... two levels were <!-- value:cluster/two_level_1gbit_2x2 -->0.75x<!-- /value:cluster/two_level_1gbit_2x2 -->
+    the flat ring's step ...
+
+``--check`` fails, naming the page and the marker, where a table, a quote or a value differs from what the stored
+results give; both modes fail on a value marker that names a missing file or a function ``doc_values`` lacks, or that
+is never closed.
+
 Usage::
 
     python benchmarks/render_docs.py            # rewrite the pages
@@ -25,14 +36,14 @@ import argparse
 import json
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from doc_values import VALUES
+
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = tuple(
-    ROOT / "docs" / page
-    for page in ("benchmarks.md", "network.md", "sharding.md", "slow_links.md", "fault_tolerance.md")
-)
+PAGES = (ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")))
 RESULTS = ROOT / "benchmarks" / "results"
 
 COMMANDS = {
@@ -57,8 +68,21 @@ COMMANDS = {
 }
 """The command that produces each result file (without ``--json``), shown where the file is missing."""
 
-MARKER = re.compile(r"(<!-- results:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /results:(?P=name) -->)", re.S)
-QUOTE = re.compile(r"(<!-- quote:(?P<name>\w+)/(?P<key>\w+) -->)(?P<body>[^<]*)(<!-- /quote:(?P=name)/(?P=key) -->)")
+MARKER = re.compile(
+    r"(?P<open><!-- results:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(?P<close><!-- /results:(?P=name) -->)", re.S
+)
+QUOTE = re.compile(
+    r"(?P<open><!-- quote:(?P<name>\w+)/(?P<key>\w+) -->)(?P<body>[^<]*)(?P<close><!-- /quote:(?P=name)/(?P=key) -->)"
+)
+VALUE = re.compile(
+    r"(?P<open><!-- value:(?P<name>\w+)/(?P<key>\w+) -->)(?P<body>.*?)(?P<close><!-- /value:(?P=name)/(?P=key) -->)",
+    re.S,
+)
+VALUE_OPEN = re.compile(r"<!-- value:[^>]*-->")
+
+
+class MarkerError(Exception):
+    """A marker that names nothing the stored results or ``doc_values`` give."""
 
 
 def _cell(value: Any) -> str:
@@ -141,19 +165,91 @@ def quote(name: str, key: str) -> str:
     return str(said)
 
 
+def value(name: str, key: str) -> str:
+    """What ``doc_values.VALUES[name][key]`` gives for ``name``'s stored result file."""
+    known = VALUES.get(name, {})
+    if key not in known:
+        offer = ", ".join(sorted(known)) or "none"
+        raise MarkerError(f"benchmarks/doc_values.py has no value {key!r} for {name}.json (it has: {offer})")
+    path = RESULTS / f"{name}.json"
+    if not path.exists():
+        command = COMMANDS.get(name, f"python benchmarks/bench_{name}.py")
+        raise MarkerError(f"no stored result {path.name}: `{command} --json benchmarks/results/{name}.json`")
+    try:
+        return known[key](json.loads(path.read_text()))
+    except (KeyError, IndexError, TypeError, ValueError, StopIteration) as error:
+        raise MarkerError(f"{name}.json lacks what {key!r} reads ({type(error).__name__}: {error})") from error
+
+
+def _clip(text: str, limit: int = 100) -> str:
+    flat = " ".join(text.split())
+    return repr(flat if len(flat) <= limit else flat[: limit - 3] + "...")
+
+
+def _difference(said: str, given: str) -> str:
+    """How a marker's text differs from what the results give: both, or their first differing line in a block."""
+    if "\n" not in said.strip() and "\n" not in given.strip():
+        return f"says {_clip(said)}, the stored results give {_clip(given)}"
+    lines, wanted = said.strip("\n").splitlines(), given.strip("\n").splitlines()
+    for number, (line, want) in enumerate(zip(lines, wanted, strict=False), start=1):
+        if line != want:
+            return f"line {number} says {_clip(line)}, the stored results give {_clip(want)}"
+    return f"has {len(lines)} lines, the stored results give {len(wanted)}"
+
+
 def render_page(page: Path, check: bool) -> bool:
-    """Rewrite (or with ``check`` only compare) ``page``'s result blocks and quotes; whether it was up to date."""
+    """Rewrite (or with ``check`` only compare) ``page``'s result blocks, quotes and values; whether it was up to date
+    (with ``check``) or every marker could be filled. Each difference and each bad marker is printed, with the page."""
     text = page.read_text()
-    names = [m.group("name") for m in MARKER.finditer(text)]
-    new = MARKER.sub(lambda m: m.group(1) + render(m.group("name")) + m.group(4), text)
-    new = QUOTE.sub(lambda m: m.group(1) + quote(m.group("name"), m.group("key")) + m.group(5), new)
+    where = page.relative_to(ROOT) if page.is_relative_to(ROOT) else page
+    problems: list[str] = []  # markers that name nothing: fail both modes
+    stale: list[str] = []  # markers whose text is not what the results give: fail --check
+
+    def fill(body_of: Callable[[re.Match[str]], str], whole: bool = False) -> Callable[[re.Match[str]], str]:
+        def substitute(match: re.Match[str]) -> str:
+            marker = match.group("open").strip()
+            try:
+                body = body_of(match)
+            except MarkerError as error:
+                problems.append(f"{where}: {marker}: {error}")
+                return match.group(0)
+            if body != match.group("body"):
+                said = "differs from what the stored results give" if whole else _difference(match.group("body"), body)
+                stale.append(f"{where}: {marker} {said}")
+            return match.group("open") + body + match.group("close")
+
+        return substitute
+
+    closed = {m.start() for m in VALUE.finditer(text)}
+    for match in VALUE.finditer(text):
+        line = text[text.rfind("\n", 0, match.start()) + 1 : match.start()]
+        if "\n" not in match.group("body") and not line.strip():
+            problems.append(
+                f"{where}: {match.group('open')} starts a line: Markdown takes a line that opens with a comment for an "
+                "HTML block and cuts the paragraph there; put the word before it on its line"
+            )
+    for opening in VALUE_OPEN.finditer(text):
+        if opening.start() not in closed:
+            problems.append(
+                f"{where}: {opening.group(0)} opens no value marker "
+                "(<!-- value:NAME/KEY -->TEXT<!-- /value:NAME/KEY -->, NAME and KEY letters, digits and _)"
+            )
+    new = MARKER.sub(fill(lambda m: render(m.group("name")), whole=True), text)
+    new = QUOTE.sub(fill(lambda m: quote(m.group("name"), m.group("key"))), new)
+    new = VALUE.sub(fill(lambda m: value(m.group("name"), m.group("key"))), new)
+    markers = (len(MARKER.findall(text)), len(QUOTE.findall(text)), len(closed))
+    counts = "{} result blocks, {} quotes, {} values".format(*markers)
+    for line in problems + (stale if check else []):
+        print(line, file=sys.stderr)
+    if not any(markers) and not problems:  # a page that states no measurement
+        return True
     if check:
-        print(f"{page} is {'up to date' if new == text else 'out of date'} ({len(names)} result blocks)")
-        return new == text
-    page.write_text(new)
-    stored = [n for n in names if (RESULTS / f"{n}.json").exists()]
-    print(f"rendered {len(names)} result blocks into {page} ({len(stored)} from stored results: {', '.join(stored)})")
-    return True
+        print(f"{where} is {'up to date' if new == text and not problems else 'out of date'} ({counts})")
+        return new == text and not problems
+    if new != text:
+        page.write_text(new)
+    print(f"rendered {where} ({counts}{f', {len(problems)} bad markers left as they were' if problems else ''})")
+    return not problems
 
 
 def main() -> None:
@@ -163,7 +259,11 @@ def main() -> None:
     args = parser.parse_args()
     fresh = [render_page(page, args.check) for page in args.page or PAGES]
     if not all(fresh):
-        print("run python benchmarks/render_docs.py", file=sys.stderr)
+        print(
+            "render with python benchmarks/render_docs.py; a value it cannot give needs its function in "
+            "benchmarks/doc_values.py, or a marker that names one",
+            file=sys.stderr,
+        )
         sys.exit(1)
 
 

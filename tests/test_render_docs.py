@@ -1,0 +1,137 @@
+"""benchmarks/render_docs.py: the measured numbers of the pages are rendered from the stored results and checked.
+
+A value marker (``<!-- value:NAME/KEY -->TEXT<!-- /value:NAME/KEY -->``) takes its text from the function
+``doc_values.VALUES[NAME][KEY]`` of ``benchmarks/results/NAME.json``; ``--check`` fails where a page says something
+else, and both modes fail on a marker that names nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+import doc_values  # noqa: E402
+import render_docs  # noqa: E402
+
+RATIO = "<!-- value:demo/ratio -->{}<!-- /value:demo/ratio -->"
+
+
+@pytest.fixture
+def demo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A results folder holding ``demo.json`` and one value of it, ``demo/ratio``; the page to write goes beside it."""
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "demo.json").write_text(json.dumps({"step_ms": {"ours": 4.0, "theirs": 10.0}}))
+    monkeypatch.setattr(render_docs, "RESULTS", results)
+    values = {"demo": {"ratio": lambda d: f"{d['step_ms']['ours'] / d['step_ms']['theirs']:.2f}x"}}
+    monkeypatch.setattr(render_docs, "VALUES", values)
+    return tmp_path / "page.md"
+
+
+def test_a_value_marker_is_rendered_from_its_result_file(demo: Path) -> None:
+    demo.write_text(f"# Page\n\nOurs took {RATIO.format('0.50x')} of their step.\n")
+    assert render_docs.render_page(demo, check=False)
+    assert demo.read_text() == f"# Page\n\nOurs took {RATIO.format('0.40x')} of their step.\n"
+    assert render_docs.render_page(demo, check=True)  # and then the page is up to date
+
+
+def test_check_fails_naming_the_page_and_the_marker_where_a_value_differs(
+    demo: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    text = f"Ours took {RATIO.format('0.50x')} of their step.\n"
+    demo.write_text(text)
+    assert not render_docs.render_page(demo, check=True)
+    said = capsys.readouterr().err
+    assert f"{demo}: <!-- value:demo/ratio --> says '0.50x', the stored results give '0.40x'" in said
+    assert demo.read_text() == text  # --check writes nothing
+    monkeypatch.setattr(sys, "argv", ["render_docs.py", "--check", "--page", str(demo)])
+    with pytest.raises(SystemExit) as exit_:
+        render_docs.main()
+    assert exit_.value.code == 1
+
+
+@pytest.mark.parametrize("check", [True, False], ids=["check", "render"])
+@pytest.mark.parametrize(
+    ("marker", "reason"),
+    [
+        ("<!-- value:demo/nope -->1<!-- /value:demo/nope -->", "has no value 'nope' for demo.json (it has: ratio)"),
+        (
+            "<!-- value:other/ratio -->1<!-- /value:other/ratio -->",
+            "has no value 'ratio' for other.json (it has: none)",
+        ),
+        ("<!-- value:demo/ratio -->1 without its closing marker", "opens no value marker"),
+        ("<!-- value:demo -->1<!-- /value:demo -->", "opens no value marker"),
+    ],
+    ids=["unknown key", "unknown file", "never closed", "no key"],
+)
+def test_a_marker_that_names_no_value_fails_both_modes(
+    demo: Path, capsys: pytest.CaptureFixture[str], check: bool, marker: str, reason: str
+) -> None:
+    text = f"It took {marker} of the step.\n"
+    demo.write_text(text)
+    assert not render_docs.render_page(demo, check=check)
+    said = capsys.readouterr().err
+    assert str(demo) in said and reason in said
+    assert demo.read_text() == text
+
+
+def test_a_value_whose_file_is_missing_or_lacks_the_field_fails(
+    demo: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    demo.write_text(f"It took {RATIO.format('0.40x')} of the step.\n")
+    (render_docs.RESULTS / "demo.json").write_text(json.dumps({"step_ms": {"ours": 4.0}}))
+    assert not render_docs.render_page(demo, check=True)
+    assert "demo.json lacks what 'ratio' reads (KeyError: 'theirs')" in capsys.readouterr().err
+    (render_docs.RESULTS / "demo.json").unlink()
+    assert not render_docs.render_page(demo, check=True)
+    assert "no stored result demo.json" in capsys.readouterr().err
+
+
+def test_an_inline_value_may_not_start_a_line(demo: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    demo.write_text(f"Ours took\n{RATIO.format('0.40x')} of their step.\n")  # Markdown would cut the paragraph
+    assert not render_docs.render_page(demo, check=True)
+    assert "starts a line" in capsys.readouterr().err
+
+
+def test_a_block_value_is_rendered_between_markers_on_their_own_lines(
+    demo: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    render_docs.VALUES["demo"]["table"] = lambda d: "\n| ours | theirs |\n| --- | --- |\n| 4 | 10 |\n"
+    demo.write_text("Before.\n\n<!-- value:demo/table -->\n| ours | theirs |\n| --- | --- |\n| 4 | 9 |\n"
+                    "<!-- /value:demo/table -->\n\nAfter.\n")  # fmt: skip
+    assert not render_docs.render_page(demo, check=True)
+    assert "line 3 says '| 4 | 9 |', the stored results give '| 4 | 10 |'" in capsys.readouterr().err
+    assert render_docs.render_page(demo, check=False)
+    assert "| 4 | 10 |\n<!-- /value:demo/table -->\n\nAfter." in demo.read_text()
+
+
+def test_a_stored_function_reads_its_number_from_the_json() -> None:
+    cluster = doc_values.load("cluster")
+    assert doc_values.CLUSTER["two_level_1gbit_2x2"](cluster) == "0.75x"
+    changed = copy.deepcopy(cluster)
+    cell = next(c for c in changed["cells"] if (c["link"], c["nodes"], c["per_node"]) == ("1gbit", 2, 2))
+    cell["step_ms"]["two_level"] = cell["step_ms"]["ring"] / 2
+    assert doc_values.CLUSTER["two_level_1gbit_2x2"](changed) == "0.50x"
+
+
+def test_every_stored_value_is_quoted_by_a_page() -> None:
+    marked = {
+        (m.group("name"), m.group("key"))
+        for page in render_docs.PAGES
+        for m in render_docs.VALUE.finditer(page.read_text())
+    }
+    defined = {(name, key) for name, keys in doc_values.VALUES.items() for key in keys}
+    assert defined - marked == set(), "values in benchmarks/doc_values.py no page quotes: remove them"
+    assert marked - defined == set()
+
+
+def test_the_pages_are_what_the_stored_results_give(capsys: pytest.CaptureFixture[str]) -> None:
+    stale = [page for page in render_docs.PAGES if not render_docs.render_page(page, check=True)]
+    assert stale == [], capsys.readouterr().err + "\nrender them with python benchmarks/render_docs.py"
