@@ -6,7 +6,6 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 from lightning.fabric.strategies.registry import _StrategyRegistry
-from torch import Tensor
 from typing_extensions import Unpack, override
 
 from lightning_dp_strategies.core.fault_tolerance import FaultTolerance, Survivors, check_fault_tolerance
@@ -16,28 +15,14 @@ from lightning_dp_strategies.core.registry import register_name
 from lightning_dp_strategies.core.topology import check_two_level, layout_reducer
 from lightning_dp_strategies.reducers import CommHook, Reducer, ScatterReducer
 from lightning_dp_strategies.strategies._trainer import should_log
-from lightning_dp_strategies.strategies.bucketed import BucketedDataParallel
 from lightning_dp_strategies.strategies.options import StrategyOptions
 from lightning_dp_strategies.strategies.survival import TrainerSurvival
+from lightning_dp_strategies.strategies.surviving import SurvivingDataParallel, as_fault_tolerance
 
 __all__ = ["RingAllReduceConfig", "RingAllReduceStrategy"]
 
 
-def as_fault_tolerance(fault_tolerant: bool | FaultTolerance) -> FaultTolerance | None:
-    """The options ``fault_tolerant=`` stands for (``None``: off).
-
-    Examples:
-        >>> as_fault_tolerance(True).keep_global_batch, as_fault_tolerance(False)
-        (True, None)
-    """
-    if isinstance(fault_tolerant, FaultTolerance):
-        return fault_tolerant
-    if not isinstance(fault_tolerant, bool):
-        raise TypeError(f"`fault_tolerant` must be True, False or a FaultTolerance, got {fault_tolerant!r}.")
-    return FaultTolerance() if fault_tolerant else None
-
-
-class RingAllReduceStrategy(BucketedDataParallel):
+class RingAllReduceStrategy(SurvivingDataParallel):
     """One process per device; gradients averaged by this package's bucketed ring all-reduce during backward.
 
     Lightning's launchers, cluster environments (torchrun, SLURM, ...) and process-group setup are reused from
@@ -174,53 +159,6 @@ class RingAllReduceStrategy(BucketedDataParallel):
         module = self.lightning_module
         if should_log(self, self.config.log_comm_stats) and module is not None and module.logger is not None:
             module.logger.log_metrics(self.step_stats.as_dict("comm/"), step=module.trainer.global_step)
-
-    @property
-    def survivors(self) -> Survivors | None:
-        """With ``fault_tolerant``: the live ranks, their groups and the failures survived (``recoveries``)."""
-        return self.survival.survivors if self.survival is not None else None
-
-    @override
-    def on_train_start(self) -> None:
-        super().on_train_start()
-        if self.survival is not None and self.lightning_module is not None:
-            self.survival.on_train_start(self.lightning_module.trainer)
-
-    # ------------------------------------------------------------------ Lightning's collectives (fault_tolerant)
-    @property
-    @override
-    def is_global_zero(self) -> bool:
-        """Global rank 0; with ``fault_tolerant``, the lowest live rank (it writes the checkpoints)."""
-        return self.survival.is_leader() if self.survival is not None else super().is_global_zero
-
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        return self.survival.barrier() if self.survival is not None else super().barrier(*args, **kwargs)
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return self.survival.broadcast(obj, src) if self.survival is not None else super().broadcast(obj, src)
-
-    @override
-    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        """Lightning's reduce; with ``fault_tolerant`` over the survivors (a replacement's setup: its own value)."""
-        if self.survival is not None and self.survival.joining:
-            return tensor
-        if self.survivors is not None and group is None:
-            group = self.survivors.control_group
-        return super().reduce(tensor, group=group, reduce_op=reduce_op)
-
-    @override
-    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
-        if self.survivors is not None and group is None:
-            group = self.survivors.control_group
-        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
-
-    @override
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        if self.survival is None:
-            return super().reduce_boolean_decision(decision, all)
-        return self.survival.reduce_boolean_decision(decision, all)
 
     # ------------------------------------------------------------------ options (read-only; see `config`)
     bucket_cap_mb = ConfigOption[float]()

@@ -1,0 +1,89 @@
+"""The base of the bucketed strategies that offer ``fault_tolerant``: Lightning's collectives over the survivors.
+
+:class:`SurvivingDataParallel` is :class:`~lightning_dp_strategies.strategies.bucketed.BucketedDataParallel` whose
+``survival`` (a :class:`~lightning_dp_strategies.strategies.survival.TrainerSurvival`, set by the subclass when
+``fault_tolerant`` is on) also answers Lightning's own collectives: ``is_global_zero`` is the lowest live rank, and
+``barrier``, ``broadcast``, ``reduce``, ``all_gather`` and ``reduce_boolean_decision`` run over the survivors'
+control group, the leader answering for rank 0. Without ``fault_tolerant`` every one of them is Lightning's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_dp_strategies.core.fault_tolerance import FaultTolerance, Survivors
+from lightning_dp_strategies.strategies.bucketed import BucketedDataParallel
+
+__all__ = ["SurvivingDataParallel", "as_fault_tolerance"]
+
+
+def as_fault_tolerance(fault_tolerant: bool | FaultTolerance) -> FaultTolerance | None:
+    """The options ``fault_tolerant=`` stands for (``None``: off).
+
+    Examples:
+        >>> as_fault_tolerance(True).keep_global_batch, as_fault_tolerance(False)
+        (True, None)
+    """
+    if isinstance(fault_tolerant, FaultTolerance):
+        return fault_tolerant
+    if not isinstance(fault_tolerant, bool):
+        raise TypeError(f"`fault_tolerant` must be True, False or a FaultTolerance, got {fault_tolerant!r}.")
+    return FaultTolerance() if fault_tolerant else None
+
+
+class SurvivingDataParallel(BucketedDataParallel):
+    """A bucketed strategy whose Lightning collectives go over the survivors when ``survival`` is set (see the module
+    docstring)."""
+
+    @property
+    def survivors(self) -> Survivors | None:
+        """With ``fault_tolerant``: the live ranks, their groups and the failures survived (``recoveries``)."""
+        return self.survival.survivors if self.survival is not None else None
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self.survival is not None and self.lightning_module is not None:
+            self.survival.on_train_start(self.lightning_module.trainer)
+
+    @property
+    @override
+    def is_global_zero(self) -> bool:
+        """Global rank 0; with ``fault_tolerant``, the lowest live rank (it writes the checkpoints)."""
+        return self.survival.is_leader() if self.survival is not None else super().is_global_zero
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        return self.survival.barrier() if self.survival is not None else super().barrier(*args, **kwargs)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return self.survival.broadcast(obj, src) if self.survival is not None else super().broadcast(obj, src)
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        """Lightning's reduce; with ``fault_tolerant`` over the survivors (a replacement's setup: its own value)."""
+        if self.survival is not None and self.survival.joining:
+            return tensor
+        if self.survivors is not None and group is None:
+            group = self.survivors.control_group
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        """Lightning's all-gather; with ``fault_tolerant`` over the survivors (a replacement's setup: its own value,
+        with the leading dimension of one rank)."""
+        if self.survival is not None and self.survival.joining:
+            return tensor.unsqueeze(0)
+        if self.survivors is not None and group is None:
+            group = self.survivors.control_group
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        if self.survival is None:
+            return super().reduce_boolean_decision(decision, all)
+        return self.survival.reduce_boolean_decision(decision, all)
