@@ -23,7 +23,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -42,6 +42,7 @@ __all__ = [
     "Recovery",
     "Survivors",
     "check_fault_tolerance",
+    "check_local_fault_tolerance",
     "request_join",
     "wants_to_join",
 ]
@@ -128,6 +129,43 @@ def check_fault_tolerance(
             f"`fault_tolerant=True` cannot be combined with `{chosen}`: the survivors rebuild the reducer over their "
             "new group, which only the built-in lossless reducers (`reducer='ring'`, the default, or 'native') can "
             f"do; a reducer's or hook's state would describe the failed group. {fix}"
+        )
+
+
+def check_local_fault_tolerance(options: FaultTolerance | None, local: Mapping[str, Any], reducer: object) -> None:
+    """A clear error, at construction, when ``fault_tolerant`` meets a local SGD option it cannot honour (``local``:
+    the local SGD options by name).
+
+    Examples:
+        >>> check_local_fault_tolerance(FaultTolerance(), {"fragments": 4, "delay": 1}, None)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: `fault_tolerant=True` runs local SGD and DiLoCo, one synchronisation of the whole model at a time...
+    """
+    if options is None:
+        return
+    check_fault_tolerance(options, False, None, reducer, None, None)
+    fix = "Leave that option at its default, or pass `fault_tolerant=False`."
+    if local.get("fragments", 1) != 1 or local.get("delay", 0) != 0:
+        raise ValueError(
+            "`fault_tolerant=True` runs local SGD and DiLoCo, one synchronisation of the whole model at a time "
+            f"(`fragments=1, delay=0`), got fragments={local.get('fragments')}, delay={local.get('delay')}: streaming "
+            f"DiLoCo's fragments in flight are not redone after a failure. {fix}"
+        )
+    if (
+        local.get("sync_every") == "auto"
+        or local.get("warmup_steps", 0)
+        or local.get("outer_precision")
+        in (
+            "int8",
+            "int4",
+        )
+    ):
+        raise ValueError(
+            "`fault_tolerant=True` with local SGD needs a fixed `sync_every`, no `warmup_steps` and `outer_precision` "
+            f"'fp32' or 'bf16', got sync_every={local.get('sync_every')!r}, warmup_steps={local.get('warmup_steps')}, "
+            f"outer_precision={local.get('outer_precision')!r}: a failure is redone only at a synchronisation of "
+            f"the whole model through the lossless ring. {fix}"
         )
 
 
@@ -279,10 +317,11 @@ class Survivors:
         """Polled while waiting for the gradients: why the wait cannot complete (a peer known lost), or ``None``."""
         return self.membership.interrupted() if self.membership is not None else None
 
-    def recover(self, step: int, error: BaseException) -> Recovery:
+    def recover(self, step: int, error: BaseException, progress: int | None = None) -> Recovery:
         """After a peer failure in optimizer step ``step``: agree on the survivors, form their groups, point the
         metrics at them. A collective can complete on some ranks and fail on others, so a survivor may already have
-        taken ``step`` and failed in the next: the record names the survivors one step behind (``behind``).
+        taken ``step`` and failed in the next: the record names the survivors one step behind (``behind``). Where
+        ``progress`` is given, the survivors compare it instead of their steps (``behind``: those with less).
 
         Raises:
             ExcludedError: if the others went on without this rank (it should exit).
@@ -297,11 +336,12 @@ class Survivors:
                 "This process exits; the survivors finish the run."
             )
         before = list(membership.state.members)
-        self.group = membership.recover(self.options.timeout_s, agreement=self.options.timeout_s, note=str(step))
+        note = str(step if progress is None else progress)
+        self.group = membership.recover(self.options.timeout_s, agreement=self.options.timeout_s, note=note)
         steps = {rank: int(note) for rank, note in membership.notes().items()}
         self._form_control_group()
         record = Recovery(
-            step=max(steps.values()),
+            step=max(steps.values()) if progress is None else step,
             lost=[r for r in before if r not in membership.state.members],
             members=list(membership.state.members),
             reason=str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__,

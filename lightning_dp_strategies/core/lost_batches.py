@@ -54,13 +54,13 @@ class LostBatches:
             )
         return None
 
-    def batch(self, logical_rank: int, batch_idx: int) -> Any:
-        """Logical rank ``logical_rank``'s batch ``batch_idx`` of the sampler's current epoch, collated (``None``
-        past its end)."""
-        epoch = int(self.sampler.epoch)
+    def batch(self, logical_rank: int, batch_idx: int, epoch: int | None = None) -> Any:
+        """Logical rank ``logical_rank``'s batch ``batch_idx`` of the sampler's epoch ``epoch`` (default: its current
+        one), collated (``None`` past its end)."""
+        epoch = int(self.sampler.epoch) if epoch is None else epoch
         key = (logical_rank, epoch)
         if key not in self._indices:
-            self._indices = {k: v for k, v in self._indices.items() if k[1] == epoch}
+            self._indices = {k: v for k, v in self._indices.items() if k[1] >= epoch - 1}
             other: DistributedSampler[Any] = DistributedSampler(
                 self.loader.dataset,
                 num_replicas=self.sampler.num_replicas,

@@ -10,7 +10,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -29,9 +29,25 @@ from lightning_dp_strategies.local_sgd.streaming import (
 )
 from lightning_dp_strategies.reducers.auto import visible
 
-__all__ = ["InFlight", "LocalSGD"]
+__all__ = ["InFlight", "LocalSGD", "SyncSurvivor"]
 
 log = logging.getLogger("lightning_dp_strategies")
+
+
+class SyncSurvivor(Protocol):
+    """What averages a synchronisation's changes when ranks may be lost (fault-tolerant local SGD)."""
+
+    def averaged_changes(self, indices: list[int]) -> list[Tensor]:
+        """The changes of parameters ``indices`` (and the buffers with the last) averaged over the original world."""
+        ...
+
+    def after_outer_step(self, indices: list[int]) -> None:
+        """The anchors of ``indices`` moved and the parameters took them: the replicas take them too."""
+        ...
+
+    def averaged_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A module ``state_dict`` averaged over the original world's replicas (collective)."""
+        ...
 
 
 @dataclass
@@ -102,6 +118,8 @@ class LocalSGD:
         self.since_sync = 0
         """Local steps since every rank last held the same parameters."""
         self.in_flight: list[InFlight] = []
+        self.survivor: SyncSurvivor | None = None
+        """With ``fault_tolerant``: what averages the changes over the survivors (the lost ranks' replicas too)."""
         # statistics
         self.syncs = 0
         """Outer steps applied: one a period (a fragment's turn with streaming), one a synchronisation of all."""
@@ -209,9 +227,7 @@ class LocalSGD:
             self.phase = 0
             return
         everything = list(range(len(self.params)))
-        with torch.no_grad():
-            averaged = self._changes(everything)
-            self._average(averaged)
+        averaged = self._averaged_now(everything, self._average)
         self._outer_step(everything, averaged, exact=True)
         self.phase = 0
 
@@ -245,15 +261,24 @@ class LocalSGD:
     def _send(self, fragment: int) -> bool:
         """Send ``fragment``'s change: applied now without a delay (returns True), else in flight."""
         indices = self.fragments[fragment]
-        with torch.no_grad():
-            changes = self._changes(indices)
         if self.channel is None:
-            self._averaged(changes)
+            changes = self._averaged_now(indices, self._averaged)
             self._outer_step(indices, changes, exact=self.config.turns_equalize)
             return True
+        with torch.no_grad():
+            changes = self._changes(indices)
         future = self.channel.submit(lambda: self._averaged(changes))
         self.in_flight.append(InFlight(fragment, self.phase + self.delay, future))
         return False
+
+    def _averaged_now(self, indices: list[int], average: Callable[[list[Tensor]], object]) -> list[Tensor]:
+        """The changes of ``indices`` (and the buffers with the last) averaged by ``average``, or by the survivor."""
+        if self.survivor is not None:
+            return self.survivor.averaged_changes(indices)
+        with torch.no_grad():
+            changes = self._changes(indices)
+            average(changes)
+        return changes
 
     def _averaged(self, changes: list[Tensor]) -> list[Tensor]:
         """``changes`` averaged in place (on the channel's thread with a delay); timed while choosing a period."""
@@ -304,6 +329,8 @@ class LocalSGD:
                     param.copy_(torch.lerp(anchor, param.detach().to(torch.float32), self.config.mixing))
             for buffer, value in zip(self.buffers, buffers, strict=False):
                 buffer.copy_(value)
+        if self.survivor is not None:
+            self.survivor.after_outer_step(indices)
         self.syncs += 1
         if exact:
             self.since_sync = 0
@@ -315,6 +342,8 @@ class LocalSGD:
         it is."""
         if self.in_sync:
             return state
+        if self.survivor is not None:
+            return self.survivor.averaged_state(state)
         averaged = {k: v.detach().clone() if isinstance(v, Tensor) and averageable(v) else v for k, v in state.items()}
         self._average([v for v in averaged.values() if isinstance(v, Tensor) and averageable(v)])
         return averaged

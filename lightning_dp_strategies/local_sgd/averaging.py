@@ -8,13 +8,15 @@ the average; :class:`PeriodicAverager` is torch's ``PeriodicModelAverager`` sche
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from lightning_dp_strategies.comm import CommCounter
+from lightning_dp_strategies.comm.failures import PeerLostError
 from lightning_dp_strategies.reducers import (
     GradBucket,
     QuantizedReducer,
@@ -23,6 +25,7 @@ from lightning_dp_strategies.reducers import (
     close_reducer,
     setup_reducer,
 )
+from lightning_dp_strategies.reducers.bucket import wait_for
 
 __all__ = ["FlatAverager", "PeriodicAverager", "averageable", "outer_reducer"]
 
@@ -68,6 +71,8 @@ class FlatAverager:
         self.group: dist.ProcessGroup | None = None
         self.counter = CommCounter()
         self.reductions = 0
+        self.interrupt: Callable[[], str | None] | None = None
+        """Polled while an average is waited for: why it cannot complete (a peer known lost), or ``None``."""
         self._buffer: Tensor | None = None
 
     def setup(self, group: dist.ProcessGroup | None, ranks: Sequence[int], backend: str | None = None) -> None:
@@ -78,6 +83,14 @@ class FlatAverager:
     def close(self) -> None:
         close_reducer(self.reducer)
         self._buffer = None
+
+    def regroup(self, group: dist.ProcessGroup | None, ranks: Sequence[int], reducer: Reducer) -> None:
+        """After a peer failure: average over ``group`` (global ``ranks``) with a fresh ``reducer`` from now on. The
+        old reducer is closed in a background thread: a reduction it still runs on the failed group ends with that
+        group's timeout. Collective over ``group``."""
+        old, self.reducer, self._buffer = self.reducer, reducer, None
+        threading.Thread(target=close_reducer, args=(old,), name="ldps-close-failed", daemon=True).start()
+        self.setup(group, ranks, "gloo")
 
     @property
     def world_size(self) -> int:
@@ -97,7 +110,11 @@ class FlatAverager:
             torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors], out=buffer)
         bucket = GradBucket(buffer, self.group, self.counter, shapes=[t.shape for t in tensors], op="avg", last=True)
         if self.world_size > 1:
-            result = self.reducer(bucket).wait()
+            future = self.reducer(bucket)
+            gave_up = None if self.interrupt is None else wait_for(future, None, self.interrupt)
+            if gave_up is not None:
+                raise PeerLostError(f"An average over the ranks was given up: {gave_up}.")
+            result = future.wait()
             if isinstance(result, (list, tuple)) and len(result) == 1:
                 result = result[0]
             if isinstance(result, Tensor) and result.data_ptr() != buffer.data_ptr():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch.distributed as dist
@@ -12,26 +13,39 @@ from lightning_dp_strategies.local_sgd.algorithm import LocalSGD
 __all__ = ["gather_to_zero", "local_checkpoint_record", "restore_local_record"]
 
 
-def gather_to_zero(obj: object) -> list[Any] | None:
-    """Every rank's ``obj``, in rank order, on rank 0 (``None`` on the others); ``[obj]`` on one process."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+def gather_to_zero(obj: object, group: dist.ProcessGroup | None = None, dst: int = 0) -> list[Any] | None:
+    """Every rank's ``obj`` of ``group`` (default: the world), in rank order, on global rank ``dst`` (``None`` on the
+    others); ``[obj]`` on one process."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return [obj]
-    gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(obj, gathered, dst=0)
+    gathered: list[Any] | None = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
+    dist.gather_object(obj, gathered, dst=dst, group=group)
     return gathered
 
 
 def local_checkpoint_record(
-    local: LocalSGD, module: nn.Module, optimizer_states: list[dict[str, Any]]
+    local: LocalSGD,
+    module: nn.Module,
+    optimizer_states: list[dict[str, Any]],
+    replicas: Mapping[int, dict[str, Any]] | None = None,
+    group: dist.ProcessGroup | None = None,
+    dst: int = 0,
 ) -> dict[str, Any] | None:
-    """The checkpoint's ``"local_sgd"`` entry on rank 0 (``None`` on the others); collective, every rank calls it.
+    """The checkpoint's ``"local_sgd"`` entry on global rank ``dst`` (``None`` on the others); collective over
+    ``group`` (default: the world), every rank of it calls it.
 
-    It holds :meth:`LocalSGD.state_dict` and, per rank, ``{"module": its module state (``None`` when the ranks are
-    in sync), "optimizer": its inner optimizer states}``.
+    It holds :meth:`LocalSGD.state_dict` and, per rank of the world, ``{"module": its module state (``None`` when the
+    ranks are in sync), "optimizer": its inner optimizer states}``; ``replicas`` adds the records of lost ranks this
+    rank trains replicas of (fault-tolerant local SGD), and a rank nobody holds is ``None``.
     """
     own = None if local.in_sync else {k: v.detach().clone() for k, v in module.state_dict().items()}
-    ranks = gather_to_zero({"module": own, "optimizer": optimizer_states})
-    return None if ranks is None else {**local.state_dict(), "ranks": ranks}
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    gathered = gather_to_zero({rank: {"module": own, "optimizer": optimizer_states}, **(replicas or {})}, group, dst)
+    if gathered is None:
+        return None
+    held = {r: record for part in gathered for r, record in part.items()}
+    return {**local.state_dict(), "ranks": [held.get(r) for r in range(world)]}
 
 
 def restore_local_record(local: LocalSGD, module: nn.Module, record: dict[str, Any] | None, rank: int) -> None:
@@ -48,6 +62,6 @@ def restore_local_record(local: LocalSGD, module: nn.Module, record: dict[str, A
             "load only its model (`Model.load_from_checkpoint(path)`: the averaged model) and start a new fit."
         )
     local.load_state_dict(record)
-    own = record["ranks"][rank]["module"]
+    own = record["ranks"][rank]["module"] if record["ranks"][rank] is not None else None
     if own is not None:
         module.load_state_dict(own)

@@ -10,17 +10,22 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
+from lightning_dp_strategies.core.fault_tolerance import FaultTolerance, Survivors, check_local_fault_tolerance
 from lightning_dp_strategies.core.local_sgd import LocalSGDInterface, check_single_optimizer, local_options
 from lightning_dp_strategies.core.options import BucketedConfig, ConfigOption
+from lightning_dp_strategies.core.registry import register_name
 from lightning_dp_strategies.local_sgd import local_checkpoint_record, restore_local_record
 from lightning_dp_strategies.plan import CostModel
 from lightning_dp_strategies.plan.formulas import LOCAL_SGD, local_sgd_cost_model
 from lightning_dp_strategies.strategies.bucketed import BucketedDataParallel
+from lightning_dp_strategies.strategies.local_survival import LocalSurvival, check_local_survivable
+from lightning_dp_strategies.strategies.survival import TrainerSurvival
+from lightning_dp_strategies.strategies.surviving import SurvivingDataParallel, as_fault_tolerance
 
 __all__ = ["LocalSGDStrategy"]
 
 
-class LocalSGDStrategy(LocalSGDInterface, BucketedDataParallel):
+class LocalSGDStrategy(LocalSGDInterface, SurvivingDataParallel):
     """Each rank takes ``sync_every`` optimizer steps on its own; then the ranks average the parameter change since
     the last synchronisation in one all-reduce, and an outer optimizer applies it (see
     :mod:`lightning_dp_strategies.core.local_sgd`).
@@ -42,6 +47,13 @@ class LocalSGDStrategy(LocalSGDInterface, BucketedDataParallel):
     :class:`~lightning_dp_strategies.FabricLocalSGDStrategy`; the shared keyword options are
     :class:`~lightning_dp_strategies.strategies.options.StrategyOptions`.
 
+    ``fault_tolerant=True`` (or a :class:`~lightning_dp_strategies.FaultTolerance`) goes on without a rank that dies,
+    hangs or loses its link, as :class:`~lightning_dp_strategies.RingAllReduceStrategy` does: the survivor that takes
+    a lost rank over trains a replica of it (its inner optimizer state is handed over at every synchronisation), so
+    the run ends on the uninterrupted run's parameters (see
+    :mod:`~lightning_dp_strategies.strategies.local_survival` and ``docs/fault_tolerance.md``). Local SGD and DiLoCo
+    only: one fragment, no delay, no warm-up, a fixed ``sync_every``, ``outer_precision`` fp32 or bf16.
+
     Examples:
         >>> import lightning as L
         >>> from lightning_dp_strategies import diloco_outer_optimizer
@@ -55,6 +67,21 @@ class LocalSGDStrategy(LocalSGDInterface, BucketedDataParallel):
     registered_description: ClassVar[str] = "Local SGD / DiLoCo: local steps, the parameter change averaged every H"
     compared_as: ClassVar[str | None] = None
     cost_model: ClassVar[CostModel] = LOCAL_SGD
+
+    def __init__(self, *args: Any, fault_tolerant: bool | FaultTolerance = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        tolerance = as_fault_tolerance(fault_tolerant)
+        check_local_fault_tolerance(tolerance, local_options(self.local_config), self.reduction.reducer)
+        self.survival = TrainerSurvival(self, Survivors(tolerance)) if tolerance is not None else None
+        self.local_survival = LocalSurvival(self, self.survival) if self.survival is not None else None
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """The base's names and ``local_sgd_fault_tolerant`` (``fault_tolerant=True``)."""
+        super().register_strategies(strategy_registry)
+        description = f"{cls.registered_description}, going on without a lost rank (fault_tolerant=True)"
+        register_name(strategy_registry, f"{cls.registered_name}_fault_tolerant", cls, description, fault_tolerant=True)
 
     @override
     def _init_data_parallel(self, caps: tuple[float, float], reducer: Any, options: Mapping[str, Any]) -> None:
@@ -79,6 +106,14 @@ class LocalSGDStrategy(LocalSGDInterface, BucketedDataParallel):
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             check_single_optimizer(self.optimizers, type(self).__name__)
+            if self.local_survival is not None:
+                check_local_survivable(trainer)
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self.local_survival is not None:
+            self.local_survival.start()
 
     @override
     def configure_ddp(self) -> None:
@@ -117,7 +152,12 @@ class LocalSGDStrategy(LocalSGDInterface, BucketedDataParallel):
         rank 0 writes it. Called on every rank."""
         module = self.lightning_module
         if self.local_sgd is not None and module is not None and "optimizer_states" in checkpoint:
-            record = local_checkpoint_record(self.local_sgd, module, checkpoint["optimizer_states"])
+            states, survivors = checkpoint["optimizer_states"], self.survivors
+            if survivors is None or self.local_survival is None:
+                record = local_checkpoint_record(self.local_sgd, module, states)
+            else:  # the survivors', with the lost ranks' replicas, to the leader
+                replicas, group, leader = self.local_survival.records(), survivors.control_group, survivors.leader
+                record = local_checkpoint_record(self.local_sgd, module, states, replicas, group, leader)
             checkpoint = {**checkpoint, "local_sgd": record} if record is not None else checkpoint
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
@@ -134,7 +174,7 @@ class LocalSGDStrategy(LocalSGDInterface, BucketedDataParallel):
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """This rank's own inner optimizer state where the checkpoint holds one per rank."""
         record = checkpoint.get("local_sgd")
-        if record is not None:
+        if record is not None and record["ranks"][self.global_rank] is not None:
             checkpoint = {**checkpoint, "optimizer_states": record["ranks"][self.global_rank]["optimizer"]}
         super().load_optimizer_state_dict(checkpoint)
 

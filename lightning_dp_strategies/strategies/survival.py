@@ -125,6 +125,12 @@ class TrainerSurvival:
         """A replacement until the live ranks' training state arrived (Lightning's collectives wait till then)."""
         self.joins: list[tuple[int, list[int]]] = []
         """``(global_step, ranks)`` of each admission of replacements this rank took part in."""
+        self.trains_lost_batches = True
+        """Whether backward adds the lost ranks' micro-batches (local SGD steps their replicas instead)."""
+        self.admits = True
+        """Whether replacements are admitted at an epoch's start."""
+        self.after_own_step: Callable[[], None] | None = None
+        """Called after each optimizer step of this rank that completed (local SGD: the replicas' steps)."""
         self._store: dist.Store | None = None  # the job's store, under this attempt's prefix
         self._loop: Any = None  # the fit loop whose SIGTERM broadcast is replaced
 
@@ -196,7 +202,7 @@ class TrainerSurvival:
         """At an epoch's start, where ranks are missing and a replacement waits for each: re-form the world with
         them, then give them the leader's training state (the steps :meth:`receive_state` mirrors)."""
         survivors = self.survivors
-        if not survivors.started or len(survivors.members) == survivors.world_size:
+        if not self.admits or not survivors.started or len(survivors.members) == survivors.world_size:
             return
         requests = survivors.join_requests() if self.is_leader() else {}
         missing = survivors.world_size - len(survivors.members)
@@ -261,13 +267,17 @@ class TrainerSurvival:
         completed takes their result instead (:meth:`catch_up`)."""
         for _ in range(self.strategy.world_size):
             try:
-                return run()
+                output = run()
             except Exception as error:
                 if not is_peer_failure(error):
                     raise
                 record = self.recover(error)
                 if record.behind and self.catch_up(record, closure):
                     return None
+            else:
+                if self.after_own_step is not None:
+                    self.after_own_step()
+                return output
         return run()
 
     def catch_up(self, record: Recovery, closure: Callable[[], Any]) -> bool:
@@ -292,18 +302,19 @@ class TrainerSurvival:
                 optimizer.load_state_dict(optimizer_state)
         return behind
 
-    def recover(self, error: BaseException) -> Recovery:
-        """Agree on the survivors; average over their new group from now on (buckets built anew)."""
+    def recover(self, error: BaseException, progress: int | None = None) -> Recovery:
+        """Agree on the survivors (comparing ``progress`` where given); average over their new group from now on
+        (buckets built anew)."""
         strategy, survivors = self.strategy, self.survivors
         assert strategy.lightning_module is not None
-        record = survivors.recover(strategy.lightning_module.trainer.global_step, error)
+        record = survivors.recover(strategy.lightning_module.trainer.global_step, error, progress)
         self._regroup()
         return record
 
     def backward(self, run: Callable[[Tensor], Tensor], closure_loss: Tensor) -> Tensor:
         """``run(loss)`` (Lightning's backward) for this rank's loss, then for each lost rank's micro-batch this rank
         holds, accumulated locally until the last one, whose backward reduces them all."""
-        lost = self._lost_batches()
+        lost = self._lost_batches() if self.trains_lost_batches else []
         if not lost:
             return run(closure_loss)
         with self.strategy.engine.grad_sync.no_sync():
@@ -320,12 +331,13 @@ class TrainerSurvival:
         batch_idx = module.trainer.fit_loop.epoch_loop.batch_idx
         return [self.strategy.batch_to_device(batch) for batch in self.survivors.lost_batches(batch_idx)]
 
-    def _lost_loss(self, batch: Any) -> Tensor:
-        """The training loss of a lost rank's micro-batch, computed here."""
+    def _lost_loss(self, batch: Any, batch_idx: int | None = None) -> Tensor:
+        """The training loss of a lost rank's micro-batch ``batch_idx`` (default: the current one), computed here."""
         module = self.strategy.lightning_module
         assert module is not None
+        batch_idx = module.trainer.fit_loop.epoch_loop.batch_idx if batch_idx is None else batch_idx
         with self.strategy.precision_plugin.train_step_context():
-            output = module.training_step(batch, module.trainer.fit_loop.epoch_loop.batch_idx)
+            output = module.training_step(batch, batch_idx)
         loss = output.get("loss") if isinstance(output, Mapping) else output
         if not isinstance(loss, Tensor):
             raise RuntimeError(

@@ -89,6 +89,29 @@ class Stumble(L.Callback):
             raise PeerLostError("injected: the step failed on this rank only")
 
 
+class AverageFails(L.Callback):
+    """Local SGD: at synchronisation ``syncs`` the others get the average and ``rank``'s reduction fails, its buffer
+    left half-reduced."""
+
+    def __init__(self, rank: int, syncs: int) -> None:
+        self.rank, self.syncs, self.fired = rank, syncs, False
+
+    def on_train_start(self, trainer: L.Trainer, *args: Any) -> None:
+        local = trainer.strategy.local_sgd  # type: ignore[attr-defined]
+        if trainer.global_rank != self.rank:
+            return
+        average = local._average
+
+        def flaky(tensors: list[torch.Tensor]) -> None:
+            average(tensors)
+            if local.syncs == self.syncs and not self.fired:
+                self.fired = True
+                torch._foreach_mul_(tensors, 0.5)  # what a reduction cut short leaves: not the average
+                raise PeerLostError("injected: the average completed elsewhere, then failed on this rank only")
+
+        local._average = flaky
+
+
 class Fail(L.Callback):
     """``rank`` fails (``kind``: SIGKILL, or a hang) at the start of optimizer step ``step`` (FailureInjector)."""
 
@@ -112,16 +135,25 @@ class Run:
     """``(rank, step)``: that rank's step fails after its gradients were averaged (the others' completed)."""
     pace_s: float = 0.0
     """Seconds every rank sleeps after each batch (so a replacement's start-up spans a few epochs)."""
+    sync_every: int | None = None
+    """Train with ``LocalSGDStrategy(sync_every=...)`` instead of the ring."""
+    average_fails: tuple[int, int] | None = None
+    """Local SGD, ``(rank, syncs)``: that rank's average at that synchronisation completes, then raises a peer
+    failure there (the others got the average)."""
 
 
 def train(rank: int, run: Run, root: str) -> dict[str, Any]:
     """One rank's Trainer run; its final parameters and what its strategy recorded."""
-    from lightning_dp_strategies import RingAllReduceStrategy
+    from lightning_dp_strategies import LocalSGDStrategy, RingAllReduceStrategy
 
     L.seed_everything(0, verbose=False)
     model = Regression()
     tolerance = FaultTolerance(**{**TOLERANCE.__dict__, "keep_global_batch": run.keep_global_batch})
-    strategy = RingAllReduceStrategy(fault_tolerant=tolerance, timeout=timedelta(seconds=60))
+    strategy: RingAllReduceStrategy | LocalSGDStrategy
+    if run.sync_every is None:
+        strategy = RingAllReduceStrategy(fault_tolerant=tolerance, timeout=timedelta(seconds=60))
+    else:
+        strategy = LocalSGDStrategy(sync_every=run.sync_every, fault_tolerant=tolerance, timeout=timedelta(seconds=60))
     callbacks: list[L.Callback] = [ModelCheckpoint(dirpath=f"{root}/ckpt", monitor="val_loss", save_top_k=1)]
     if run.victim is not None and os.environ.get(JOIN_ENV) != "1":
         callbacks.append(Fail(run.victim, run.fail_at, run.kind))
@@ -129,6 +161,8 @@ def train(rank: int, run: Run, root: str) -> dict[str, Any]:
         callbacks.append(Stumble(*run.stumble))
     if run.pace_s:
         callbacks.append(Pace(run.pace_s))
+    if run.average_fails is not None:
+        callbacks.append(AverageFails(*run.average_fails))
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",
@@ -157,7 +191,17 @@ def train(rank: int, run: Run, root: str) -> dict[str, Any]:
         "step_bytes": strategy.comm_stats.bytes_sent,
         "joins": survival.joins,
         "admitted_at": None if survival.admission is None else survival.admission.epoch,
+        "best_params": _checkpoint_params(trainer),
     }
+
+
+def _checkpoint_params(trainer: L.Trainer) -> list[float] | None:
+    """The parameters of the best checkpoint's model (the leader's file), ``None`` where this rank wrote none."""
+    best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
+    if not trainer.is_global_zero or not best:
+        return None
+    state = torch.load(best, weights_only=False)["state_dict"]
+    return torch.cat([v.flatten() for k, v in state.items() if k.startswith("net.")]).tolist()
 
 
 def _rank(rank: int, port: int, run: Run, root: str, results: Any, join: bool = False) -> None:

@@ -1,0 +1,132 @@
+"""``LocalSGDStrategy(fault_tolerant=True)``: a lost rank's replica is trained by a survivor, so the run ends on the
+uninterrupted run's parameters.
+
+Three gloo ranks launched as torchrun launches them (``fault_tolerant_scenarios``), SGD with momentum as the inner
+optimizer (its state is what the survivors cannot average and must be handed over), ``sync_every=4`` over epochs of 5
+steps with validation at each epoch's end (so periods end at a synchronisation and at validation). The specification
+is the uninterrupted run's final parameters, to 1e-6 (a replica's sums run in another order: about 1e-7 apart).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_dp_strategies import LocalSGDStrategy
+from lightning_dp_strategies.core.fault_tolerance import FaultTolerance
+from lightning_dp_strategies.core.membership import handover_plan
+from lightning_dp_strategies.local_sgd.replicas import Replicas
+from tests.strategies.fault_tolerant_scenarios import WORLD, Run, launch
+
+TOLERANCE = 1e-6
+SYNC_EVERY = 4
+
+
+def _result(outcomes: dict[int, object], rank: int) -> dict[str, Any]:
+    value = outcomes.get(rank)
+    assert isinstance(value, dict), f"rank {rank} did not finish: {value}"
+    return value
+
+
+def _params(outcomes: dict[int, object], rank: int) -> torch.Tensor:
+    return torch.tensor(_result(outcomes, rank)["params"])
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> torch.Tensor:
+    outcomes, codes, _ = launch(Run(sync_every=SYNC_EVERY), tmp_path_factory.mktemp("uninterrupted"))
+    assert codes == [0] * WORLD, outcomes
+    final = [_params(outcomes, r) for r in range(WORLD)]
+    assert all(torch.equal(final[0], f) for f in final[1:])
+    return final[0]
+
+
+@pytest.mark.timeout(240)
+def test_survivors_of_a_rank_killed_mid_period_end_on_the_uninterrupted_parameters(
+    uninterrupted: torch.Tensor, tmp_path: Path
+) -> None:
+    # killed at the start of step 7: the period that began at step 5 (after validation) is met at step 9's sync,
+    # where rank 0 takes logical rank 1 over: its replica replays steps 5-8 from the momentum handed over at step 5
+    outcomes, codes, _ = launch(Run(sync_every=SYNC_EVERY, victim=1, fail_at=7), tmp_path)
+    assert codes == [0, -9, 0], outcomes
+    for rank in (0, 2):
+        result = _result(outcomes, rank)
+        assert result["global_step"] == Run().steps
+        assert [lost for _, lost, _ in result["recoveries"]] == [[1]]
+        assert (_params(outcomes, rank) - uninterrupted).abs().max().item() <= TOLERANCE
+    # the leader wrote the checkpoints after the loss, and the last one holds the uninterrupted model
+    best = _result(outcomes, 0)["best_params"]
+    assert best is not None and _result(outcomes, 2)["best_params"] is None
+    saved = torch.load(_result(outcomes, 0)["best"], weights_only=False)["local_sgd"]["ranks"]
+    assert len(saved) == WORLD and all(record is not None for record in saved)
+
+
+@pytest.mark.timeout(240)
+def test_without_the_handed_over_state_the_run_departs(uninterrupted: torch.Tensor, tmp_path: Path) -> None:
+    """The control: with a shrinking batch the lost rank's period is dropped, and the parameters end elsewhere."""
+    outcomes, codes, _ = launch(Run(sync_every=SYNC_EVERY, victim=1, fail_at=7, keep_global_batch=False), tmp_path)
+    assert codes == [0, -9, 0], outcomes
+    assert (_params(outcomes, 0) - uninterrupted).abs().max().item() > 1e-4
+    assert torch.equal(_params(outcomes, 0), _params(outcomes, 2))
+
+
+@pytest.mark.timeout(240)
+def test_a_rank_whose_average_failed_after_the_others_got_it_takes_theirs(
+    uninterrupted: torch.Tensor, tmp_path: Path
+) -> None:
+    outcomes, codes, _ = launch(Run(sync_every=SYNC_EVERY, average_fails=(2, 1)), tmp_path)
+    assert codes == [0] * WORLD, outcomes
+    for rank in range(WORLD):
+        result = _result(outcomes, rank)
+        assert result["behind"] == [[2]], result["behind"]
+        assert result["recoveries"][0][1:] == ([], [0, 1, 2])
+        assert (_params(outcomes, rank) - uninterrupted).abs().max().item() <= TOLERANCE
+
+
+def test_the_hand_over_goes_to_the_rank_that_would_take_over() -> None:
+    assert handover_plan([0, 1, 2], 3) == {0: {1: [0]}, 1: {0: [1]}, 2: {0: [2]}}
+    assert handover_plan([0, 2], 3) == {0: {2: [0, 1]}, 2: {0: [2]}}
+    assert handover_plan([1], 3) == {}
+
+
+def test_a_replica_swaps_its_parameters_gradients_and_optimizer_state_in_and_out() -> None:
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(2, 3)).sum().backward()
+    optimizer.step()
+    own = [p.detach().clone() for p in model.parameters()]
+    own_momentum = [optimizer.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+    replicas = Replicas(list(model.parameters()), [], optimizer)
+    replicas.adopt(2, {}, [torch.zeros(1, 3), torch.zeros(1)])
+    with replicas.swapped(2):
+        assert all(p.abs().sum() == 0 and p.grad is None for p in model.parameters())
+        assert not optimizer.state  # the replica's state: none handed over
+        model(torch.ones(2, 3)).sum().backward()
+        optimizer.step()
+        replica_momentum = [optimizer.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+    assert all(torch.equal(p, o) for p, o in zip(model.parameters(), own, strict=True))
+    assert all(
+        torch.equal(optimizer.state[p]["momentum_buffer"], m)
+        for p, m in zip(model.parameters(), own_momentum, strict=True)
+    )
+    assert replicas.states(0)[2][0]["momentum_buffer"].equal(replica_momentum[0])
+    assert replicas.changes([torch.zeros(1, 3), torch.zeros(1)], [0])[0].ne(0).all()
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"fragments": 2}, "fragments=2"),
+        ({"sync_every": "auto", "fragments": 1}, "fixed `sync_every`"),
+        ({"warmup_steps": 3}, "warmup_steps=3"),
+        ({"outer_precision": "int4"}, "outer_precision='int4'"),
+        ({"reducer": "per_tensor"}, "reducer='per_tensor'"),
+    ],
+)
+def test_impossible_combinations_are_refused_at_construction(options: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        LocalSGDStrategy(fault_tolerant=FaultTolerance(), **options)  # type: ignore[arg-type]
+    LocalSGDStrategy(**options)  # type: ignore[arg-type]  # accepted without fault_tolerant
