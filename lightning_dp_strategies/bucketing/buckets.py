@@ -362,11 +362,13 @@ class GradientBuckets:
         rank = dist.get_rank() if dist.is_initialized() else 0
         members = dist.get_process_group_ranks(self.group or dist.group.WORLD) if dist.is_initialized() else [rank]
         peers = [r for r in members if r != rank]
-        hint = as_reducer(self.reducer).failure_hint
-        return announce_failure(
+        message = (
             f"Reducing gradient bucket {bucket.index} ({len(bucket.params)} parameters from {bucket.names[0]!r}) "
-            f"over {len(members)} ranks failed on rank {rank} (its peers: ranks {peers}): {what}\n{hint}"
+            f"over {len(members)} ranks failed on rank {rank} (its peers: ranks {peers}): {what}"
         )
+        if self.interrupt is not None:  # fault_tolerant: the survivors go on, so no error logged, no advice to resume
+            return message
+        return announce_failure(f"{message}\n{as_reducer(self.reducer).failure_hint}")
 
     def reduced_flags(self) -> list[list[float]]:
         """Every bucket's reduced presence flags, in one device-to-host transfer when the buckets share a device."""
