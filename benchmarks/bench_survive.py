@@ -10,7 +10,9 @@ restarts (node 0's agent hosts the job's store)::
 
 Every rank trains the cluster benchmarks' 12.6 M-parameter MLP (``_launch.mlp``, batch 32 a rank) with
 ``Trainer(strategy=RingAllReduceStrategy(fault_tolerant=True), num_nodes=3, devices=1, max_steps=60)`` on data of
-``--epoch-steps`` steps an epoch (10: a replacement is taken in at an epoch's start). Runs:
+``--epoch-steps`` steps an epoch (10: a replacement is taken in at an epoch's start); ``--strategy local_sgd`` trains
+with ``LocalSGDStrategy(sync_every=8, fault_tolerant=True)`` instead (``--sync-every``), without the ``join`` run
+(local SGD admits no replacement), drawn into ``docs/figures/survive_local_sgd_steps.png``. Runs:
 
 1. ``uninterrupted``: the reference (final parameters and each step's wall-clock time on every rank);
 2. ``kill``: node 1's worker SIGKILLs itself at the start of step ``--fail-at`` (``FailureInjector``);
@@ -34,8 +36,9 @@ cut; a few minutes on 2 cores), written to ``--json`` (by default in the tempora
 ``benchmarks/results``). Always leaves the cluster down::
 
     python benchmarks/bench_survive.py --json benchmarks/results/survive.json   # and docs/figures/survive_steps.png
+    python benchmarks/bench_survive.py --strategy local_sgd --json benchmarks/results/survive_local_sgd.json
     python benchmarks/bench_survive.py --quick
-    python benchmarks/bench_survive.py --plot benchmarks/results/survive.json   # the figure again
+    python benchmarks/bench_survive.py --plot benchmarks/results/survive.json   # the figure again (its strategy's)
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ from _launch import (
     measured_cluster,
     netsim,
 )
+from survive_worker import STRATEGIES, add_strategy_arguments
 
 NODES = 3
 PORT = 29577
@@ -72,9 +76,13 @@ TOLERANCE = 1e-6
 VICTIM = 1
 """The rank (and node: one process a node) that fails; node 0's agent hosts the store, so it must stay."""
 RUNS = ("uninterrupted", "kill", "cut", "join")
+RUNS_OF = {"ring_allreduce": RUNS, "local_sgd": ("uninterrupted", "kill", "cut")}
+"""The runs each strategy offers (the default ``--runs``): local SGD admits no replacement, so no ``join``."""
 JOIN_TARGET_S = 30.0
 """The issue's target: the replacement admitted within this many seconds of its agent's start."""
-FIGURE = ROOT / "docs" / "figures" / "survive_steps.png"
+FIGURES = {name: ROOT / "docs" / "figures" / f"survive_{name}_steps.png" for name in STRATEGIES}
+FIGURES["ring_allreduce"] = FIGURE = ROOT / "docs" / "figures" / "survive_steps.png"
+"""Each strategy's figure (``--plot``: the stored result's strategy's)."""
 WORKER = Path(__file__).resolve().with_name("survive_worker.py")
 QUICK = {"steps": 12, "fail_at": 4, "epoch_steps": 4, "cut_s": 20.0, "width": 256, "depth": 4, "agent_grace": 10.0}
 """What ``--quick`` sets, where the command line left the default."""
@@ -84,13 +92,14 @@ QUICK = {"steps": 12, "fail_at": 4, "epoch_steps": 4, "cut_s": 20.0, "width": 25
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The benchmark's options, ``--quick``'s settings applied (it refuses a ``--json`` among the stored results)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=RUNS, help="the reference always runs")
+    parser.add_argument("--runs", nargs="+", choices=RUNS, help="default: the strategy's (the reference always runs)")
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps of every run")
     parser.add_argument("--fail-at", type=int, default=20, help="the step at whose start node 1 is lost")
     parser.add_argument("--cut-s", type=float, default=60.0, help="seconds node 1's link is down in the cut run")
     parser.add_argument("--epoch-steps", type=int, default=10, help="steps an epoch (replacements join at its start)")
     parser.add_argument("--link", default="1gbit")
     add_mlp_arguments(parser)
+    add_strategy_arguments(parser)
     parser.add_argument("--deadline", type=float, default=600.0, help="seconds a run may take before it is stopped")
     parser.add_argument("--agent-grace", type=float, default=20.0, help="seconds agents get after their workers end")
     parser.add_argument("--quick", action="store_true", help="a short run: small MLP, 12 steps, a 20 s cut")
@@ -98,10 +107,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--plot", type=Path, help="draw the figure from this stored result and exit")
     parser.add_argument("--figure", type=Path, default=None, help=f"default: {FIGURE.relative_to(ROOT)} (not quick)")
     args = parser.parse_args(argv)
+    args.runs = args.runs or list(RUNS_OF[args.strategy])
+    if not set(args.runs) <= set(RUNS_OF[args.strategy]):
+        parser.error(f"--strategy {args.strategy} offers the runs {', '.join(RUNS_OF[args.strategy])}")
     if args.quick:
-        apply_quick(args, parser, QUICK, "survive_quick.json")
-    if args.figure is None and (args.plot is not None or not args.quick):
-        args.figure = FIGURE
+        named = "" if args.strategy == "ring_allreduce" else f"_{args.strategy}"
+        apply_quick(args, parser, QUICK, f"survive{named}_quick.json")
+    if args.figure is None and args.plot is None and not args.quick:
+        args.figure = FIGURES[args.strategy]
     if not 0 < args.fail_at < args.steps:
         parser.error(f"--fail-at must be a step of the run (1..{args.steps - 1}), got {args.fail_at}")
     if "join" in args.runs and args.fail_at + args.epoch_steps >= args.steps:
@@ -117,7 +130,8 @@ def agent_command(node: int, out: Path, args: argparse.Namespace, kill: bool) ->
     torchrun += ["--master-port", str(PORT), "--local-addr", f"10.77.0.{node + 1}"]
     worker = [str(WORKER), "--out", str(out), "--steps", str(args.steps), "--mark-at", str(args.fail_at)]
     worker += ["--width", str(args.width), "--depth", str(args.depth), "--batch", str(args.batch)]
-    worker += ["--epoch-steps", str(args.epoch_steps)]
+    worker += ["--epoch-steps", str(args.epoch_steps), "--strategy", args.strategy]
+    worker += ["--sync-every", str(args.sync_every)]
     if kill:
         worker += ["--kill-rank", str(VICTIM), "--kill-at", str(args.fail_at)]
     return [*NETSIM_COMMAND, "exec", str(node), *torchrun, *worker]
@@ -402,7 +416,8 @@ def costs(runs: list[dict[str, Any]], fail_at: int) -> None:
     base = next((r["seconds"] for r in runs if r["run"] == "uninterrupted"), None)
     for run in runs:
         redone = [r["step"] for r in run["ranks"]["0"].get("recoveries", [])]  # where the failure hit rank 0
-        run.update(step_times(run["ranks"]["0"]["steps"], min(redone, default=fail_at)))
+        run["failed_step"] = min(redone, default=fail_at)
+        run.update(step_times(run["ranks"]["0"]["steps"], run["failed_step"]))
         known = base is not None and run["seconds"] is not None
         run["cost_s"] = round(run["seconds"] - base, 1) if known else None
         diffs = [r.get("max_param_diff") for r in run["ranks"].values() if "done_s" in r]
@@ -482,6 +497,13 @@ COLUMNS += ["detection s", "agreement s"]
 COLUMNS += ["formation s", "node 1's worker", "node 1's replacement", "ok"]
 
 
+def strategy_text(strategy: str, sync_every: int) -> str:
+    """The strategy as the workers built it."""
+    if strategy == "local_sgd":
+        return f"LocalSGDStrategy(sync_every={sync_every}, fault_tolerant=True)"
+    return "RingAllReduceStrategy(fault_tolerant=True)"
+
+
 def quotes(runs: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, str]:
     """The sentences the page quotes, one a failure run (rendered into ``docs/fault_tolerance.md``)."""
     said = {}
@@ -497,11 +519,16 @@ def quotes(runs: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, st
             "kill": f"node 1's worker SIGKILLed at the start of step {args.fail_at}",
             "cut": f"node 1's link cut for {args.cut_s:g} s from step {args.fail_at}",
         }[run["run"]]
+        cluster = f"the simulated 3-node cluster ({args.link}, {args.steps} steps)"
+        lead, met, hit = f"On {cluster}", "", "the failure's step"
+        if args.strategy == "local_sgd":  # inner steps send nothing: the failure is met at the next synchronisation
+            lead = f"With `{strategy_text(args.strategy, args.sync_every)}` on {cluster}"
+            met, hit = f" at the synchronisation of step {run['failed_step']}", "that step"
         said[run["run"]] = (
-            f"On the simulated 3-node cluster ({args.link}, {args.steps} steps), with {what}, the two survivors "
-            f"noticed it within {_fmt(_worst([r['detection_s'] for r in recs]), '.1f')} s, agreed in "
+            f"{lead}, with {what}, the two survivors noticed it{met} within "
+            f"{_fmt(_worst([r['detection_s'] for r in recs]), '.1f')} s, agreed in "
             f"{_fmt(_worst([r['agreement_s'] for r in recs]), '.2f')} s and formed their groups in "
-            f"{_fmt(_worst([r['formation_s'] for r in recs]), '.3f')} s; the failure's step took "
+            f"{_fmt(_worst([r['formation_s'] for r in recs]), '.3f')} s; {hit} took "
             f"{_fmt(run['failed_step_s'], '.1f')} s against {_fmt(run['step_s_before'], '.2f')} s before it and "
             f"{_fmt(run['step_s_after'], '.2f')} s after, and they finished in {run['seconds']:.1f} s "
             f"against {base['seconds']:.1f} s uninterrupted ({run['cost_s']:+.1f} s), within "
@@ -577,9 +604,12 @@ def plot(path: Path, figure: Path) -> None:
             label = f"{run['run']}: replacement started"
             ax.axvline(spare["agent_started_s"], color=line.get_color(), ls="-.", lw=0.8, label=label)
     settings = data["settings"]
+    what = "fault_tolerant=True"
+    if settings.get("strategy") == "local_sgd":
+        what = strategy_text("local_sgd", settings["sync_every"])
     ax.set_xlabel("seconds since launch")
     ax.set_ylabel("optimizer steps done (rank 0)")
-    ax.set_title(f"fault_tolerant=True, 3 nodes x 1 process over {settings['link']} (dotted: node 1)", fontsize=10)
+    ax.set_title(f"{what}, 3 nodes x 1 process over {settings['link']} (dotted: node 1)", fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     save_figure(fig, figure)
@@ -603,48 +633,69 @@ def report(runs: list[dict[str, Any]], args: argparse.Namespace, bandwidth: str)
     from _results import Report
 
     keys = ("runs", "steps", "fail_at", "cut_s", "epoch_steps", "link", "width", "depth", "batch", "agent_grace")
-    keys += ("quick",)
+    keys += ("quick", "strategy", "sync_every")
     settings = {k: getattr(args, k) for k in keys}
     result = Report("survive", {**settings, "nodes": NODES, "processes_per_node": 1, **package_version()})
     costs(runs, args.fail_at)
     result.note(f"link: {args.link}, measured {bandwidth}")
+    title = (
+        f"{strategy_text(args.strategy, args.sync_every)}, {NODES} nodes x 1 process over {args.link}, "
+        f"{args.steps} steps, node 1 lost at step {args.fail_at}"
+    )
+    result.table(title, COLUMNS, table_rows(runs, args), table_notes(args))
+    result.data["quotes"] = quotes(runs, args)
+    restart = restart_quote(RESULTS / "restart.json")
+    if restart is not None and args.strategy == "ring_allreduce":  # the restart runs are the ring's
+        result.data["quotes"]["restart"] = restart
+    result.data["runs"] = runs
+    return result
+
+
+def table_notes(args: argparse.Namespace) -> list[str]:
+    """The table's notes: its columns, the failure step as the strategy meets a failure, ``join`` where it ran."""
+    failed, after = "(detection, agreement, formation and the step redone)", "over a two-rank ring"
+    if args.strategy == "local_sgd":
+        failed = (
+            "(the step whose synchronisation met the failure: agreement, formation, the lost rank's replica started "
+            "- replaying the period's micro-batches where no survivor had the average - and the synchronisation "
+            "finished or redone)"
+        )
+        after = "in the replica of the survivor that took node 1's logical rank over"
     notes = [
         "s: launch until the last survivor's fit returned (join: the replacement's too); cost s: that minus the "
         "uninterrupted run's.",
         "worker exits: as each node's torchrun agent logged them; max |param diff|: the survivors' final parameters "
         "against the same ranks' in the uninterrupted run.",
         "The uninterrupted run's max |param diff|: its ranks against its rank 0.",
-        "step s: rank 0's median step before the failure step (start-up left out), the failure step itself "
-        "(detection, agreement, formation and the step redone), and the median step after it (the survivors train "
-        "the lost rank's micro-batch too, over a two-rank ring).",
+        f"step s: rank 0's median step before the failure step (start-up left out), the failure step itself {failed}, "
+        f"and the median step after it (the survivors train the lost rank's micro-batch too, {after}).",
         "detection s: the failure (the victim's step start, or the link going down) until the survivors began to "
         "agree; agreement and formation: as the strategy's recoveries record them. The slowest survivor's each.",
         "The survivors' torchrun agents then wait in torchrun's exit barrier (300 s) for node 1's agent, which "
         f"exited without reaching it; the benchmark stopped them {args.agent_grace:g} s after their workers ended.",
-        f"join: as kill, and node 1's agent command started again with LDPS_JOIN=1 once the first agent exited "
-        f"(data of {args.epoch_steps} steps an epoch, in every run). node 1's replacement: its agent's start (since "
-        "launch); admitted: its setup over, the join answered (seconds after that start), at the step it went on "
-        "from; first step done: its first step's end after that start; that step: rank 0's step that took it in "
-        "(world re-formed, state sent). max |param diff| includes the replacement's parameters against the "
-        f"reference's rank 1; ok needs it admitted within {JOIN_TARGET_S:g} s and finished.",
     ]
-    title = (
-        f"RingAllReduceStrategy(fault_tolerant=True), {NODES} nodes x 1 process over {args.link}, "
-        f"{args.steps} steps, node 1 lost at step {args.fail_at}"
-    )
-    result.table(title, COLUMNS, table_rows(runs, args), notes)
-    result.data["quotes"] = quotes(runs, args)
-    restart = restart_quote(RESULTS / "restart.json")
-    if restart is not None:
-        result.data["quotes"]["restart"] = restart
-    result.data["runs"] = runs
-    return result
+    if args.strategy == "local_sgd":
+        notes.append(
+            f"Local SGD: inner steps send nothing, so the survivors meet a failure at the next synchronisation (every "
+            f"{args.sync_every} steps), and detection includes the inner steps until then."
+        )
+    if "join" in args.runs:
+        notes.append(
+            f"join: as kill, and node 1's agent command started again with LDPS_JOIN=1 once the first agent exited "
+            f"(data of {args.epoch_steps} steps an epoch, in every run). node 1's replacement: its agent's start "
+            "(since launch); admitted: its setup over, the join answered (seconds after that start), at the step it "
+            "went on from; first step done: its first step's end after that start; that step: rank 0's step that "
+            "took it in (world re-formed, state sent). max |param diff| includes the replacement's parameters "
+            f"against the reference's rank 1; ok needs it admitted within {JOIN_TARGET_S:g} s and finished."
+        )
+    return notes
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.plot is not None:
-        plot(args.plot, args.figure)
+        stored = json.loads(args.plot.read_text())["settings"].get("strategy", "ring_allreduce")
+        plot(args.plot, args.figure or FIGURES[stored])
         return
     if os.geteuid() != 0:
         print("bench_survive.py needs root for the simulated cluster (network namespaces and tc); nothing measured.")

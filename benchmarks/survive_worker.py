@@ -1,4 +1,8 @@
-"""One rank of ``bench_survive.py``: the cluster benchmarks' MLP under ``RingAllReduceStrategy(fault_tolerant=True)``.
+"""One rank of ``bench_survive.py``: the cluster benchmarks' MLP under a strategy with ``fault_tolerant=True``.
+
+``--strategy ring_allreduce`` (the default) trains with ``RingAllReduceStrategy(fault_tolerant=True)``,
+``--strategy local_sgd`` with ``LocalSGDStrategy(sync_every=N, fault_tolerant=True)`` (``--sync-every N``, 8 by
+default).
 
 Started by ``torchrun`` on every simulated node (one process a node). Into ``--out`` each rank writes, as it goes:
 
@@ -33,6 +37,25 @@ from typing import Any
 
 from _launch import add_mlp_arguments, fit_rank, mlp
 
+STRATEGIES = ("ring_allreduce", "local_sgd")
+"""What ``--strategy`` chooses: the strategy every rank trains with, ``fault_tolerant=True``."""
+
+
+def add_strategy_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--strategy`` (:data:`STRATEGIES`) and ``--sync-every`` (local SGD's period), as :func:`strategy` reads
+    them."""
+    parser.add_argument("--strategy", default="ring_allreduce", choices=STRATEGIES)
+    parser.add_argument("--sync-every", type=int, default=8, help="local_sgd: optimizer steps between averagings")
+
+
+def strategy(args: argparse.Namespace) -> Any:
+    """The fault-tolerant strategy ``args.strategy`` names."""
+    from lightning_dp_strategies import LocalSGDStrategy, RingAllReduceStrategy
+
+    if args.strategy == "local_sgd":
+        return LocalSGDStrategy(sync_every=args.sync_every, fault_tolerant=True)
+    return RingAllReduceStrategy(fault_tolerant=True)
+
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     """The rank's settings (the MLP's of :func:`_launch.add_mlp_arguments`, ``--steps``, where to write, what fails)."""
@@ -44,6 +67,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--mark-at", type=int, default=20, help="rank 0 touches OUT/reached when this step begins")
     parser.add_argument("--epoch-steps", type=int, default=None, help="steps an epoch (default: --steps)")
     add_mlp_arguments(parser)
+    add_strategy_arguments(parser)
     return parser.parse_args(argv)
 
 
@@ -51,7 +75,6 @@ def main() -> None:
     import lightning as L
     import torch
 
-    from lightning_dp_strategies import RingAllReduceStrategy
     from lightning_dp_strategies.core.failures import FailureInjector
     from lightning_dp_strategies.core.fault_tolerance import JOIN_ENV
 
@@ -101,11 +124,8 @@ def main() -> None:
         def on_train_batch_end(self, trainer: L.Trainer, *_: Any) -> None:
             self.file.write(f"end {trainer.global_step - 1} {time.time():.6f}\n")
 
-    def strategy() -> RingAllReduceStrategy:
-        return RingAllReduceStrategy(fault_tolerant=True)
-
     try:
-        trainer, model = fit_rank(lambda: mlp(args), strategy, Clock(), args, epoch_steps=args.epoch_steps)
+        trainer, model = fit_rank(lambda: mlp(args), lambda: strategy(args), Clock(), args, args.epoch_steps)
     except BaseException as error:
         lines = [line for line in str(error).strip().splitlines() if line.strip()]
         (out / f"{name}.error").write_text(f"{type(error).__name__}: {lines[0] if lines else ''}\n")
