@@ -268,3 +268,31 @@ def launch(
         rank, value = results.get()
         outcomes[rank] = value
     return outcomes, [p.exitcode for p in procs], elapsed
+
+
+def result(outcomes: dict[int, Any], rank: int) -> dict[str, Any]:
+    """Rank ``rank``'s result; fails naming what it reported instead."""
+    value = outcomes.get(rank)
+    assert isinstance(value, dict), f"rank {rank} did not finish: {value}"
+    return value
+
+
+def final_params(outcomes: dict[int, Any], rank: int) -> torch.Tensor:
+    return torch.tensor(result(outcomes, rank)["params"])
+
+
+def uninterrupted_params(run: Run, root: Path) -> torch.Tensor:
+    """The final parameters of ``run`` without a failure, checked equal on every rank."""
+    outcomes, codes, _ = launch(run, root)
+    assert codes == [0] * WORLD, outcomes
+    final = [final_params(outcomes, r) for r in range(WORLD)]
+    assert all(torch.equal(final[0], f) for f in final[1:])
+    return final[0]
+
+
+def assert_departs(run: Run, root: Path, reference: torch.Tensor) -> None:
+    """``run`` (rank 1 killed, the batch shrinking) ends on parameters the survivors share, far from ``reference``."""
+    outcomes, codes, _ = launch(run, root)
+    assert codes == [0, -9, 0], outcomes
+    assert (final_params(outcomes, 0) - reference).abs().max().item() > 1e-4
+    assert torch.equal(final_params(outcomes, 0), final_params(outcomes, 2))

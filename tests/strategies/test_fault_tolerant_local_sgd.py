@@ -10,7 +10,6 @@ is the uninterrupted run's final parameters, to 1e-6 (a replica's sums run in an
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -19,29 +18,15 @@ from lightning_dp_strategies import LocalSGDStrategy
 from lightning_dp_strategies.core.fault_tolerance import FaultTolerance
 from lightning_dp_strategies.core.membership import handover_plan
 from lightning_dp_strategies.local_sgd.replicas import Replicas
-from tests.strategies.fault_tolerant_scenarios import WORLD, Run, launch
+from tests.strategies import fault_tolerant_scenarios as ft
 
 TOLERANCE = 1e-6
 SYNC_EVERY = 4
 
 
-def _result(outcomes: dict[int, object], rank: int) -> dict[str, Any]:
-    value = outcomes.get(rank)
-    assert isinstance(value, dict), f"rank {rank} did not finish: {value}"
-    return value
-
-
-def _params(outcomes: dict[int, object], rank: int) -> torch.Tensor:
-    return torch.tensor(_result(outcomes, rank)["params"])
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> torch.Tensor:
-    outcomes, codes, _ = launch(Run(sync_every=SYNC_EVERY), tmp_path_factory.mktemp("uninterrupted"))
-    assert codes == [0] * WORLD, outcomes
-    final = [_params(outcomes, r) for r in range(WORLD)]
-    assert all(torch.equal(final[0], f) for f in final[1:])
-    return final[0]
+    return ft.uninterrupted_params(ft.Run(sync_every=SYNC_EVERY), tmp_path_factory.mktemp("uninterrupted"))
 
 
 @pytest.mark.timeout(240)
@@ -50,40 +35,39 @@ def test_survivors_of_a_rank_killed_mid_period_end_on_the_uninterrupted_paramete
 ) -> None:
     # killed at the start of step 7: the period that began at step 5 (after validation) is met at step 9's sync,
     # where rank 0 takes logical rank 1 over: its replica replays steps 5-8 from the momentum handed over at step 5
-    outcomes, codes, _ = launch(Run(sync_every=SYNC_EVERY, victim=1, fail_at=7), tmp_path)
+    outcomes, codes, _ = ft.launch(ft.Run(sync_every=SYNC_EVERY, victim=1, fail_at=7), tmp_path)
     assert codes == [0, -9, 0], outcomes
     for rank in (0, 2):
-        result = _result(outcomes, rank)
-        assert result["global_step"] == Run().steps
+        result = ft.result(outcomes, rank)
+        assert result["global_step"] == ft.Run().steps
         assert [lost for _, lost, _ in result["recoveries"]] == [[1]]
-        assert (_params(outcomes, rank) - uninterrupted).abs().max().item() <= TOLERANCE
+        assert (ft.final_params(outcomes, rank) - uninterrupted).abs().max().item() <= TOLERANCE
     # the leader wrote the checkpoints after the loss, and the last one holds the uninterrupted model
-    best = _result(outcomes, 0)["best_params"]
-    assert best is not None and _result(outcomes, 2)["best_params"] is None
-    saved = torch.load(_result(outcomes, 0)["best"], weights_only=False)["local_sgd"]["ranks"]
-    assert len(saved) == WORLD and all(record is not None for record in saved)
+    best = ft.result(outcomes, 0)["best_params"]
+    assert best is not None and ft.result(outcomes, 2)["best_params"] is None
+    saved = torch.load(ft.result(outcomes, 0)["best"], weights_only=False)["local_sgd"]["ranks"]
+    assert len(saved) == ft.WORLD and all(record is not None for record in saved)
 
 
 @pytest.mark.timeout(240)
 def test_without_the_handed_over_state_the_run_departs(uninterrupted: torch.Tensor, tmp_path: Path) -> None:
     """The control: with a shrinking batch the lost rank's period is dropped, and the parameters end elsewhere."""
-    outcomes, codes, _ = launch(Run(sync_every=SYNC_EVERY, victim=1, fail_at=7, keep_global_batch=False), tmp_path)
-    assert codes == [0, -9, 0], outcomes
-    assert (_params(outcomes, 0) - uninterrupted).abs().max().item() > 1e-4
-    assert torch.equal(_params(outcomes, 0), _params(outcomes, 2))
+    ft.assert_departs(
+        ft.Run(sync_every=SYNC_EVERY, victim=1, fail_at=7, keep_global_batch=False), tmp_path, uninterrupted
+    )
 
 
 @pytest.mark.timeout(240)
 def test_a_rank_whose_average_failed_after_the_others_got_it_takes_theirs(
     uninterrupted: torch.Tensor, tmp_path: Path
 ) -> None:
-    outcomes, codes, _ = launch(Run(sync_every=SYNC_EVERY, average_fails=(2, 1)), tmp_path)
-    assert codes == [0] * WORLD, outcomes
-    for rank in range(WORLD):
-        result = _result(outcomes, rank)
+    outcomes, codes, _ = ft.launch(ft.Run(sync_every=SYNC_EVERY, average_fails=(2, 1)), tmp_path)
+    assert codes == [0] * ft.WORLD, outcomes
+    for rank in range(ft.WORLD):
+        result = ft.result(outcomes, rank)
         assert result["behind"] == [[2]], result["behind"]
         assert result["recoveries"][0][1:] == ([], [0, 1, 2])
-        assert (_params(outcomes, rank) - uninterrupted).abs().max().item() <= TOLERANCE
+        assert (ft.final_params(outcomes, rank) - uninterrupted).abs().max().item() <= TOLERANCE
 
 
 def test_the_hand_over_goes_to_the_rank_that_would_take_over() -> None:
