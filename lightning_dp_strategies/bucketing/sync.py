@@ -12,7 +12,6 @@ A strategy (Trainer or Fabric) makes one :class:`GradientSync` and calls it at f
 from __future__ import annotations
 
 import functools
-import threading
 import time
 from collections.abc import Callable, Generator, Iterable, Sequence
 from contextlib import contextmanager
@@ -25,6 +24,7 @@ from torch import nn
 from lightning_dp_strategies.bucketing.buckets import GradientBuckets
 from lightning_dp_strategies.bucketing.stats import CommStats
 from lightning_dp_strategies.reducers import Reducer, StepTiming, as_reducer, close_reducer, setup_reducer
+from lightning_dp_strategies.reducers.thread import close_in_background
 
 __all__ = ["GradientSync", "destroy_groups"]
 
@@ -122,7 +122,7 @@ class GradientSync:
         if close is None and old_reducer is not None:
             close = functools.partial(close_reducer, old_reducer)
         if close is not None:
-            threading.Thread(target=close, name="ldps-close-failed", daemon=True).start()
+            close_in_background(close)
         self.use_group(group, reducer)
 
     def attach(

@@ -8,7 +8,7 @@ the average; :class:`PeriodicAverager` is torch's ``PeriodicModelAverager`` sche
 
 from __future__ import annotations
 
-import threading
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -26,6 +26,7 @@ from lightning_dp_strategies.reducers import (
     setup_reducer,
 )
 from lightning_dp_strategies.reducers.bucket import wait_for
+from lightning_dp_strategies.reducers.thread import close_in_background
 
 __all__ = ["FlatAverager", "PeriodicAverager", "averageable", "outer_reducer"]
 
@@ -89,7 +90,7 @@ class FlatAverager:
         old reducer is closed in a background thread: a reduction it still runs on the failed group ends with that
         group's timeout. Collective over ``group``."""
         old, self.reducer, self._buffer = self.reducer, reducer, None
-        threading.Thread(target=close_reducer, args=(old,), name="ldps-close-failed", daemon=True).start()
+        close_in_background(functools.partial(close_reducer, old))
         self.setup(group, ranks, "gloo")
 
     @property

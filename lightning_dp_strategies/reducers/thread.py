@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import logging
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -10,7 +12,7 @@ import torch
 from torch import Tensor
 from torch.futures import Future
 
-__all__ = ["CommThread"]
+__all__ = ["CommThread", "close_in_background"]
 
 
 def _init_comm_thread(device: torch.device, intra_op_threads: int) -> None:
@@ -57,3 +59,17 @@ class CommThread:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+
+
+def close_in_background(close: Callable[[], object]) -> None:
+    """Run ``close`` (of a reducer or buckets left on a failed group) on a daemon thread, so the caller does not wait
+    for a reduction that ends only with that group's timeout; what it raises is logged at debug level (the failed
+    group, or the world it was part of, may be gone already)."""
+
+    def run() -> None:
+        try:
+            close()
+        except Exception as error:  # the group it would destroy may be gone with the failed world
+            logging.getLogger("lightning_dp_strategies").debug("closing after a failure: %s", error)
+
+    threading.Thread(target=run, name="ldps-close-failed", daemon=True).start()

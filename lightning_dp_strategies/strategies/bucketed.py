@@ -105,15 +105,12 @@ class BucketedDataParallel(DDPStrategy):
     survival: TrainerSurvival | None = None
     """With ``fault_tolerant``: the hooks' survivor side (set by a subclass that offers the option)."""
     cost_model: ClassVar[CostModel] = RING_ALLREDUCE
-    """Its per-step communication formula (:mod:`lightning_dp_strategies.plan`); a subclass that communicates
-    otherwise sets its own."""
+    """Its per-step communication formula (:mod:`lightning_dp_strategies.plan`); a subclass may set its own."""
     registered_name: ClassVar[str | None] = None
-    """The name :meth:`register_strategies` gives Lightning, with ``{name}_spawn`` and ``{name}_notebook`` (the fork
-    launcher, for Jupyter) beside it; ``None`` registers nothing."""
+    """The name given to Lightning, with ``{name}_spawn`` and ``{name}_notebook`` beside it (``None``: none)."""
     registered_description: ClassVar[str] = ""
     compared_as: ClassVar[str | None] = None
-    """The name the comparison (``lightning-dp-strategies compare``) runs it under when no strategies are named;
-    ``None``: only when named."""
+    """The name the comparison runs it under when no strategies are named (``None``: only when named)."""
 
     @classmethod
     def launched_processes(cls, devices: int) -> int:
@@ -205,13 +202,12 @@ class BucketedDataParallel(DDPStrategy):
         self.set_world_ranks()
         (self.survival.init_process_group if self.survival is not None else init_strategy_process_group)(self)
         super().setup_distributed()
-        backend = self._get_process_group_backend()
-        self.engine.start_model_averaging(self.world_size, self.global_rank, self.num_processes, backend)
+        backend, rank = self._get_process_group_backend(), self.global_rank
+        self.engine.start_model_averaging(self.world_size, rank, self.num_processes, backend)
         if self.survival is not None:
             self.survival.start()
             return
-        reducer = self.arrange_reducer(self.configure_reducer())
-        self.engine.make_groups(self.grad_group_ranks(), self.global_rank, self._process_group_backend, reducer)
+        self.engine.make_groups(self.grad_group_ranks(), rank, backend, self.arrange_reducer(self.configure_reducer()))
 
     @override
     def configure_ddp(self) -> None:
@@ -220,11 +216,15 @@ class BucketedDataParallel(DDPStrategy):
         module = self.lightning_module
         assert module is not None
         self._require_trainable("train with `strategy='auto'`")
-        self._check_ranks_agree()  # before the broadcast below, which mismatched shapes would hang
+        self._check_ranks_agree()  # before the broadcast, which mismatched shapes would hang
         sync_module_states(module, self.survival.leader if self.survival is not None else 0)
         self._build_buckets()
-        if self.survival is not None:  # a replacement: the live ranks' training state
-            self.survival.receive_state(module.trainer)
+        self._receive_state(module.trainer)
+
+    def _receive_state(self, trainer: pl.Trainer) -> None:
+        """With ``fault_tolerant``, in a replacement: the live ranks' training state (once the module is in place)."""
+        if self.survival is not None:
+            self.survival.receive_state(trainer)
 
     def _build_buckets(
         self, named_params: Sequence[tuple[str, nn.Parameter]] | None = None, allow_no_trainable: bool = False

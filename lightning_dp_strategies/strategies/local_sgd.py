@@ -116,11 +116,12 @@ class LocalSGDStrategy(LocalSGDInterface, SurvivingDataParallel):
             self.local_survival.start()
 
     @override
-    def configure_ddp(self) -> None:
-        """As the base (ranks agree, rank 0's weights, gradient buckets for the warm-up), then the anchor."""
-        super().configure_ddp()
+    def _receive_state(self, trainer: pl.Trainer) -> None:
+        """After the base's ``configure_ddp`` (ranks agree, rank 0's weights, gradient buckets for the warm-up): the
+        anchor, then (a replacement) the live ranks' training state, local SGD's record included."""
         assert self.local_sgd is not None and self.lightning_module is not None
         self.local_sgd.start(self.lightning_module)
+        super()._receive_state(trainer)
 
     @override
     def _fingerprint_options(self) -> dict[str, Any]:

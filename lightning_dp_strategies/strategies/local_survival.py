@@ -20,6 +20,10 @@ A replica's step swaps its parameters, gradients, buffers and optimizer state in
 (:class:`~lightning_dp_strategies.local_sgd.replicas.Replicas`) and runs ``training_step`` on the lost rank's
 micro-batch with the module's ``log`` and ``log_dict`` silenced (put back after it): the lost rank's logged values
 are not this rank's.
+
+A replacement (``LDPS_JOIN=1``) is admitted at an epoch's start where the ranks are in sync (after validation): it
+receives the leader's training state with the local SGD record, in which its own logical rank's inner optimizer state
+is the one its replica's taker held, and the taker drops the replica.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from torch import Tensor
 from lightning_dp_strategies.comm.failures import PeerLostError
 from lightning_dp_strategies.core.fault_tolerance import PREFIX
 from lightning_dp_strategies.core.membership import handover_plan, is_peer_failure, logical_shares
-from lightning_dp_strategies.local_sgd import LocalSGD
+from lightning_dp_strategies.local_sgd import LocalSGD, local_checkpoint_record
 from lightning_dp_strategies.local_sgd.averaging import averageable, outer_reducer
 from lightning_dp_strategies.local_sgd.replicas import InnerStates, Replicas, exchange
 from lightning_dp_strategies.strategies.survival import SurvivingStrategy, TrainerSurvival
@@ -88,8 +92,11 @@ class LocalSurvival:
         self.positions: list[tuple[int, int]] = []
         """``(sampler epoch, batch_idx)`` of each inner step since the last synchronisation: what a replay trains."""
         survival.trains_lost_batches = False  # a lost rank's batches go to its replica, not into this rank's step
-        survival.admits = False
         survival.after_own_step = self.after_own_step
+        survival.ready_to_admit = lambda: self.local.in_sync
+        survival.on_admit = self.on_admit
+        survival.after_admit = self.after_admit
+        survival.on_regroup = self._regroup
 
     @property
     def local(self) -> LocalSGD:
@@ -169,8 +176,6 @@ class LocalSurvival:
                 if not is_peer_failure(error):
                     raise
                 record = self.survival.recover(error, progress=int(done))
-                reducer = outer_reducer(local.config.outer_precision, self.strategy.configure_reducer())
-                local.averager.regroup(survivors.group, survivors.members, reducer)
                 if not (record.behind or done):  # nobody has the average: the lost ranks' replicas replay, redo
                     self._adopt(self.replicas.handed if self.replicas is not None else {}, replay=True)
                     continue
@@ -185,6 +190,12 @@ class LocalSurvival:
                 self.replicas.handed = handed
             return changes
         raise RuntimeError(f"Local SGD lost a rank in each of {survivors.world_size} tries of one synchronisation.")
+
+    def _regroup(self) -> None:
+        """Average over the survivors' new group, with a fresh reducer (the old one may still wait on the old group)."""
+        local, survivors = self.local, self.survival.survivors
+        reducer = outer_reducer(local.config.outer_precision, self.strategy.configure_reducer())
+        local.averager.regroup(survivors.group, survivors.members, reducer)
 
     def _changes(self, indices: list[int]) -> list[Tensor]:
         """This rank's changes of ``indices`` (and buffers with the last), plus its replicas'."""
@@ -247,6 +258,25 @@ class LocalSurvival:
             self.replicas.reset(indices, [local.anchor[i] for i in indices])
             self.replicas.buffers_at_sync = [b.detach().clone() for b in local.buffers]
         self.positions = []
+
+    # ------------------------------------------------------------------ replacements (where the ranks are in sync)
+    def on_admit(self, joining: list[int]) -> dict[str, Any] | None:
+        """Before the world is re-formed for ``joining`` (every survivor): the local SGD record, with the inner
+        optimizer states of the replicas the replacements take over, for the leader's training state."""
+        module, survivors = self.strategy.lightning_module, self.survival.survivors
+        assert module is not None
+        states = [o.state_dict() for o in self.strategy.optimizers]
+        group, leader = survivors.control_group, survivors.leader
+        record = local_checkpoint_record(self.local, module, states, self.records(), group, leader)
+        return None if record is None else {"local_sgd": record}
+
+    def after_admit(self, joining: list[int]) -> None:
+        """The replacements train their own logical ranks: the replicas of them are dropped, and the inner states
+        are handed over within the whole world again (a replacement's :meth:`start` meets this)."""
+        if self.replicas is not None:
+            for logical in joining:
+                self.replicas.shadows.pop(logical, None)
+            self.replicas.handed = self._hand_over()
 
     # ------------------------------------------------------------------ checkpoints
     def averaged_state(self, state: dict[str, Any]) -> dict[str, Any]:

@@ -127,8 +127,15 @@ class TrainerSurvival:
         """``(global_step, ranks)`` of each admission of replacements this rank took part in."""
         self.trains_lost_batches = True
         """Whether backward adds the lost ranks' micro-batches (local SGD steps their replicas instead)."""
-        self.admits = True
-        """Whether replacements are admitted at an epoch's start."""
+        self.ready_to_admit: Callable[[], bool] = lambda: True
+        """Whether replacements may be admitted at this epoch's start (local SGD: where the ranks are in sync)."""
+        self.on_admit: Callable[[list[int]], dict[str, Any] | None] | None = None
+        """Called on every survivor before the world is re-formed for ``joining`` ranks (over the survivors): entries
+        for the leader's training state that the replacements receive."""
+        self.after_admit: Callable[[list[int]], None] | None = None
+        """Called on every rank of the re-formed world once the replacements have their state."""
+        self.on_regroup: Callable[[], None] | None = None
+        """Called on every survivor once the gradient sync averages over new groups (after a failure, an admission)."""
         self.after_own_step: Callable[[], None] | None = None
         """Called after each optimizer step of this rank that completed (local SGD: the replicas' steps)."""
         self._store: dist.Store | None = None  # the job's store, under this attempt's prefix
@@ -202,7 +209,7 @@ class TrainerSurvival:
         """At an epoch's start, where ranks are missing and a replacement waits for each: re-form the world with
         them, then give them the leader's training state (the steps :meth:`receive_state` mirrors)."""
         survivors = self.survivors
-        if not self.admits or not survivors.started or len(survivors.members) == survivors.world_size:
+        if not survivors.started or len(survivors.members) == survivors.world_size or not self.ready_to_admit():
             return
         requests = survivors.join_requests() if self.is_leader() else {}
         missing = survivors.world_size - len(survivors.members)
@@ -212,7 +219,8 @@ class TrainerSurvival:
             return
         assert survivors.membership is not None
         epoch, leader, joining = survivors.membership.state.epoch + 1, survivors.leader, sorted(box[0])
-        state = self._training_state(trainer) if self.is_leader() else None
+        extra = self.on_admit(joining) if self.on_admit is not None else None
+        state = {**self._training_state(trainer), **(extra or {})} if self.is_leader() else None
         if self.is_leader():
             survivors.admit(box[0], epoch)
         dist.destroy_process_group()  # every group: the world, the gradient and control groups over the lost ranks
@@ -224,6 +232,8 @@ class TrainerSurvival:
         self.strategy._check_ranks_agree()
         sync_module_states(self.strategy.lightning_module, leader)
         self._share_state(leader, joining, state)
+        if self.after_admit is not None:
+            self.after_admit(joining)
         self.joins.append((trainer.global_step, joining))
 
     def _training_state(self, trainer: pl.Trainer) -> dict[str, Any]:
@@ -259,6 +269,8 @@ class TrainerSurvival:
         assert survivors.group is not None
         strategy.engine.grad_sync.regroup(survivors.group, strategy.arrange_reducer(strategy.configure_reducer()))
         strategy._build_buckets()
+        if self.on_regroup is not None:
+            self.on_regroup()
 
     # ------------------------------------------------------------------ one step
     def step(self, run: Callable[[], Any], closure: Callable[[], Any]) -> Any:

@@ -114,3 +114,20 @@ def test_impossible_combinations_are_refused_at_construction(options: dict[str, 
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
         LocalSGDStrategy(fault_tolerant=FaultTolerance(), **options)  # type: ignore[arg-type]
     LocalSGDStrategy(**options)  # type: ignore[arg-type]  # accepted without fault_tolerant
+
+
+@pytest.mark.timeout(300)
+def test_a_replacement_takes_its_replicas_state_and_the_run_ends_on_the_uninterrupted_parameters(
+    tmp_path: Path,
+) -> None:
+    long = ft.Run(steps=40, pace_s=0.15, sync_every=SYNC_EVERY)
+    reference = ft.uninterrupted_params(long, tmp_path / "reference")
+    run = ft.Run(steps=40, pace_s=0.15, sync_every=SYNC_EVERY, victim=1, fail_at=3, replace=True)
+    outcomes, codes, _ = ft.launch(run, tmp_path / "joined")
+    assert codes[: ft.WORLD] == [0, -9, 0] and codes[ft.WORLD :] == [0], outcomes
+    assert ft.result(outcomes, 1)["admitted_at"] == 2  # membership epochs: 1 when rank 1 was lost, 2 at its return
+    ((step, ranks),) = ft.result(outcomes, 0)["joins"]
+    assert ranks == [1] and step % 5 == 0 and 5 <= step < 40  # at an epoch's start, in sync after validation
+    for rank in range(ft.WORLD):
+        assert (ft.final_params(outcomes, rank) - reference).abs().max().item() <= TOLERANCE
+        assert ft.result(outcomes, rank)["global_step"] == 40
