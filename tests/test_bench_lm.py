@@ -6,6 +6,7 @@ runs it or asserts on speed.
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
@@ -92,3 +93,15 @@ def test_time_to_target_interpolates_between_evaluations_and_says_when_never() -
     points = [{"seconds": 0.0, "val_loss": 5.0}, {"seconds": 10.0, "val_loss": 4.0}, {"seconds": 20.0, "val_loss": 2.0}]
     assert bench_lm.crossing(points, 3.0) == pytest.approx(15.0)
     assert bench_lm.crossing(points, 1.0) is None
+
+
+def test_a_run_without_ddp_is_summarised_with_no_target_and_blank_ratios() -> None:
+    """A stored cell's runs with ddp left out (``--variants`` without it): no target loss, the time to ddp's loss and
+    the ratio stay blank in the table and the note says why, instead of failing on the missing target."""
+    stored = json.loads((Path(bench_lm.__file__).parent / "results" / "lm.json").read_text())["cells"][0]
+    runs = {name: run for name, run in stored["runs"].items() if name != "ddp"}
+    cell = {**stored, "runs": runs, **bench_lm.summarize(runs)}
+    assert cell["target_loss"] is None and all(row["ratio_to_ddp"] is None for row in cell["variants"].values())
+    rows = bench_lm.table([cell])
+    assert rows and all(row[6] == "-" and row[7] == "-" for row in rows)
+    assert "ddp not run" in bench_lm.cell_note(cell)
