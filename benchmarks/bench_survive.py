@@ -11,8 +11,8 @@ restarts (node 0's agent hosts the job's store)::
 Every rank trains the cluster benchmarks' 12.6 M-parameter MLP (``_launch.mlp``, batch 32 a rank) with
 ``Trainer(strategy=RingAllReduceStrategy(fault_tolerant=True), num_nodes=3, devices=1, max_steps=60)`` on data of
 ``--epoch-steps`` steps an epoch (10: a replacement is taken in at an epoch's start); ``--strategy local_sgd`` trains
-with ``LocalSGDStrategy(sync_every=8, fault_tolerant=True)`` instead (``--sync-every``), without the ``join`` run
-(local SGD admits no replacement), drawn into ``docs/figures/survive_local_sgd_steps.png``. Runs:
+with ``LocalSGDStrategy(sync_every=8, fault_tolerant=True)`` instead (``--sync-every``; a replacement is taken in at
+an epoch's start where the ranks are in sync), drawn into ``docs/figures/survive_local_sgd_steps.png``. Runs:
 
 1. ``uninterrupted``: the reference (final parameters and each step's wall-clock time on every rank);
 2. ``kill``: node 1's worker SIGKILLs itself at the start of step ``--fail-at`` (``FailureInjector``);
@@ -76,8 +76,6 @@ TOLERANCE = 1e-6
 VICTIM = 1
 """The rank (and node: one process a node) that fails; node 0's agent hosts the store, so it must stay."""
 RUNS = ("uninterrupted", "kill", "cut", "join")
-RUNS_OF = {"ring_allreduce": RUNS, "local_sgd": ("uninterrupted", "kill", "cut")}
-"""The runs each strategy offers (the default ``--runs``): local SGD admits no replacement, so no ``join``."""
 JOIN_TARGET_S = 30.0
 """The issue's target: the replacement admitted within this many seconds of its agent's start."""
 FIGURES = {name: ROOT / "docs" / "figures" / f"survive_{name}_steps.png" for name in STRATEGIES}
@@ -92,7 +90,7 @@ QUICK = {"steps": 12, "fail_at": 4, "epoch_steps": 4, "cut_s": 20.0, "width": 25
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The benchmark's options, ``--quick``'s settings applied (it refuses a ``--json`` among the stored results)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", nargs="+", choices=RUNS, help="default: the strategy's (the reference always runs)")
+    parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=RUNS, help="the reference always runs")
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps of every run")
     parser.add_argument("--fail-at", type=int, default=20, help="the step at whose start node 1 is lost")
     parser.add_argument("--cut-s", type=float, default=60.0, help="seconds node 1's link is down in the cut run")
@@ -107,9 +105,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--plot", type=Path, help="draw the figure from this stored result and exit")
     parser.add_argument("--figure", type=Path, default=None, help=f"default: {FIGURE.relative_to(ROOT)} (not quick)")
     args = parser.parse_args(argv)
-    args.runs = args.runs or list(RUNS_OF[args.strategy])
-    if not set(args.runs) <= set(RUNS_OF[args.strategy]):
-        parser.error(f"--strategy {args.strategy} offers the runs {', '.join(RUNS_OF[args.strategy])}")
     if args.quick:
         named = "" if args.strategy == "ring_allreduce" else f"_{args.strategy}"
         apply_quick(args, parser, QUICK, f"survive{named}_quick.json")
@@ -504,6 +499,14 @@ def strategy_text(strategy: str, sync_every: int) -> str:
     return "RingAllReduceStrategy(fault_tolerant=True)"
 
 
+def on_cluster(args: argparse.Namespace, more: str = "") -> str:
+    """How a quote begins: the cluster, the run's length (and ``more``), the strategy where it is not the ring."""
+    cluster = f"the simulated 3-node cluster ({args.link}, {args.steps} steps{more})"
+    if args.strategy == "local_sgd":
+        return f"With `{strategy_text(args.strategy, args.sync_every)}` on {cluster}"
+    return f"On {cluster}"
+
+
 def quotes(runs: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, str]:
     """The sentences the page quotes, one a failure run (rendered into ``docs/fault_tolerance.md``)."""
     said = {}
@@ -519,13 +522,11 @@ def quotes(runs: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, st
             "kill": f"node 1's worker SIGKILLed at the start of step {args.fail_at}",
             "cut": f"node 1's link cut for {args.cut_s:g} s from step {args.fail_at}",
         }[run["run"]]
-        cluster = f"the simulated 3-node cluster ({args.link}, {args.steps} steps)"
-        lead, met, hit = f"On {cluster}", "", "the failure's step"
+        met, hit = "", "the failure's step"
         if args.strategy == "local_sgd":  # inner steps send nothing: the failure is met at the next synchronisation
-            lead = f"With `{strategy_text(args.strategy, args.sync_every)}` on {cluster}"
             met, hit = f" at the synchronisation of step {run['failed_step']}", "that step"
         said[run["run"]] = (
-            f"{lead}, with {what}, the two survivors noticed it{met} within "
+            f"{on_cluster(args)}, with {what}, the two survivors noticed it{met} within "
             f"{_fmt(_worst([r['detection_s'] for r in recs]), '.1f')} s, agreed in "
             f"{_fmt(_worst([r['agreement_s'] for r in recs]), '.2f')} s and formed their groups in "
             f"{_fmt(_worst([r['formation_s'] for r in recs]), '.3f')} s; {hit} took "
@@ -543,9 +544,9 @@ def join_quote(run: dict[str, Any], base: dict[str, Any], args: argparse.Namespa
     lost = run["ranks"][str(VICTIM)].get("agent_exited_s")
     gap = None if lost is None or run["failure_s"] is None else spare.get("agent_started_s", 0) - run["failure_s"]
     return (
-        f"On the simulated 3-node cluster ({args.link}, {args.steps} steps, {args.epoch_steps} steps an epoch), with "
-        f"node 1's worker SIGKILLed at the start of step {args.fail_at} and the same torchrun command started again "
-        f"on node 1 with `LDPS_JOIN=1` as soon as its agent had exited ({_fmt(gap, '.1f')} s after the kill), the "
+        f"{on_cluster(args, f', {args.epoch_steps} steps an epoch')}, with node 1's worker SIGKILLed at the start of "
+        f"step {args.fail_at} and the same torchrun command started again on node 1 with `LDPS_JOIN=1` as soon as its "
+        f"agent had exited ({_fmt(gap, '.1f')} s after the kill), the "
         f"replacement was admitted at the start of step {_fmt(spare.get('admitted_step'), 'd')} (membership epoch "
         f"{_fmt(spare.get('epoch'), 'd')}), {_fmt(spare.get('start_to_admitted_s'), '.1f')} s after its agent "
         f"started (target: {JOIN_TARGET_S:g} s), and finished its first step "
@@ -604,12 +605,12 @@ def plot(path: Path, figure: Path) -> None:
             label = f"{run['run']}: replacement started"
             ax.axvline(spare["agent_started_s"], color=line.get_color(), ls="-.", lw=0.8, label=label)
     settings = data["settings"]
-    what = "fault_tolerant=True"
-    if settings.get("strategy") == "local_sgd":
-        what = strategy_text("local_sgd", settings["sync_every"])
+    what = "fault_tolerant=True, "
+    if settings.get("strategy") == "local_sgd":  # a longer name: the title's second line says the rest
+        what = strategy_text("local_sgd", settings["sync_every"]) + "\n"
     ax.set_xlabel("seconds since launch")
     ax.set_ylabel("optimizer steps done (rank 0)")
-    ax.set_title(f"{what}, 3 nodes x 1 process over {settings['link']} (dotted: node 1)", fontsize=10)
+    ax.set_title(f"{what}3 nodes x 1 process over {settings['link']} (dotted: node 1)", fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     save_figure(fig, figure)
