@@ -65,6 +65,7 @@ COMMANDS = {
     "zero": "python benchmarks/bench_zero.py",
     "lm": "python benchmarks/bench_lm.py --links 200mbit 1gbit --nodes 2",
     "restart": "python benchmarks/bench_restart.py --tries 4",
+    "survive_local_sgd": "python benchmarks/bench_survive.py --strategy local_sgd",
 }
 """The command that produces each result file (without ``--json``), shown where the file is missing."""
 
