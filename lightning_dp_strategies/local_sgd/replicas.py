@@ -11,9 +11,8 @@ optimizer state into the module and the optimizer for its step and back out afte
 
 from __future__ import annotations
 
-import concurrent.futures
 import io
-import threading
+import time
 from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -25,7 +24,6 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_dp_strategies.comm.failures import PeerLostError
-from lightning_dp_strategies.reducers.bucket import wait_for
 
 __all__ = ["InnerStates", "Replica", "Replicas", "exchange"]
 
@@ -39,55 +37,45 @@ def _to_bytes(obj: object) -> Tensor:
     return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
 
 
-def _wait_all(works: Sequence[dist.Work | None], interrupt: Callable[[], str | None] | None) -> None:
-    """Wait for ``works``; with ``interrupt``, on a thread of their own, polled (a send or receive cannot be)."""
-    if interrupt is None:
-        for work in works:
-            assert work is not None
-            work.wait()
-        return
-    done: concurrent.futures.Future[None] = concurrent.futures.Future()
-
-    def wait() -> None:
-        try:
-            for work in works:
-                assert work is not None
-                work.wait()
-            done.set_result(None)
-        except BaseException as error:  # handed to the waiting thread
-            done.set_exception(error)
-
-    threading.Thread(target=wait, name="ldps-hand-over", daemon=True).start()
-    reason = wait_for(done, None, interrupt)  # type: ignore[arg-type]
-    if reason is not None:
-        raise PeerLostError(f"A hand-over of inner optimizer states was given up: {reason}.")
-    done.result()
+def _wait(work: dist.Work | None, interrupt: Callable[[], str | None] | None) -> None:
+    """Wait for a collective run on the process group's own threads; with ``interrupt``, polled (a given-up
+    collective is left to end with its group, no Python thread waits on it)."""
+    assert work is not None
+    while interrupt is not None and not work.is_completed():
+        reason = interrupt()
+        if reason is not None:
+            raise PeerLostError(f"A hand-over of inner optimizer states was given up: {reason}.")
+        time.sleep(0.001)
+    work.wait()
 
 
 def exchange(
     outgoing: Mapping[int, object],
     sources: Sequence[int],
-    group: dist.ProcessGroup | None,
+    group: dist.ProcessGroup,
     interrupt: Callable[[], str | None] | None = None,
 ) -> dict[int, Any]:
-    """Send each ``outgoing[dst]`` to global rank ``dst`` and receive one object from each of ``sources``, over
-    ``group`` (point to point, sizes first; every send and receive posted before any is waited for). ``interrupt``
-    is polled while waiting: what it returns instead of ``None`` gives the exchange up.
+    """Send each ``outgoing[dst]`` to global rank ``dst`` of ``group`` and receive one object from each of
+    ``sources``: two all-to-all collectives over ``group`` (the sizes, then the bytes), every rank of the group
+    taking part. ``interrupt`` is polled while waiting: what it returns instead of ``None`` gives the exchange up.
 
     Raises:
         PeerLostError: if ``interrupt`` gave the exchange up.
         RuntimeError: what the backend raises when a peer is lost (a failed connection or the group's timeout).
     """
+    members = dist.get_process_group_ranks(group)
     payloads = {dst: _to_bytes(obj) for dst, obj in outgoing.items()}
-    sizes_in = {src: torch.zeros(1, dtype=torch.int64) for src in sources}
-    works = [dist.isend(torch.tensor([p.numel()]), dst, group=group) for dst, p in payloads.items()]
-    works += [dist.irecv(size, src, group=group) for src, size in sizes_in.items()]
-    _wait_all(works, interrupt)
-    received = {src: torch.empty(int(size.item()), dtype=torch.uint8) for src, size in sizes_in.items()}
-    works = [dist.isend(payload, dst, group=group) for dst, payload in payloads.items()]
-    works += [dist.irecv(buffer, src, group=group) for src, buffer in received.items()]
-    _wait_all(works, interrupt)
-    return {src: torch.load(io.BytesIO(buf.numpy().tobytes()), weights_only=True) for src, buf in received.items()}
+    empty = torch.empty(0, dtype=torch.uint8)
+    send_sizes = torch.tensor([payloads[m].numel() if m in payloads else 0 for m in members], dtype=torch.int64)
+    recv_sizes = torch.empty_like(send_sizes)
+    _wait(dist.all_to_all_single(recv_sizes, send_sizes, group=group, async_op=True), interrupt)
+    sent = torch.cat([payloads.get(m, empty) for m in members])
+    received = torch.empty(int(recv_sizes.sum()), dtype=torch.uint8)
+    splits_in, splits_out = send_sizes.tolist(), recv_sizes.tolist()
+    work = dist.all_to_all_single(received, sent, splits_out, splits_in, group=group, async_op=True)
+    _wait(work, interrupt)
+    chunks = dict(zip(members, torch.split(received, splits_out), strict=True))
+    return {src: torch.load(io.BytesIO(chunks[src].numpy().tobytes()), weights_only=True) for src in sources}
 
 
 @dataclass

@@ -211,7 +211,7 @@ class LocalSurvival:
         """Every logical rank's inner state to the member that would take it over (:func:`handover_plan`); the
         states handed to this rank (collective over the survivors)."""
         survivors, replicas = self.survival.survivors, self.replicas
-        assert replicas is not None
+        assert replicas is not None and survivors.group is not None
         plan = handover_plan(survivors.members, survivors.world_size)
         states = replicas.states(self.rank)
         outgoing = {dst: {r: states[r] for r in held} for dst, held in plan.get(self.rank, {}).items()}
