@@ -45,6 +45,7 @@ from lightning_dp_strategies.local_sgd import LocalSGD, local_checkpoint_record
 from lightning_dp_strategies.local_sgd.averaging import averageable, outer_reducer
 from lightning_dp_strategies.local_sgd.replicas import InnerStates, Replicas, exchange
 from lightning_dp_strategies.strategies.survival import SurvivingStrategy, TrainerSurvival
+from lightning_dp_strategies.strategies.survival_hooks import SurvivalHooks
 
 __all__ = ["LocalSurvival", "check_local_survivable"]
 
@@ -81,22 +82,18 @@ def _silenced(module: pl.LightningModule) -> Generator[None, None, None]:
         del module.log, module.log_dict
 
 
-class LocalSurvival:
+class LocalSurvival(SurvivalHooks):
     """Fault-tolerant local SGD under the Trainer (see the module docstring)."""
 
     def __init__(self, strategy: LocalSurvivingStrategy, survival: TrainerSurvival) -> None:
         self.strategy = strategy
+        self.trains_lost_batches = False  # a lost rank's batches go to its replica, not into this rank's step
         self.survival = survival
         self.replicas: Replicas | None = None
         """The lost ranks' replicas this rank trains, and the inner states handed to it (``keep_global_batch``)."""
         self.positions: list[tuple[int, int]] = []
         """``(sampler epoch, batch_idx)`` of each inner step since the last synchronisation: what a replay trains."""
-        survival.trains_lost_batches = False  # a lost rank's batches go to its replica, not into this rank's step
-        survival.after_own_step = self.after_own_step
-        survival.ready_to_admit = lambda: self.local.in_sync
-        survival.on_admit = self.on_admit
-        survival.after_admit = self.after_admit
-        survival.on_regroup = self._regroup
+        survival.hooks = self
 
     @property
     def local(self) -> LocalSGD:
@@ -146,7 +143,7 @@ class LocalSurvival:
         trainer, optimizer = module.trainer, replicas.optimizer
         with replicas.swapped(logical), _silenced(module):
             optimizer.zero_grad(set_to_none=True)
-            loss = self.survival._lost_loss(batch, batch_idx)
+            loss = self.survival.lost_loss(batch, batch_idx)
             with strategy.engine.grad_sync.no_sync():
                 loss.backward()
             if trainer.gradient_clip_val:
@@ -191,7 +188,7 @@ class LocalSurvival:
             return changes
         raise RuntimeError(f"Local SGD lost a rank in each of {survivors.world_size} tries of one synchronisation.")
 
-    def _regroup(self) -> None:
+    def on_regroup(self) -> None:
         """Average over the survivors' new group, with a fresh reducer (the old one may still wait on the old group)."""
         local, survivors = self.local, self.survival.survivors
         reducer = outer_reducer(local.config.outer_precision, self.strategy.configure_reducer())
@@ -260,7 +257,11 @@ class LocalSurvival:
         self.positions = []
 
     # ------------------------------------------------------------------ replacements (where the ranks are in sync)
-    def on_admit(self, joining: list[int]) -> dict[str, Any] | None:
+    def ready_to_admit(self) -> bool:
+        """Where the ranks are in sync (after validation): every replica then holds the anchor."""
+        return self.local.in_sync
+
+    def on_admit(self, joining: list[int]) -> dict[str, Any]:
         """Before the world is re-formed for ``joining`` (every survivor): the local SGD record, with the inner
         optimizer states of the replicas the replacements take over, for the leader's training state."""
         module, survivors = self.strategy.lightning_module, self.survival.survivors
@@ -268,7 +269,7 @@ class LocalSurvival:
         states = [o.state_dict() for o in self.strategy.optimizers]
         group, leader = survivors.control_group, survivors.leader
         record = local_checkpoint_record(self.local, module, states, self.records(), group, leader)
-        return None if record is None else {"local_sgd": record}
+        return {} if record is None else {"local_sgd": record}
 
     def after_admit(self, joining: list[int]) -> None:
         """The replacements train their own logical ranks: the replicas of them are dropped, and the inner states

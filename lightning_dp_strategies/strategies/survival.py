@@ -49,6 +49,7 @@ from lightning_dp_strategies.core.fault_tolerance import (
 from lightning_dp_strategies.core.membership import is_peer_failure
 from lightning_dp_strategies.core.module_state import broadcast_module_buffers, sync_module_states
 from lightning_dp_strategies.reducers import Reducer
+from lightning_dp_strategies.strategies.survival_hooks import SurvivalHooks
 
 __all__ = ["TrainerSurvival", "check_survivable"]
 
@@ -125,19 +126,8 @@ class TrainerSurvival:
         """A replacement until the live ranks' training state arrived (Lightning's collectives wait till then)."""
         self.joins: list[tuple[int, list[int]]] = []
         """``(global_step, ranks)`` of each admission of replacements this rank took part in."""
-        self.trains_lost_batches = True
-        """Whether backward adds the lost ranks' micro-batches (local SGD steps their replicas instead)."""
-        self.ready_to_admit: Callable[[], bool] = lambda: True
-        """Whether replacements may be admitted at this epoch's start (local SGD: where the ranks are in sync)."""
-        self.on_admit: Callable[[list[int]], dict[str, Any] | None] | None = None
-        """Called on every survivor before the world is re-formed for ``joining`` ranks (over the survivors): entries
-        for the leader's training state that the replacements receive."""
-        self.after_admit: Callable[[list[int]], None] | None = None
-        """Called on every rank of the re-formed world once the replacements have their state."""
-        self.on_regroup: Callable[[], None] | None = None
-        """Called on every survivor once the gradient sync averages over new groups (after a failure, an admission)."""
-        self.after_own_step: Callable[[], None] | None = None
-        """Called after each optimizer step of this rank that completed (local SGD: the replicas' steps)."""
+        self.hooks = SurvivalHooks()
+        """What the strategy adds at fixed points (local SGD: its replicas)."""
         self._store: dist.Store | None = None  # the job's store, under this attempt's prefix
         self._loop: Any = None  # the fit loop whose SIGTERM broadcast is replaced
 
@@ -209,7 +199,7 @@ class TrainerSurvival:
         """At an epoch's start, where ranks are missing and a replacement waits for each: re-form the world with
         them, then give them the leader's training state (the steps :meth:`receive_state` mirrors)."""
         survivors = self.survivors
-        if not survivors.started or len(survivors.members) == survivors.world_size or not self.ready_to_admit():
+        if not survivors.started or len(survivors.members) == survivors.world_size or not self.hooks.ready_to_admit():
             return
         requests = survivors.join_requests() if self.is_leader() else {}
         missing = survivors.world_size - len(survivors.members)
@@ -219,8 +209,8 @@ class TrainerSurvival:
             return
         assert survivors.membership is not None
         epoch, leader, joining = survivors.membership.state.epoch + 1, survivors.leader, sorted(box[0])
-        extra = self.on_admit(joining) if self.on_admit is not None else None
-        state = {**self._training_state(trainer), **(extra or {})} if self.is_leader() else None
+        extra = self.hooks.on_admit(joining)
+        state = {**self._training_state(trainer), **extra} if self.is_leader() else None
         if self.is_leader():
             survivors.admit(box[0], epoch)
         dist.destroy_process_group()  # every group: the world, the gradient and control groups over the lost ranks
@@ -232,8 +222,7 @@ class TrainerSurvival:
         self.strategy._check_ranks_agree()
         sync_module_states(self.strategy.lightning_module, leader)
         self._share_state(leader, joining, state)
-        if self.after_admit is not None:
-            self.after_admit(joining)
+        self.hooks.after_admit(joining)
         self.joins.append((trainer.global_step, joining))
 
     def _training_state(self, trainer: pl.Trainer) -> dict[str, Any]:
@@ -269,8 +258,7 @@ class TrainerSurvival:
         assert survivors.group is not None
         strategy.engine.grad_sync.regroup(survivors.group, strategy.arrange_reducer(strategy.configure_reducer()))
         strategy._build_buckets()
-        if self.on_regroup is not None:
-            self.on_regroup()
+        self.hooks.on_regroup()
 
     # ------------------------------------------------------------------ one step
     def step(self, run: Callable[[], Any], closure: Callable[[], Any]) -> Any:
@@ -287,8 +275,7 @@ class TrainerSurvival:
                 if record.behind and self.catch_up(record, closure):
                     return None
             else:
-                if self.after_own_step is not None:
-                    self.after_own_step()
+                self.hooks.after_own_step()
                 return output
         return run()
 
@@ -326,14 +313,14 @@ class TrainerSurvival:
     def backward(self, run: Callable[[Tensor], Tensor], closure_loss: Tensor) -> Tensor:
         """``run(loss)`` (Lightning's backward) for this rank's loss, then for each lost rank's micro-batch this rank
         holds, accumulated locally until the last one, whose backward reduces them all."""
-        lost = self._lost_batches() if self.trains_lost_batches else []
+        lost = self._lost_batches() if self.hooks.trains_lost_batches else []
         if not lost:
             return run(closure_loss)
         with self.strategy.engine.grad_sync.no_sync():
             output = run(closure_loss)
             for batch in lost[:-1]:
-                run(self._lost_loss(batch))
-        run(self._lost_loss(lost[-1]))
+                run(self.lost_loss(batch))
+        run(self.lost_loss(lost[-1]))
         return output
 
     def _lost_batches(self) -> list[Any]:
@@ -343,7 +330,7 @@ class TrainerSurvival:
         batch_idx = module.trainer.fit_loop.epoch_loop.batch_idx
         return [self.strategy.batch_to_device(batch) for batch in self.survivors.lost_batches(batch_idx)]
 
-    def _lost_loss(self, batch: Any, batch_idx: int | None = None) -> Tensor:
+    def lost_loss(self, batch: Any, batch_idx: int | None = None) -> Tensor:
         """The training loss of a lost rank's micro-batch ``batch_idx`` (default: the current one), computed here."""
         module = self.strategy.lightning_module
         assert module is not None
