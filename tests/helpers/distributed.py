@@ -21,11 +21,46 @@ import torch.multiprocessing as mp
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _port_block() -> range:
+    """The ports this pytest worker hands out: below the kernel's ephemeral range, one block per xdist worker."""
+    low, high = 10000, _ephemeral_low()
+    workers = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0) % workers
+    size = (high - low) // workers
+    return range(low + worker * size, low + (worker + 1) * size)
+
+
+_next_port: list[int] = []
+
+
 def free_port() -> int:
-    """A TCP port on loopback that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port on loopback that nothing uses right now, and that nothing else in the suite will be handed.
+
+    A port from ``bind(0)`` comes from the kernel's ephemeral range, which every outgoing connection and every gloo
+    listener draws from too: between this call and the rank that binds it, another test's connection could take it
+    (seen as a rank timing out while connecting to its own store). Ports here come from below that range, from a
+    block of its own for each pytest-xdist worker, in turn; one still in use (or in TIME_WAIT) is passed over.
+    """
+    block = _port_block()
+    if not _next_port:
+        _next_port.append(block.start + (os.getpid() * 7919) % len(block))
+    for _ in range(len(block)):
+        port = _next_port[0]
+        _next_port[0] = block.start + (port + 1 - block.start) % len(block)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free TCP port in {block.start}-{block.stop - 1} on 127.0.0.1")
 
 
 # Modules the fork server imports once; every rank forked from it starts with them loaded (importing torch and
