@@ -385,6 +385,12 @@ CATALOGUE = [
         r"`micro_batches` must be an integer >= 1",
     ),
     Misuse(
+        "hybrid-fault_tolerant",
+        lambda run: HybridPipelineStrategy(fault_tolerant=True),  # type: ignore[call-arg]
+        TypeError,
+        r"offered by the Trainer's RingAllReduceStrategy and LocalSGDStrategy only.*restart from the last checkpoint",
+    ),
+    Misuse(
         "hybrid-schedule-unknown",
         lambda run: HybridPipelineStrategy(schedule="interleaved"),  # type: ignore[arg-type]
         ValueError,

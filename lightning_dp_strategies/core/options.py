@@ -291,6 +291,17 @@ class SharedOptions(TypedDict, total=False):
     start_method: Literal["popen", "spawn", "fork", "forkserver"]
 
 
+UNKNOWN_OPTION_HINTS = {
+    "fault_tolerant": (
+        ": going on without a lost rank is offered by the Trainer's RingAllReduceStrategy and LocalSGDStrategy "
+        "only (under Fabric the training loop is yours, so the strategy cannot redo a step or take over a lost "
+        "rank's share of the batch); here, restart from the last checkpoint instead (docs/fault_tolerance.md, "
+        "'The recipe')"
+    ),
+}
+"""Why an option that other strategies of the package take is not taken here, and what to do instead."""
+
+
 def lightning_arguments(
     strategy: str, options: Mapping[str, Any], allowed: type, plugins: tuple[str, ...]
 ) -> dict[str, Any]:
@@ -298,7 +309,8 @@ def lightning_arguments(
     for any call) and turned into the arguments of Lightning's ``DDPStrategy``: the shared ones and ``plugins``."""
     unknown = sorted(set(options) - set(allowed.__annotations__) - set(SharedOptions.__annotations__))
     if unknown:
-        raise TypeError(f"{strategy}() got an unexpected keyword argument {unknown[0]!r}")
+        hint = UNKNOWN_OPTION_HINTS.get(unknown[0], "")
+        raise TypeError(f"{strategy}() got an unexpected keyword argument {unknown[0]!r}{hint}")
     start_method = options.get("start_method", "popen")
     check_start_method(start_method)
     lightning = ("parallel_devices", "cluster_environment", "checkpoint_io", *plugins)

@@ -199,3 +199,10 @@ def test_names_registered_with_fabric_idempotently_with_their_launchers() -> Non
     strategy = fabric.strategy
     assert isinstance(strategy, FabricRingAllReduceStrategy) and strategy._start_method == "spawn"
     assert strategy.world_size == 2 and strategy.buckets is None  # nothing launched or set up yet
+
+
+@pytest.mark.parametrize("strategy", ["FabricRingAllReduceStrategy", "FabricLocalSGDStrategy"])
+def test_fault_tolerant_is_refused_under_fabric_naming_the_restart_recipe(strategy: str) -> None:
+    """Going on without a lost rank needs the Trainer's loop; a Fabric strategy refuses the option at construction."""
+    with pytest.raises(TypeError, match=r"'fault_tolerant'.*Trainer's RingAllReduceStrategy.*'The recipe'"):
+        getattr(lightning_dp_strategies, strategy)(fault_tolerant=True)
