@@ -411,13 +411,49 @@ def _outage_restarted(data: Result) -> str:
     return f"{runs[0]['seconds']:.1f} s"
 
 
+def _outage_rode_through(data: Result) -> str:
+    """The outage run whose timeout outlasted the outage: its seconds, where no worker restarted."""
+    run = next(r for r in data["runs"] if r["run"].startswith("link down") and not r["resumed_from_checkpoint"])
+    if any(run["worker_restart_counts"]) or not run["passed"]:
+        raise ValueError(f"the run {run['run']!r} restarted or failed: it did not ride the outage through")
+    return f"{run['seconds']:.1f} s"
+
+
+def _restarted_equal(data: Result) -> str:
+    """How far the killed and restarted jobs ended from the uninterrupted job's parameters, worst of them."""
+    diffs = [r["max_param_diff"] for r in data["runs"] if r["killed"] and r["max_param_diff"] is not None]
+    worst = max(diffs)
+    return "bitwise equal to" if worst == 0 else f"within {sci(worst)} of"
+
+
 RESTART: dict[str, Value] = {
     "ddp_resumed": _ddp_resumed,
     "ddp_lost": _ddp_lost,
     "outage_restarted": _outage_restarted,
+    "outage_rode_through": _outage_rode_through,
+    "restarted_equal": _restarted_equal,
 }
 
 RESTART_OUTAGE: dict[str, Value] = {"outage_restarted": _outage_restarted}
+
+
+# ---- ring_allreduce_c.json: bench_ring_allreduce.py --part c, reducers and compression on loopback
+
+
+def _compression_ms(data: Result, compression: str) -> str:
+    """A compression's extra compute per step (``c``) as the cost-model table states it."""
+    return f"{float(row(data, 1, compression=compression)['c ms']):.0f} ms"
+
+
+def _reducer_step(data: Result, reducer: str) -> str:
+    """A reducer's Trainer step in the first table."""
+    return f"{float(row(data, 0, reducer=reducer)['ms/step']):.0f} ms"
+
+
+RING_ALLREDUCE_C: dict[str, Value] = {
+    "powersgd_compute": lambda d: _compression_ms(d, 'PowerSGD("ring", rank=4)'),
+    "ring_step": lambda d: _reducer_step(d, '"ring"'),
+}
 
 
 # ---- survive.json: bench_survive.py, fault_tolerant=True on the simulated 3-node cluster
@@ -439,6 +475,7 @@ VALUES: dict[str, dict[str, Value]] = {
     "planning": PLANNING,
     "restart": RESTART,
     "restart_outage": RESTART_OUTAGE,
+    "ring_allreduce_c": RING_ALLREDUCE_C,
     "survive": SURVIVE,
 }
 """Every value a page may quote: ``VALUES[NAME][KEY]`` of ``benchmarks/results/NAME.json``."""

@@ -121,6 +121,18 @@ def test_a_stored_function_reads_its_number_from_the_json() -> None:
     assert doc_values.CLUSTER["two_level_1gbit_2x2"](changed) == "0.50x"
 
 
+def test_a_phrase_follows_the_stored_number_and_a_run_that_does_not_show_it_fails() -> None:
+    restart = doc_values.load("restart")
+    assert doc_values.RESTART["restarted_equal"](restart) == "bitwise equal to"
+    changed = copy.deepcopy(restart)
+    next(r for r in changed["runs"] if r["killed"])["max_param_diff"] = 3e-8
+    assert doc_values.RESTART["restarted_equal"](changed) == "within 3.0e-8 of"
+    rode = next(r for r in changed["runs"] if r["run"].startswith("link down") and not r["resumed_from_checkpoint"])
+    rode["worker_restart_counts"] = [1, 0]  # not a ride-through: the page must not quote it as one
+    with pytest.raises(ValueError, match="did not ride the outage through"):
+        doc_values.RESTART["outage_rode_through"](changed)
+
+
 def test_every_stored_value_is_quoted_by_a_page() -> None:
     marked = {
         (m.group("name"), m.group("key"))
