@@ -335,3 +335,48 @@ def test_survive_benchmark_parses_quick_and_summarizes_a_run_from_its_files(tmp_
     assert "(+5.5 s)" in said and "0.9 s after the kill" in said
     spare["start_to_admitted_s"] = bench_survive.JOIN_TARGET_S + 1  # admitted too late: the run fails
     assert not bench_survive.ok(join, args)
+
+
+def test_survive_benchmark_passes_local_sgd_and_its_sync_interval_to_the_workers(tmp_path: Path) -> None:
+    """``--strategy local_sgd``: its own figure and quick result, ``--sync-every`` carried to every worker's command
+    line (after the worker script, where ``survive_worker.py`` reads it and builds the strategy from it), named in the
+    table's title and notes; an unknown strategy or a non-integer interval refused. No cluster started, no torchrun."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import bench_survive
+    import survive_worker
+
+    from lightning_dp_strategies import LocalSGDStrategy
+
+    args = bench_survive.parse_args(["--strategy", "local_sgd", "--sync-every", "4"])
+    assert (args.strategy, args.sync_every) == ("local_sgd", 4)
+    assert args.figure == bench_survive.ROOT / "docs" / "figures" / "survive_local_sgd_steps.png"
+    assert args.figure != bench_survive.FIGURE  # the ring's figure is left alone
+    assert bench_survive.parse_args(["--strategy", "local_sgd"]).sync_every == 8
+    quick = bench_survive.parse_args(["--quick", "--strategy", "local_sgd"])
+    assert quick.json.name == "survive_local_sgd_quick.json" and quick.figure is None and quick.sync_every == 8
+    with pytest.raises(SystemExit):  # a quick run replaces no stored result
+        stored = bench_survive.RESULTS / "survive_local_sgd.json"
+        bench_survive.parse_args(["--quick", "--strategy", "local_sgd", "--json", str(stored)])
+    with pytest.raises(SystemExit):
+        bench_survive.parse_args(["--strategy", "diloco"])
+    with pytest.raises(SystemExit):
+        bench_survive.parse_args(["--strategy", "local_sgd", "--sync-every", "auto"])
+
+    for kill in (False, True):
+        command = bench_survive.agent_command(1, tmp_path, args, kill=kill)
+        worker_args = command[command.index(str(bench_survive.WORKER)) + 1 :]
+        assert worker_args[worker_args.index("--strategy") + 1] == "local_sgd"
+        assert worker_args[worker_args.index("--sync-every") + 1] == "4"
+        assert "--sync-every" not in command[: command.index(str(bench_survive.WORKER))]  # not torchrun's
+        worker = survive_worker.parse(worker_args)
+        assert (worker.strategy, worker.sync_every, worker.out) == ("local_sgd", 4, tmp_path)
+        assert worker.kill_rank == (bench_survive.VICTIM if kill else None)
+        built = survive_worker.strategy(worker)
+        assert isinstance(built, LocalSGDStrategy) and built.sync_every == 4
+
+    assert bench_survive.strategy_text(args.strategy, args.sync_every) == (
+        "LocalSGDStrategy(sync_every=4, fault_tolerant=True)"
+    )
+    notes = bench_survive.table_notes(args)
+    assert any("every 4 steps" in note for note in notes)
+    assert not any("every 4 steps" in note for note in bench_survive.table_notes(bench_survive.parse_args([])))
