@@ -112,9 +112,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.figure = FIGURES[args.strategy]
     if not 0 < args.fail_at < args.steps:
         parser.error(f"--fail-at must be a step of the run (1..{args.steps - 1}), got {args.fail_at}")
+    if args.sync_every < 1:
+        parser.error(f"--sync-every must be a positive number of steps, got {args.sync_every}")
     if "join" in args.runs and args.fail_at + args.epoch_steps >= args.steps:
         parser.error("join: the run needs an epoch start after --fail-at (lower --epoch-steps or raise --steps)")
+    if "join" in args.runs and args.strategy == "local_sgd" and not admission_steps(args):
+        parser.error(
+            "join: local SGD admits a replacement at an epoch start where the ranks are in sync (a multiple of "
+            f"--sync-every {args.sync_every} and of --epoch-steps {args.epoch_steps}), and none falls after "
+            f"--fail-at {args.fail_at} before step {args.steps}: change one of them or raise --steps"
+        )
     return args
+
+
+def admission_steps(args: argparse.Namespace) -> list[int]:
+    """The steps after the failure at which local SGD can take a replacement in: epoch starts that are also
+    synchronisations."""
+    steps = range(args.fail_at + 1, args.steps)
+    return [s for s in steps if s % args.epoch_steps == 0 and s % args.sync_every == 0]
 
 
 # ---------------------------------------------------------------------- one job on the cluster

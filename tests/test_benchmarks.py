@@ -361,6 +361,13 @@ def test_survive_benchmark_passes_local_sgd_and_its_sync_interval_to_the_workers
         bench_survive.parse_args(["--strategy", "diloco"])
     with pytest.raises(SystemExit):
         bench_survive.parse_args(["--strategy", "local_sgd", "--sync-every", "auto"])
+    with pytest.raises(SystemExit):
+        bench_survive.parse_args(["--strategy", "local_sgd", "--sync-every", "0"])
+    # join needs an epoch start that is also a synchronisation after the failure: 40 for 8 and 10, none for 7 and 10
+    assert bench_survive.admission_steps(args) == [40]
+    with pytest.raises(SystemExit):
+        bench_survive.parse_args(["--strategy", "local_sgd", "--sync-every", "7"])
+    assert bench_survive.parse_args(["--strategy", "local_sgd", "--sync-every", "7", "--runs", "kill"]).sync_every == 7
 
     for kill in (False, True):
         command = bench_survive.agent_command(1, tmp_path, args, kill=kill)
