@@ -468,6 +468,38 @@ def _agents_exit(data: Result) -> str:
 SURVIVE: dict[str, Value] = {"join_agents_exit": _agents_exit}
 
 
+# ---- compare.json, compare_user.json: store_compare.py, the README's `lightning-dp-strategies compare` runs
+
+
+def compare_printed(data: Result) -> str:
+    """The table ``lightning-dp-strategies compare`` printed for the stored rows, by the package's own formatter (the
+    rows that did not run and why included)."""
+    from lightning_dp_strategies.compare.report import format_table
+    from lightning_dp_strategies.compare.runner import RunResult
+
+    return str(format_table([RunResult(**row) for row in data["results"]]))
+
+
+def _compare_setting(data: Result) -> str:
+    """Where and on what the comparison ran: the machine, the software and the workload."""
+    m, config = data["machine"], data["config"]
+    cores, usable, load = m["cpu_count"], m.get("cores_usable"), m.get("load_average_at_start")
+    where = f"a {cores}-core {m['platform'].split('-')[0]} machine"
+    where += f" ({usable} usable)" if usable not in (None, cores) else ""
+    where += f", load average {load} at the start" if load is not None else ""
+    software = f"Python {m['python']}, torch {m['torch']}, {m['cuda'] or 'no GPU'}"
+    work = f"the demo's {config['model_size']} MLP, " if "model_size" in config else ""
+    work += f"{config['steps']} steps" + (f" of {config['global_batch']} samples" if "global_batch" in config else "")
+    return f"{where}; {software}; {work}, {data['devices']} devices per strategy"
+
+
+COMPARE: dict[str, Value] = {
+    "table": lambda d: f"\n```\n{compare_printed(d)}\n```\n",
+    "setting": _compare_setting,
+    "stored_by": lambda d: f"`{d['command']}`",
+}
+
+
 VALUES: dict[str, dict[str, Value]] = {
     "cluster": CLUSTER,
     "zero": ZERO,
@@ -477,5 +509,7 @@ VALUES: dict[str, dict[str, Value]] = {
     "restart_outage": RESTART_OUTAGE,
     "ring_allreduce_c": RING_ALLREDUCE_C,
     "survive": SURVIVE,
+    "compare": COMPARE,
+    "compare_user": COMPARE,
 }
 """Every value a page may quote: ``VALUES[NAME][KEY]`` of ``benchmarks/results/NAME.json``."""

@@ -66,6 +66,8 @@ COMMANDS = {
     "lm": "python benchmarks/bench_lm.py --links 200mbit 1gbit --nodes 2",
     "restart": "python benchmarks/bench_restart.py --tries 4",
     "survive_local_sgd": "python benchmarks/bench_survive.py --strategy local_sgd",
+    "compare": "python benchmarks/store_compare.py --figure docs/figures/comparison.png",
+    "compare_user": "python benchmarks/store_compare.py --user",
 }
 """The command that produces each result file (without ``--json``), shown where the file is missing."""
 

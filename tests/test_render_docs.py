@@ -147,3 +147,60 @@ def test_every_stored_value_is_quoted_by_a_page() -> None:
 def test_the_pages_are_what_the_stored_results_give(capsys: pytest.CaptureFixture[str]) -> None:
     stale = [page for page in render_docs.PAGES if not render_docs.render_page(page, check=True)]
     assert stale == [], capsys.readouterr().err + "\nrender them with python benchmarks/render_docs.py"
+
+
+COMPARE_RUNS = ["compare", "compare_user"]
+"""The README's two `lightning-dp-strategies compare` tables: the built-in demo and docs/examples' user model."""
+
+
+def _readme_value(name: str, key: str, text: str | None = None) -> str:
+    text = (render_docs.ROOT / "README.md").read_text() if text is None else text
+    found = [m.group("body") for m in render_docs.VALUE.finditer(text) if (m["name"], m["key"]) == (name, key)]
+    assert len(found) == 1, f"README.md should hold one value:{name}/{key} marker, holds {len(found)}"
+    return found[0]
+
+
+@pytest.mark.parametrize("name", COMPARE_RUNS)
+def test_the_readme_compare_table_is_the_package_formatter_on_the_stored_run(name: str) -> None:
+    from lightning_dp_strategies.compare.report import format_table
+    from lightning_dp_strategies.compare.runner import RunResult
+
+    data = doc_values.load(name)
+    printed = format_table([RunResult(**row) for row in data["results"]])
+    assert _readme_value(name, "table") == f"\n```\n{printed}\n```\n"
+    setting = _readme_value(name, "setting")
+    assert f"torch {data['machine']['torch']}" in setting and f"{data['machine']['cpu_count']}-core" in setting
+    assert data["command"] in _readme_value(name, "stored_by")
+    stored = (render_docs.RESULTS / f"{name}.json").read_text()
+    assert "/tmp" not in stored and str(render_docs.ROOT) not in stored, "machine paths in the stored run"
+
+
+@pytest.mark.parametrize("name", COMPARE_RUNS)
+def test_check_fails_where_the_readme_compare_table_and_the_stored_run_differ(
+    name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    readme = (render_docs.ROOT / "README.md").read_text()
+    block = _readme_value(name, "table", readme)
+    line = next(line for line in block.splitlines() if line.startswith("ring_allreduce "))
+    samples = line.split()[3]  # samples/s
+    tampered = line.replace(f" {samples} ", f" {int(samples) + 1} ", 1)
+    page = tmp_path / "README.md"
+    page.write_text(readme.replace(block, block.replace(line, tampered)))
+    assert not render_docs.render_page(page, check=True)
+    said = capsys.readouterr().err
+    assert f"<!-- value:{name}/table --> line" in said and f"says {render_docs._clip(tampered)}" in said
+
+    page.write_text(readme)  # the page as it is, against a stored run whose number moved
+    data = json.loads((render_docs.RESULTS / f"{name}.json").read_text())
+    ring = next(row for row in data["results"] if row["strategy"] == "ring_allreduce")
+    ring["samples_per_second"] *= 1.5
+    results = tmp_path / "results"
+    results.mkdir()
+    for stored in render_docs.RESULTS.glob("*.json"):  # every other marker of the page stays up to date
+        (results / stored.name).write_bytes(stored.read_bytes())
+    monkeypatch.setattr(render_docs, "RESULTS", results)
+    assert render_docs.render_page(page, check=True), capsys.readouterr().err
+    (results / f"{name}.json").write_text(json.dumps(data))
+    assert not render_docs.render_page(page, check=True)
+    said = capsys.readouterr().err
+    assert f"<!-- value:{name}/table --> line" in said and "ring_allreduce" in said
