@@ -565,8 +565,9 @@ def save(cells: list[dict[str, Any]], args: argparse.Namespace, skipped: list[st
     notes = [cell_note(c) for c in cells]
     notes += local_notes(cells)
     report.note(
-        f"{params / 1e6:.1f} M parameters; one process a node with one thread; every variant {args.budget:.0f} s "
-        f"of training; variants not in the installed package: {', '.join(skipped) or 'none'}."
+        f"{params / 1e6:.1f} M parameters; one process a node with one thread, a cell's nodes all on this machine's "
+        f"{report.data['machine']['cores_usable']} cores (more nodes than cores take turns on them); every variant "
+        f"{args.budget:.0f} s of training; variants not in the installed package: {', '.join(skipped) or 'none'}."
     )
     report.table("Time to ddp's held-out loss, bytes and peak bandwidth", COLUMNS, table(cells), notes)
     report.data["quotes"] = quotes(cells)
@@ -742,8 +743,8 @@ def ring_quote(cells: list[dict[str, Any]]) -> str:
             same = "identical" if max(apart) == 0 else f"at most {max(apart):.1e} apart"
             detail += f"; their held-out losses at the {len(apart)} steps both evaluated were {same}"
         said.append(
-            f"Over {cell['link']}, `ring_allreduce` took {ring['seconds_per_step']:.2f} s a step against ddp's "
-            f"{ddp['seconds_per_step']:.2f} ({ratio:.2f}x), {sent}, and {reached} ({detail})."
+            f"Over {cell['link']} between {cell['nodes']} nodes, `ring_allreduce` took {ring['seconds_per_step']:.2f}"
+            f" s a step against ddp's {ddp['seconds_per_step']:.2f} ({ratio:.2f}x), {sent}, and {reached} ({detail})."
         )
     return " ".join(said)
 
