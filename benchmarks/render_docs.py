@@ -128,7 +128,8 @@ def render(name: str) -> str:
             f"```bash\n{command} --json benchmarks/results/{name}.json\npython benchmarks/render_docs.py\n```\n"
         )
     data = json.loads(path.read_text())
-    ran = re.sub(r" --json \S+", "", data["command"])  # where the file went is said below
+    *steps, last = data["command"].split(" && ")  # a chain of commands keeps its earlier steps' outputs
+    ran = " && ".join([*steps, re.sub(r" --json[ =]\S+", "", last)])  # the last step's output is said below
     if "machine" in data:
         lines = [f"*Machine:* {_machine(data)}.  ", f"*Command:* `{ran} --json benchmarks/results/{name}.json`.", ""]
     else:  # computed, not measured

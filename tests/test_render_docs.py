@@ -204,3 +204,21 @@ def test_check_fails_where_the_readme_compare_table_and_the_stored_run_differ(
     assert not render_docs.render_page(page, check=True)
     said = capsys.readouterr().err
     assert f"<!-- value:{name}/table --> line" in said and "ring_allreduce" in said
+
+
+@pytest.mark.parametrize(
+    ("command", "shown"),
+    [
+        ("python b.py --json out.json --merge", "python b.py --merge --json benchmarks/results/demo.json"),
+        (
+            "python b.py --json out.json && python b.py --x 2 --add-to out.json --json out.json",
+            "python b.py --json out.json && python b.py --x 2 --add-to out.json --json benchmarks/results/demo.json",
+        ),
+    ],
+)
+def test_the_command_line_keeps_every_step_of_a_chain_and_names_the_stored_file_once(
+    demo: Path, command: str, shown: str
+) -> None:
+    """The renderer replaces the last step's ``--json`` with the stored file; an earlier step's output is its input."""
+    (render_docs.RESULTS / "demo.json").write_text(json.dumps({"command": command, "machine": {"cpu_count": 2}}))
+    assert f"*Command:* `{shown}`." in render_docs.render("demo")
