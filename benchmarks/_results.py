@@ -69,11 +69,13 @@ def save_figure(fig: Any, path: Path) -> None:
 class Report:
     """Tables and notes of one benchmark run, written as JSON by :meth:`save`."""
 
-    def __init__(self, benchmark: str, settings: dict[str, Any]) -> None:
+    def __init__(self, benchmark: str, settings: dict[str, Any], started: dict[str, Any] | None = None) -> None:
+        """``started``: :func:`machine` as taken before the measurement (its load average is the start's); by default
+        it is taken now, which is right only for a report made before anything ran."""
         self.data: dict[str, Any] = {
             "benchmark": benchmark,
             "command": command_line(),
-            "machine": machine(),
+            "machine": dict(started) if started is not None else machine(),
             "settings": {k: v for k, v in settings.items() if k != "json"},
             "tables": [],
             "notes": [],

@@ -540,18 +540,23 @@ def main() -> None:
     if os.geteuid() != 0:
         print("bench_lm.py needs root for the simulated cluster (network namespaces and tc); nothing measured.")
         return
+    from _results import machine
+
+    started = machine()  # the load average before the first launch
     cells = [measure_cell(link, nodes, variants, args) for nodes in args.nodes for link in args.links]
-    save(cells, args, skipped)
+    save(cells, args, skipped, started)
 
 
-def save(cells: list[dict[str, Any]], args: argparse.Namespace, skipped: list[str]) -> None:
+def save(
+    cells: list[dict[str, Any]], args: argparse.Namespace, skipped: list[str], started: dict[str, Any] | None = None
+) -> None:
     import lightning
     from _results import Report
     from lm_task import parameter_count
 
     keys = ("links", "nodes", "variants", "budget", "eval_seconds", "d_model", "layers", "heads", "context", "batch")
     settings: dict[str, Any] = {k: getattr(args, k) for k in (*keys, "lr", "sample_interval")}
-    report = Report("lm", settings)
+    report = Report("lm", settings, started)
     report.data["machine"]["cpu"] = cpu_model()
     report.data["machine"]["lightning"] = lightning.__version__
     if args.add_to is not None:

@@ -644,14 +644,18 @@ def package_version() -> dict[str, Any]:
     return found
 
 
-def report(runs: list[dict[str, Any]], args: argparse.Namespace, bandwidth: str) -> Any:
-    """The stored result: the table, the quoted sentences, every run's detail."""
+def report(
+    runs: list[dict[str, Any]], args: argparse.Namespace, bandwidth: str, started: dict[str, Any] | None = None
+) -> Any:
+    """The stored result: the table, the quoted sentences, every run's detail (``started``: the machine before the
+    first run)."""
     from _results import Report
 
     keys = ("runs", "steps", "fail_at", "cut_s", "epoch_steps", "link", "width", "depth", "batch", "agent_grace")
     keys += ("quick", "strategy", "sync_every")
     settings = {k: getattr(args, k) for k in keys}
-    result = Report("survive", {**settings, "nodes": NODES, "processes_per_node": 1, **package_version()})
+    settings.update(nodes=NODES, processes_per_node=1, **package_version())
+    result = Report("survive", settings, started)
     costs(runs, args.fail_at)
     result.note(f"link: {args.link}, measured {bandwidth}")
     title = (
@@ -720,6 +724,9 @@ def main(argv: list[str] | None = None) -> None:
     runs: list[dict[str, Any]] = []
     folder = Path(tempfile.mkdtemp(prefix="survive-"))  # kept: the agents' logs and the steps files
     print(f"logs in {folder}", flush=True)
+    from _results import machine
+
+    started = machine()  # the load average before the first run
     with measured_cluster(NODES, args.link) as bandwidth:
         reference = folder / "uninterrupted"
         for name in ("uninterrupted", *[r for r in args.runs if r != "uninterrupted"]):
@@ -744,7 +751,7 @@ def main(argv: list[str] | None = None) -> None:
                     print("--- node 1's replacement agent log (last lines) ---\n" + "\n".join(keep), flush=True)
     for saved in reference.glob("rank*.pt"):
         saved.unlink()
-    result = report(runs, args, bandwidth)
+    result = report(runs, args, bandwidth, started)
     for row in result.data["tables"][0]["rows"]:
         print("  ".join(str(c) for c in row))
     for sentence in result.data["quotes"].values():

@@ -313,6 +313,8 @@ def test_survive_benchmark_parses_quick_and_summarizes_a_run_from_its_files(tmp_
         reference = None if name == "uninterrupted" else tmp_path / "uninterrupted"
         runs.append(bench_survive.summarize(name, job, out, reference, args))
     report = bench_survive.report(runs, args, "118 MB/s")
+    started = {**report.data["machine"], "load_average_at_start": 0.25}  # as main takes it before the first run
+    assert bench_survive.report(runs, args, "118 MB/s", started).data["machine"]["load_average_at_start"] == 0.25
     kill = runs[1]
     assert kill["seconds"] == 17 and kill["cost_s"] == 5.0 and kill["failure_s"] == 2.1 and kill["finished"] == [0, 2]
     assert kill["recoveries"][0]["detection_s"] == pytest.approx(0.4) and kill["max_param_diff"] == pytest.approx(1e-7)
@@ -387,3 +389,18 @@ def test_survive_benchmark_passes_local_sgd_and_its_sync_interval_to_the_workers
     notes = bench_survive.table_notes(args)
     assert any("every 4 steps" in note for note in notes)
     assert not any("every 4 steps" in note for note in bench_survive.table_notes(bench_survive.parse_args([])))
+
+
+def test_a_report_made_after_the_runs_states_the_load_average_taken_before_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A benchmark that builds its report once its runs are over passes the machine taken before them: the load
+    average its page calls the start's is not the one its own processes left behind."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import _results
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.5, 0.0, 0.0))
+    started = _results.machine()
+    monkeypatch.setattr(os, "getloadavg", lambda: (3.5, 0.0, 0.0))  # the benchmark's own processes, at the end
+    assert _results.Report("demo", {}, started).data["machine"]["load_average_at_start"] == 0.5
+    assert _results.Report("demo", {}).data["machine"]["load_average_at_start"] == 3.5
