@@ -413,7 +413,9 @@ def _outage_restarted(data: Result) -> str:
 
 def _outage_rode_through(data: Result) -> str:
     """The outage run whose timeout outlasted the outage: its seconds, where no worker restarted."""
-    run = next(r for r in data["runs"] if r["run"].startswith("link down") and not r["resumed_from_checkpoint"])
+    run = next((r for r in data["runs"] if r["run"].startswith("link down") and not r["resumed_from_checkpoint"]), None)
+    if run is None:
+        raise ValueError("no outage run that rode through is stored: run bench_restart.py with --outage above 0")
     if any(run["worker_restart_counts"]) or not run["passed"]:
         raise ValueError(f"the run {run['run']!r} restarted or failed: it did not ride the outage through")
     return f"{run['seconds']:.1f} s"
