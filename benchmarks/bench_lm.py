@@ -1,11 +1,13 @@
 """Training over slow links: a byte-level Transformer LM on the simulated cluster, time to ddp's validation loss.
 
 The task is ``benchmarks/lm_task.py``: a 7.2 M-parameter byte-level causal Transformer (4 blocks of width 384, tied
-byte embedding, context 128) trained with AdamW on the standard library's ``pydoc_data.topics`` text, the last 10%
-held out. Every variant trains the same model from the same seed on the same global batch sequence (8 windows a
-process and step) for the same training-time budget (``--budget`` seconds, evaluations left out), one process a
-simulated node with one thread. Every ``--eval-seconds`` of training the ranks' averaged model (for local SGD
-mid-period: the mean of the ranks' parameters, in a copy) is scored on 64 held-out windows; the clock stops meanwhile.
+byte embedding, context 128) trained with AdamW, its learning rate warmed up over ``--warmup`` steps, on the standard
+library's ``pydoc_data.topics`` text, the last 10% held out. Every variant trains the same model from the same seed on
+the same global batch sequence (8 windows a process and step) for the same training-time budget (``--budget``
+seconds, evaluations left out), one process a simulated node with one thread. Every ``--eval-seconds`` of training
+the ranks' averaged model (for local SGD mid-period: the mean of the ranks' parameters, in a copy) is scored on 64
+held-out windows; the clock stops meanwhile. ``--add-to`` refuses a stored result whose cells trained with other
+settings.
 Variants (one line each in :data:`VARIANTS`):
 
     ddp                    Lightning's own DDP
@@ -126,7 +128,7 @@ def worker(args: argparse.Namespace) -> None:
 def lm_config(args: argparse.Namespace) -> Any:
     from lm_task import LMConfig
 
-    return LMConfig(args.d_model, args.layers, args.heads, args.context, args.batch, args.lr)
+    return LMConfig(args.d_model, args.layers, args.heads, args.context, args.batch, args.lr, args.warmup)
 
 
 def clock_callback(budget: float, eval_seconds: float, batches: list[Any]) -> Any:
@@ -314,7 +316,8 @@ def profile_callback(mode: str) -> Any:
 
 
 # ---------------------------------------------------------------------- launching
-WORKER_SETTINGS = ("d_model", "layers", "heads", "context", "batch", "lr", "budget", "eval_seconds", "max_steps")
+WORKER_SETTINGS = ("d_model", "layers", "heads", "context", "batch", "lr", "warmup", "budget", "eval_seconds")
+WORKER_SETTINGS += ("max_steps",)
 
 
 def launch(variant: str, args: argparse.Namespace, folder: Path, nodes: int) -> dict[str, Any]:
@@ -412,6 +415,7 @@ def measure_cell(link: str, nodes: int, variants: list[str], args: argparse.Name
 
     runs: dict[str, dict[str, Any]] = {}
     failed: dict[str, str] = {}
+    load = round(os.getloadavg()[0], 2)  # before this cell's first launch
     with measured_cluster(nodes, link) as bandwidth, tempfile.TemporaryDirectory(prefix="lm-") as tmp:
         for variant in variants:
             try:
@@ -424,6 +428,7 @@ def measure_cell(link: str, nodes: int, variants: list[str], args: argparse.Name
             mb = sum(runs[variant]["sent_bytes"]) / 1e6
             print(f"  {link} {nodes} nodes {variant:22s} {last['step']:4d} steps {last['val_loss']:.4f} {mb:.0f} MB")
     cell = {"link": link, "nodes": nodes, "per_node": 1, "bandwidth": bandwidth, "runs": runs, "failed": failed}
+    cell["load_average_at_start"] = load
     return {**cell, **summarize(runs)}
 
 
@@ -496,7 +501,7 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--nodes", nargs="+", type=int, default=[2, 4], help="node counts (one process each)")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--budget", type=float, default=60.0, help="training seconds of every variant")
-    parser.add_argument("--eval-seconds", type=float, default=10.0, help="training seconds between evaluations")
+    parser.add_argument("--eval-seconds", type=float, default=5.0, help="training seconds between evaluations")
     parser.add_argument("--max-steps", type=int, default=100_000, help="a cap on steps besides the budget")
     parser.add_argument("--d-model", type=int, default=384)
     parser.add_argument("--layers", type=int, default=4)
@@ -504,6 +509,7 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--batch", type=int, default=8, help="windows a process and step")
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW's learning rate")
+    parser.add_argument("--warmup", type=int, default=20, help="steps of linear learning-rate warm-up (0: none)")
     parser.add_argument("--sample-interval", type=float, default=0.05, help="seconds between link samples")
     parser.add_argument("--quick", action="store_true", help="one cell (200mbit x 2), ddp and local_sgd, 20 s each")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and exit")
@@ -533,6 +539,9 @@ def main() -> None:
         skipped
     ):
         print(line)
+    if args.add_to is not None:  # before measuring: cells trained otherwise cannot share a table
+        stored = json.loads(args.add_to.read_text())["settings"]
+        check_same_training(stored, {k: getattr(args, k) for k in TRAINING}, args.add_to)
     if args.dry_run:
         return
     if args.profile:
@@ -554,8 +563,7 @@ def save(
     from _results import Report
     from lm_task import parameter_count
 
-    keys = ("links", "nodes", "variants", "budget", "eval_seconds", "d_model", "layers", "heads", "context", "batch")
-    settings: dict[str, Any] = {k: getattr(args, k) for k in (*keys, "lr", "sample_interval")}
+    settings: dict[str, Any] = {k: getattr(args, k) for k in ("links", "nodes", "variants", *TRAINING)}
     report = Report("lm", settings, started)
     report.data["machine"]["cpu"] = cpu_model()
     report.data["machine"]["lightning"] = lightning.__version__
@@ -566,6 +574,9 @@ def save(
         cells = [{**c, **summarize(c["runs"])} for c in kept + cells]  # every cell summarised the same way
         if kept:  # the command that measured the kept cells, then this one
             report.data["command"] = f"{stored['command']} && {report.data['command']}"
+        covered = report.data["settings"]  # the links and node counts of every stored cell
+        covered["links"] = list(dict.fromkeys(c["link"] for c in cells))
+        covered["nodes"] = list(dict.fromkeys(c["nodes"] for c in cells))
     params = parameter_count(lm_config(args))
     notes = [cell_note(c) for c in cells]
     notes += local_notes(cells)
@@ -586,6 +597,22 @@ def save(
     report.save(args.json)
     if args.json is not None:
         plot(args.json, args.figure)
+
+
+TRAINING = ("budget", "eval_seconds", "d_model", "layers", "heads", "context", "batch", "lr", "warmup")
+TRAINING += ("sample_interval",)
+"""The settings every cell of one stored result must share (``--add-to`` refuses a result that differs)."""
+
+
+def check_same_training(stored: dict[str, Any], new: dict[str, Any], path: Path) -> None:
+    """Refuse to add cells to ``path`` when the stored cells trained or were measured otherwise (``SystemExit``
+    naming the settings that differ); a result stored before a setting existed counts as differing in it."""
+    differ = [f"{k}: stored {stored.get(k)!r}, now {new[k]!r}" for k in TRAINING if stored.get(k) != new[k]]
+    if differ:
+        raise SystemExit(
+            f"--add-to {path}: its cells were trained with other settings ({'; '.join(differ)}). Run every cell "
+            "with the same settings: measure them all again, or pass the stored settings."
+        )
 
 
 # ---------------------------------------------------------------------- the sentences docs/slow_links.md quotes

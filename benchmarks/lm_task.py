@@ -7,7 +7,8 @@ process and every strategy sees the same global batch sequence for the same seed
 a fixed set of windows of the held-out bytes.
 
 The model is a pre-norm GPT: byte embedding (tied to the output head), learned positions, ``layers`` blocks of
-causal self-attention and a 4x MLP, a final LayerNorm. Only torch is imported at module level (Lightning where the
+causal self-attention and a 4x MLP, a final LayerNorm. It trains with AdamW, the learning rate warmed up linearly
+over the first ``warmup`` steps. Only torch is imported at module level (Lightning where the
 module is made), so a test can import this file on its own.
 """
 
@@ -34,7 +35,9 @@ class LMConfig:
     batch: int = 8
     """Sequences per process and step."""
     lr: float = 1e-3
-    """AdamW's learning rate."""
+    """AdamW's learning rate (after the warm-up)."""
+    warmup: int = 20
+    """Optimizer steps over which the learning rate rises linearly from ``lr / warmup`` to ``lr`` (0: none)."""
 
     @property
     def tokens_per_step(self) -> int:
@@ -140,9 +143,21 @@ def evaluate(model: ByteLM, batches: list[tuple[Tensor, Tensor]]) -> float:
     return sum(losses) / sum(x.numel() for x, _ in batches)
 
 
+def warmup_factor(step: int, warmup: int) -> float:
+    """The share of the learning rate used at optimizer step ``step`` (counted from 0): rising linearly over
+    ``warmup`` steps, then 1.
+
+    Examples:
+        >>> [warmup_factor(s, 4) for s in range(5)], warmup_factor(0, 0)
+        ([0.25, 0.5, 0.75, 1.0, 1.0], 1.0)
+    """
+    return min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
+
+
 def lightning_module(config: LMConfig) -> Any:
     """A ``LightningModule`` over :class:`ByteLM` (``.model``) that trains with AdamW (lr ``config.lr``, weight decay
-    0.1, betas 0.9/0.95) on batches of :class:`TrainWindows`."""
+    0.1, betas 0.9/0.95), its learning rate warmed up linearly over ``config.warmup`` steps (a ``LambdaLR`` stepped
+    every optimizer step), on batches of :class:`TrainWindows`."""
     import lightning as L
 
     class ByteLMModule(L.LightningModule):
@@ -153,7 +168,9 @@ def lightning_module(config: LMConfig) -> Any:
         def training_step(self, batch: tuple[Tensor, Tensor], _: int) -> Tensor:
             return self.model.loss(*batch)
 
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.AdamW(self.parameters(), lr=config.lr, weight_decay=0.1, betas=(0.9, 0.95))
+        def configure_optimizers(self) -> Any:
+            optimizer = torch.optim.AdamW(self.parameters(), lr=config.lr, weight_decay=0.1, betas=(0.9, 0.95))
+            schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: warmup_factor(step, config.warmup))
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     return ByteLMModule()

@@ -105,3 +105,41 @@ def test_a_run_without_ddp_is_summarised_with_no_target_and_blank_ratios() -> No
     rows = bench_lm.table([cell])
     assert rows and all(row[6] == "-" and row[7] == "-" for row in rows)
     assert "ddp not run" in bench_lm.cell_note(cell)
+
+
+def test_the_learning_rate_warms_up_linearly_then_holds() -> None:
+    """The module's AdamW starts at ``lr / warmup`` and reaches ``lr`` after ``warmup`` optimizer steps; with
+    ``warmup=0`` it starts at ``lr``."""
+    config = lm_task.LMConfig(32, 1, 2, 16, 2, lr=1e-3, warmup=4)
+    settings = lm_task.lightning_module(config).configure_optimizers()
+    optimizer, schedule = settings["optimizer"], settings["lr_scheduler"]["scheduler"]
+    assert settings["lr_scheduler"]["interval"] == "step"
+    seen = []
+    for _ in range(6):
+        seen.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        schedule.step()
+    assert seen == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3])
+    plain = lm_task.lightning_module(lm_task.LMConfig(32, 1, 2, 16, 2, lr=1e-3, warmup=0)).configure_optimizers()
+    assert plain["optimizer"].param_groups[0]["lr"] == pytest.approx(1e-3)
+
+
+def test_add_to_refuses_cells_trained_otherwise_and_records_every_stored_cell(tmp_path: Path) -> None:
+    """``--add-to`` keeps the stored cells only when they trained with the same settings (else it names the setting
+    that differs before measuring anything), and the merged result's settings name every cell's link and node
+    count, not only the last invocation's."""
+    stored = json.loads((BENCHMARKS / "results" / "lm.json").read_text())
+    args = bench_lm.arguments().parse_args(["--links", "200mbit", "--nodes", "2"])
+    training = {k: getattr(args, k) for k in bench_lm.TRAINING}
+    with pytest.raises(SystemExit, match="warmup: stored 5, now 20"):
+        bench_lm.check_same_training({**training, "warmup": 5}, training, tmp_path / "lm.json")
+    bench_lm.check_same_training(dict(training), training, tmp_path / "lm.json")
+
+    stored["settings"].update(training)
+    (tmp_path / "lm.json").write_text(json.dumps(stored))
+    new = next(c for c in stored["cells"] if (c["link"], c["nodes"]) == ("200mbit", 2))
+    args.add_to, args.json, args.figure = tmp_path / "lm.json", tmp_path / "out.json", tmp_path / "lm.png"
+    bench_lm.save([new], args, [], None)
+    merged = json.loads((tmp_path / "out.json").read_text())
+    assert sorted(merged["settings"]["links"]) == ["1gbit", "200mbit"] and merged["settings"]["nodes"] == [2, 4]
+    assert len(merged["cells"]) == len(stored["cells"])
