@@ -470,6 +470,34 @@ def _agents_exit(data: Result) -> str:
 SURVIVE: dict[str, Value] = {"join_agents_exit": _agents_exit}
 
 
+# ---- lm.json: bench_lm.py, the language model on the simulated cluster
+
+
+def _lm_setting(data: Result, key: str) -> str:
+    """One training setting every stored cell shares, as the page prints it (seconds without a trailing ``.0``)."""
+    value = data["settings"][key]
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _plain_sooner(data: Result) -> str:
+    """In how many stored cells ``streaming_diloco`` (plain averaging, its chosen period) reached ddp's loss before
+    both variants with DiLoCo's outer Nesterov step (``diloco``, ``streaming_nesterov``); never reaching it is last."""
+
+    def seconds(cell: Result, variant: str) -> float:
+        reached = cell["variants"][variant]["seconds_to_target"]
+        return math.inf if reached is None else float(reached)
+
+    cells = [c for c in data["cells"] if c["target_loss"] is not None]
+    sooner = sum(
+        seconds(c, "streaming_diloco") < min(seconds(c, "diloco"), seconds(c, "streaming_nesterov")) for c in cells
+    )
+    return f"in all {len(cells)} cells" if sooner == len(cells) else f"in {sooner} of the {len(cells)} cells"
+
+
+LM: dict[str, Value] = {key: (lambda d, k=key: _lm_setting(d, k)) for key in ("lr", "warmup", "eval_seconds")}
+LM["plain_sooner"] = _plain_sooner
+
+
 # ---- compare.json, compare_user.json: store_compare.py, the README's `lightning-dp-strategies compare` runs
 
 
@@ -511,6 +539,7 @@ VALUES: dict[str, dict[str, Value]] = {
     "restart_outage": RESTART_OUTAGE,
     "ring_allreduce_c": RING_ALLREDUCE_C,
     "survive": SURVIVE,
+    "lm": LM,
     "compare": COMPARE,
     "compare_user": COMPARE,
 }

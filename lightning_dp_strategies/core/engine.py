@@ -31,7 +31,7 @@ from lightning_dp_strategies.bucketing.sync import GradientSync, destroy_groups
 from lightning_dp_strategies.core.checkpoint_io import atomic_write, can_stream
 from lightning_dp_strategies.core.nonfinite import NonfiniteGuard, check_nonfinite_mode
 from lightning_dp_strategies.core.options import BucketedConfig, ReductionOptions
-from lightning_dp_strategies.local_sgd import FlatAverager, LocalSGD, LocalSGDConfig, PeriodicAverager, outer_reducer
+from lightning_dp_strategies.local_sgd import FlatAverager, LocalSGD, LocalSGDConfig, PeriodicAverager, outer_averager
 from lightning_dp_strategies.reducers import Reducer, resolve_reducer
 from lightning_dp_strategies.sharding import OptimizerSharding, clip_grad_norm_across
 from lightning_dp_strategies.sharding.checkpoint import finish_save
@@ -131,8 +131,8 @@ class BucketedEngine:
 
     def start_local_sgd(self, config: LocalSGDConfig, reducer: Reducer, world_size: int, backend: str | None) -> None:
         """Local SGD over the gradient group: the parameter change averaged with ``reducer`` every period (in the
-        config's outer precision)."""
-        averager = FlatAverager(outer_reducer(config.outer_precision, reducer))
+        config's outer precision), buffers and whole-model states exactly."""
+        averager = outer_averager(config.outer_precision, reducer)
         averager.setup(self.grad_sync.group, list(range(world_size)), backend)
         self.local_sgd = LocalSGD(config, averager)
 

@@ -12,7 +12,8 @@ optimizer over the anchor parameters takes one step with it::
 
 Streaming DiLoCo (``fragments``, ``delay``, ``mixing``, ``outer_precision``) synchronises runs of parameters in
 staggered turns, each every ``H`` steps, sends a fragment's change while the inner steps go on and applies it
-``delay`` steps later (:mod:`.streaming`).
+``delay`` steps later (:mod:`.streaming`). Only the change travels in ``outer_precision``: buffers and the averaged
+model a checkpoint or an evaluation takes are averaged exactly.
 
 Plain averaging (no outer optimizer) gives ``mean_r(params_r)``; DiLoCo is SGD with Nesterov momentum as the outer
 optimizer (:func:`diloco_outer_optimizer`). During ``warmup_steps`` the gradients are averaged every step instead
@@ -27,7 +28,13 @@ strategy holds; it knows nothing of either.
 """
 
 from lightning_dp_strategies.local_sgd.algorithm import InFlight, LocalSGD
-from lightning_dp_strategies.local_sgd.averaging import FlatAverager, PeriodicAverager, averageable, outer_reducer
+from lightning_dp_strategies.local_sgd.averaging import (
+    FlatAverager,
+    PeriodicAverager,
+    averageable,
+    outer_averager,
+    outer_reducer,
+)
 from lightning_dp_strategies.local_sgd.checkpoint import gather_to_zero, local_checkpoint_record, restore_local_record
 from lightning_dp_strategies.local_sgd.config import (
     OUTER_PRECISIONS,
@@ -52,6 +59,7 @@ __all__ = [
     "gather_to_zero",
     "local_checkpoint_record",
     "make_outer_optimizer",
+    "outer_averager",
     "outer_reducer",
     "restore_local_record",
     "split_fragments",

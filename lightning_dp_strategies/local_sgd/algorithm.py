@@ -227,7 +227,7 @@ class LocalSGD:
             self.phase = 0
             return
         everything = list(range(len(self.params)))
-        averaged = self._averaged_now(everything, self._average)
+        averaged = self._averaged_now(everything, lambda changes: self._average(changes, len(everything)))
         self._outer_step(everything, averaged, exact=True)
         self.phase = 0
 
@@ -262,12 +262,12 @@ class LocalSGD:
         """Send ``fragment``'s change: applied now without a delay (returns True), else in flight."""
         indices = self.fragments[fragment]
         if self.channel is None:
-            changes = self._averaged_now(indices, self._averaged)
+            changes = self._averaged_now(indices, lambda changes: self._averaged(changes, len(indices)))
             self._outer_step(indices, changes, exact=self.config.turns_equalize)
             return True
         with torch.no_grad():
             changes = self._changes(indices)
-        future = self.channel.submit(lambda: self._averaged(changes))
+        future = self.channel.submit(lambda: self._averaged(changes, len(indices)))
         self.in_flight.append(InFlight(fragment, self.phase + self.delay, future))
         return False
 
@@ -280,10 +280,11 @@ class LocalSGD:
             average(changes)
         return changes
 
-    def _averaged(self, changes: list[Tensor]) -> list[Tensor]:
-        """``changes`` averaged in place (on the channel's thread with a delay); timed while choosing a period."""
+    def _averaged(self, changes: list[Tensor], lossy: int) -> list[Tensor]:
+        """``changes`` averaged in place, the buffers after the first ``lossy`` exactly (on the channel's thread with
+        a delay); timed while choosing a period."""
         start = time.perf_counter()
-        self.averager.average(changes)
+        self.averager.average(changes, lossy)
         if self.choosing:
             self.timings["fragment"].append(time.perf_counter() - start)
         return changes
@@ -297,9 +298,10 @@ class LocalSGD:
             self.channel.run(work)
         self.exposed_seconds += time.perf_counter() - start
 
-    def _average(self, tensors: list[Tensor]) -> None:
-        """Average ``tensors`` over the ranks (through the channel when there is one), counting the wait."""
-        self._collective(lambda: self.averager.average(tensors))
+    def _average(self, tensors: list[Tensor], lossy: int) -> None:
+        """Average ``tensors`` over the ranks (through the channel when there is one), counting the wait; those after
+        the first ``lossy`` (buffers, values) exactly, whatever the outer precision."""
+        self._collective(lambda: self.averager.average(tensors, lossy))
 
     def _apply(self, pending: InFlight) -> None:
         start = time.perf_counter()
@@ -345,7 +347,7 @@ class LocalSGD:
         if self.survivor is not None:
             return self.survivor.averaged_state(state)
         averaged = {k: v.detach().clone() if isinstance(v, Tensor) and averageable(v) else v for k, v in state.items()}
-        self._average([v for v in averaged.values() if isinstance(v, Tensor) and averageable(v)])
+        self._average([v for v in averaged.values() if isinstance(v, Tensor) and averageable(v)], 0)
         return averaged
 
     def state_dict(self) -> dict[str, Any]:

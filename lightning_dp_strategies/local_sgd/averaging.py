@@ -4,6 +4,10 @@ Local SGD, DiLoCo and post-local SGD all average a set of tensors (parameter cha
 then, outside backward. :class:`FlatAverager` packs them into one flat fp32 buffer, hands it to a reducer as a
 :class:`~lightning_dp_strategies.reducers.GradBucket` (so ``bf16_compress("ring")`` halves what is sent) and unpacks
 the average; :class:`PeriodicAverager` is torch's ``PeriodicModelAverager`` schedule on top of it.
+
+A lossy reducer (a low precision on the wire, a compression) is for the parameter changes only: values themselves
+(buffers, the averaged model a checkpoint or an evaluation takes) are averaged exactly, through the averager's
+``exact`` companion (:func:`outer_averager`).
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ from lightning_dp_strategies.comm import CommCounter
 from lightning_dp_strategies.comm.failures import PeerLostError
 from lightning_dp_strategies.reducers import (
     GradBucket,
+    NativeReducer,
     QuantizedReducer,
     Reducer,
+    RingReducer,
     bf16_compress,
     close_reducer,
     setup_reducer,
@@ -28,7 +34,7 @@ from lightning_dp_strategies.reducers import (
 from lightning_dp_strategies.reducers.bucket import wait_for
 from lightning_dp_strategies.reducers.thread import close_in_background
 
-__all__ = ["FlatAverager", "PeriodicAverager", "averageable", "outer_reducer"]
+__all__ = ["FlatAverager", "PeriodicAverager", "averageable", "outer_averager", "outer_reducer"]
 
 
 def averageable(tensor: Tensor) -> bool:
@@ -50,6 +56,24 @@ def outer_reducer(precision: str, reducer: Reducer) -> Reducer:
     if precision in ("int8", "int4"):
         return QuantizedReducer(int(precision[3:]))
     return reducer
+
+
+def outer_averager(precision: str, reducer: Reducer) -> FlatAverager:
+    """The averager of local SGD's changes in ``precision`` (:func:`outer_reducer`), with an ``exact`` companion (the
+    backend's fp32 all-reduce, counted with it) for values unless the changes already travel exactly (``"fp32"``
+    through the package's ring or the backend's all-reduce).
+
+    Examples:
+        >>> from lightning_dp_strategies.reducers import RingReducer
+        >>> exact = outer_averager("int4", RingReducer()).exact
+        >>> outer_averager("fp32", RingReducer()).exact is None, type(exact.reducer).__name__
+        (True, 'NativeReducer')
+    """
+    averager = FlatAverager(outer_reducer(precision, reducer))
+    if precision != "fp32" or not isinstance(reducer, (RingReducer, NativeReducer)):
+        averager.exact = FlatAverager(NativeReducer())
+        averager.exact.counter = averager.counter
+    return averager
 
 
 class FlatAverager:
@@ -74,16 +98,22 @@ class FlatAverager:
         self.reductions = 0
         self.interrupt: Callable[[], str | None] | None = None
         """Polled while an average is waited for: why it cannot complete (a peer known lost), or ``None``."""
+        self.exact: FlatAverager | None = None
+        """Where the tensors that must not go through a lossy ``reducer`` are averaged (``None``: it is exact)."""
         self._buffer: Tensor | None = None
 
     def setup(self, group: dist.ProcessGroup | None, ranks: Sequence[int], backend: str | None = None) -> None:
         """Average over ``group`` (global ``ranks``); runs the reducer's own setup step. Collective: every rank."""
         self.group = group
         setup_reducer(self.reducer, group, ranks, backend)
+        if self.exact is not None:
+            self.exact.setup(group, ranks, backend)
 
     def close(self) -> None:
         close_reducer(self.reducer)
         self._buffer = None
+        if self.exact is not None:
+            self.exact.close()
 
     def regroup(self, group: dist.ProcessGroup | None, ranks: Sequence[int], reducer: Reducer) -> None:
         """After a peer failure: average over ``group`` (global ``ranks``) with a fresh ``reducer`` from now on. The
@@ -91,6 +121,8 @@ class FlatAverager:
         group's timeout. Collective over ``group``."""
         old, self.reducer, self._buffer = self.reducer, reducer, None
         close_in_background(functools.partial(close_reducer, old))
+        if self.exact is not None:
+            self.exact.reducer, self.exact._buffer = NativeReducer(), None
         self.setup(group, ranks, "gloo")
 
     @property
@@ -99,9 +131,17 @@ class FlatAverager:
             return 1
         return dist.get_world_size(self.group)
 
-    def average(self, tensors: Sequence[Tensor]) -> None:
-        """Replace every tensor of ``tensors`` by its average over the group, in one reduction (collective)."""
+    def average(self, tensors: Sequence[Tensor], lossy: int | None = None) -> None:
+        """Replace every tensor of ``tensors`` by its average over the group (collective): in one reduction, or, with
+        an ``exact`` companion, the first ``lossy`` tensors (all when ``None``) through the reducer and the rest
+        exactly, in a second reduction."""
         tensors = list(tensors)
+        if self.exact is not None and lossy is not None and lossy < len(tensors):
+            if lossy:
+                self.average(tensors[:lossy])
+            self.exact.interrupt = self.interrupt
+            self.exact.average(tensors[lossy:])
+            return
         total = sum(t.numel() for t in tensors)
         device = tensors[0].device if tensors else torch.device("cpu")
         if self._buffer is None or self._buffer.numel() != total or self._buffer.device != device:

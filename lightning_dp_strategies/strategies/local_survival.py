@@ -164,7 +164,7 @@ class LocalSurvival(SurvivalHooks):
                 handed = self._hand_over() if self.replicas is not None else None
                 with torch.no_grad():
                     changes = self._changes(indices)
-                    local._average(changes)
+                    local._average(changes, len(indices))
                     if survivors.grad_scale != 1.0:
                         torch._foreach_mul_(changes, survivors.grad_scale)
                 done = True
@@ -291,7 +291,7 @@ class LocalSurvival(SurvivalHooks):
                 for k in keys:
                     averaged[k] += theirs[k]
         tensors = [averaged[k] for k in keys]
-        self.local._average(tensors)
+        self.local._average(tensors, 0)
         if self.survival.survivors.grad_scale != 1.0:
             torch._foreach_mul_(tensors, self.survival.survivors.grad_scale)
         return averaged

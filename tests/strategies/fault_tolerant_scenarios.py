@@ -102,8 +102,8 @@ class AverageFails(L.Callback):
             return
         average = local._average
 
-        def flaky(tensors: list[torch.Tensor]) -> None:
-            average(tensors)
+        def flaky(tensors: list[torch.Tensor], lossy: int) -> None:
+            average(tensors, lossy)
             if local.syncs == self.syncs and not self.fired:
                 self.fired = True
                 torch._foreach_mul_(tensors, 0.5)  # what a reduction cut short leaves: not the average

@@ -173,6 +173,19 @@ def test_resume_with_a_fragment_in_flight_equals_the_uninterrupted_run(runs: Pat
 
 
 @pytest.mark.timeout(600)
+def test_a_mid_stream_checkpoint_holds_the_exact_mean_of_the_ranks_with_a_4_bit_outer_precision(runs: Path) -> None:
+    """The outer gradient travels in 4 bits, but the model a checkpoint holds (what another strategy loads) is the
+    ranks' parameters averaged exactly: sent through the 4-bit reduction, weights would be rounded to a fifteenth of
+    their block's range."""
+    ckpt = torch.load(runs / "stream_full" / "epoch=0.ckpt", weights_only=False)
+    own = [r["module"] for r in ckpt["local_sgd"]["ranks"]]
+    assert all(o is not None for o in own) and max_diff(own[0], own[1]) > 0  # the ranks differ mid-stream
+    floating = [k for k in own[0] if own[0][k].is_floating_point()]
+    average = {k: (own[0][k] + own[1][k]) / 2 for k in floating}
+    assert max_diff({k: ckpt["state_dict"][k] for k in floating}, average) <= TOLERANCE
+
+
+@pytest.mark.timeout(600)
 def test_sync_every_auto_chooses_one_period_on_every_rank_after_a_trial_period(runs: Path) -> None:
     """Two fragments and a delay of one step: the trial period sends fragment 0 at step 1 and fragment 1 at step 2,
     applies them at steps 2 and 3, and chooses at step 3 (on loopback a fragment of a few hundred values usually takes
