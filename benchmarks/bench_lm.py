@@ -120,7 +120,8 @@ def worker(args: argparse.Namespace) -> None:
                 "sync_every": local.sync_every,
                 "delay": local.delay,
                 "syncs": local.syncs,
-                "exposed_seconds": local.exposed_seconds,
+                "exposed_seconds": local.exposed_seconds - clock.evaluation_waits,  # training's own waits
+                "evaluation_waits": clock.evaluation_waits,
             }
         Path(args.out).write_text(json.dumps(result))
 
@@ -148,6 +149,7 @@ def clock_callback(budget: float, eval_seconds: float, batches: list[Any]) -> An
             self.segments: list[list[float]] = []  # wall-time [start, end] of each stretch of training
             self.step_s: list[float] = []
             self.start = self.paused = self.last = self.next_eval = 0.0
+            self.evaluation_waits = 0.0  # local SGD: what averaging the model for the evaluations added to its waits
 
         def elapsed(self) -> float:
             return time.perf_counter() - self.start - self.paused
@@ -180,7 +182,9 @@ def clock_callback(budget: float, eval_seconds: float, batches: list[Any]) -> An
 
         def evaluate(self, trainer: L.Trainer, module: L.LightningModule, step: int, now: float) -> dict[str, Any]:
             local = getattr(trainer.strategy, "local_sgd", None)
+            waited = 0.0 if local is None else local.exposed_seconds
             state = module.state_dict() if local is None else local.averaged_state(module.state_dict())
+            self.evaluation_waits += 0.0 if local is None else local.exposed_seconds - waited
             loss = float("nan")
             if trainer.global_rank == 0:
                 model: Any = copy.deepcopy(module.model)
@@ -792,7 +796,7 @@ def cell_note(cell: dict[str, Any]) -> str:
 
 def local_notes(cells: list[dict[str, Any]]) -> list[str]:
     """One line per local SGD variant: the period and delay it ran with (as ``"auto"`` chose them) and the share of
-    its training time the loop waited for averages (evaluations' own averages included, so an upper bound)."""
+    its training time the loop waited for averages (the evaluations' own averages left out)."""
     lines = []
     for cell in cells:
         for variant, run in cell["runs"].items():
@@ -800,10 +804,12 @@ def local_notes(cells: list[dict[str, Any]]) -> list[str]:
             if local is None:
                 continue
             seconds, waited = run["points"][-1]["seconds"], local["exposed_seconds"]
+            evaluations = local.get("evaluation_waits")  # outside the training clock
+            more = f", and {evaluations:.1f} s more for the evaluations" if evaluations is not None else ""
             lines.append(
                 f"{cell['link']} x {cell['nodes']} {variant}: sync_every={local['sync_every']}, "
                 f"delay={local['delay']}, {local['syncs']} outer steps; waited for averages {waited:.1f} s of "
-                f"{seconds:.0f} s ({100 * waited / seconds:.0f}%)"
+                f"{seconds:.0f} s ({100 * waited / seconds:.0f}%)" + more
             )
     return lines
 
