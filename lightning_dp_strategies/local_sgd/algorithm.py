@@ -227,7 +227,8 @@ class LocalSGD:
             self.phase = 0
             return
         everything = list(range(len(self.params)))
-        averaged = self._averaged_now(everything, lambda changes: self._average(changes, len(everything)))
+        count = len(everything)
+        averaged = self._collective(lambda: self._averaged_now(everything, lambda c: self.averager.average(c, count)))
         self._outer_step(everything, averaged, exact=True)
         self.phase = 0
 
@@ -261,8 +262,8 @@ class LocalSGD:
     def _send(self, fragment: int) -> bool:
         """Send ``fragment``'s change: applied now without a delay (returns True), else in flight."""
         indices = self.fragments[fragment]
-        if self.channel is None:
-            changes = self._averaged_now(indices, lambda changes: self._averaged(changes, len(indices)))
+        if self.channel is None:  # the loop waits for the average: counted as exposed
+            changes = self._collective(lambda: self._averaged_now(indices, lambda c: self._averaged(c, len(indices))))
             self._outer_step(indices, changes, exact=self.config.turns_equalize)
             return True
         with torch.no_grad():
@@ -289,14 +290,12 @@ class LocalSGD:
             self.timings["fragment"].append(time.perf_counter() - start)
         return changes
 
-    def _collective(self, work: Callable[[], Any]) -> None:
+    def _collective(self, work: Callable[[], Any]) -> Any:
         """Run ``work`` (a collective over the averager's group) after what is in flight, counting the wait."""
         start = time.perf_counter()
-        if self.channel is None:
-            work()
-        else:
-            self.channel.run(work)
+        result = work() if self.channel is None else self.channel.run(work)
         self.exposed_seconds += time.perf_counter() - start
+        return result
 
     def _average(self, tensors: list[Tensor], lossy: int) -> None:
         """Average ``tensors`` over the ranks (through the channel when there is one), counting the wait; those after

@@ -128,6 +128,8 @@ def test_bf16_reducer_halves_the_bytes_of_the_average(runs: Path) -> None:
     assert bf16[0]["averaged_bytes"] * 2 == plain[0]["averaged_bytes"] > 0
     # the strategy's statistics (what `compare` reports) count the averages: 3 periods of 4 steps
     assert plain[0]["comm"]["bytes_sent"] == plain[0]["averaged_bytes"] and plain[0]["comm"]["ring_operations"] == 3
+    # no delay: the loop waits for each average, and the statistics count that wait as exposed
+    assert 0 < plain[0]["comm"]["exposed_seconds"] <= plain[0]["comm"]["comm_seconds"] + 0.5
     assert 0 < max_diff(plain[0]["state"], bf16[0]["state"]) <= 1e-2  # bf16 rounding of the change
     assert max_diff(bf16[0]["state"], bf16[1]["state"]) == 0
 
