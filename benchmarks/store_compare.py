@@ -7,6 +7,9 @@ Usage::
     python benchmarks/store_compare.py --json benchmarks/results/compare.json --figure docs/figures/comparison.png
     # docs/examples' model (README: cd docs/examples && lightning-dp-strategies compare --model ... --data ...)
     python benchmarks/store_compare.py --user --json benchmarks/results/compare_user.json
+    # the figure again from the stored run, with the installed package's drawing code (nothing runs)
+    python benchmarks/store_compare.py --redraw --json benchmarks/results/compare.json \
+        --figure docs/figures/comparison.png
 
 The command runs with its defaults, its ``--output`` a temporary folder, from the repository's root (the demo) or
 ``docs/examples`` (``--user``). The stored file is the command's ``comparison.json`` (configuration, devices, every
@@ -58,12 +61,29 @@ def relativise(text: str, output: Path) -> str:
     return text
 
 
+def redraw(stored: Path, figure: Path) -> None:
+    """Draw ``figure`` from the rows of the stored run ``stored``, as the compare command draws its own."""
+    from lightning_dp_strategies.compare.report import write_figure
+    from lightning_dp_strategies.compare.runner import RunResult
+
+    rows = [RunResult(**row) for row in json.loads(stored.read_text())["results"]]
+    if not write_figure(rows, figure):
+        sys.exit("--redraw needs matplotlib")
+    print(f"wrote {figure}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--user", action="store_true", help="docs/examples' Forecaster instead of the built-in demo")
     parser.add_argument("--json", type=Path, required=True, help="where to store the run")
     parser.add_argument("--figure", type=Path, help="also copy the run's comparison.png here")
+    parser.add_argument("--redraw", action="store_true", help="only draw --figure from the stored --json; run nothing")
     args = parser.parse_args()
+    if args.redraw:
+        if args.figure is None:
+            parser.error("--redraw draws --figure: name it")
+        redraw(args.json, args.figure)
+        return
     at_start = machine()
     with tempfile.TemporaryDirectory(prefix="store-compare-") as tmp:
         output = Path(tmp) / "comparison"

@@ -263,6 +263,6 @@ def _loss_panel(ax: Axes, results: Sequence[RunResult]) -> None:
     ax.set_title("training loss of each step's global batch")
     # the table's "final loss" is another measurement: the whole training set, after the last step
     ax.set_xlabel(
-        "optimizer step (the table's final loss: the whole training set after the last step)", fontsize="small"
+        "optimizer step\n(the table's final loss: the whole training set after the last step)", fontsize="x-small"
     )
     ax.set_ylabel("training loss")

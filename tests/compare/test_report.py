@@ -161,3 +161,14 @@ def test_table_shows_peak_memory_and_why_rows_did_not_run() -> None:
         "  scatter_gather (n/a): the model holds a buffer that replicas cannot share",
         "  ddp (failed): exit 1: RuntimeError: boom",
     ]
+
+
+def test_every_axis_label_and_title_lies_inside_the_figure(figure: Figure) -> None:
+    """No label is cut at the figure's edge (the loss panel's long axis label was, before it wrapped)."""
+    renderer = figure.canvas.get_renderer()  # type: ignore[attr-defined]
+    bounds = figure.bbox
+    for ax in figure.axes:
+        for text in (ax.xaxis.label, ax.yaxis.label, ax.title):
+            box = text.get_window_extent(renderer)
+            inside = bounds.x0 <= box.x0 and box.x1 <= bounds.x1 and bounds.y0 <= box.y0 and box.y1 <= bounds.y1
+            assert inside, (text.get_text(), box, bounds)
