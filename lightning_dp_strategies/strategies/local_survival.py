@@ -164,7 +164,7 @@ class LocalSurvival(SurvivalHooks):
                 handed = self._hand_over() if self.replicas is not None else None
                 with torch.no_grad():
                     changes = self._changes(indices)
-                    local._average(changes, len(indices))
+                    local.averager.average(changes, len(indices))  # the caller counts the wait (_collective)
                     if survivors.grad_scale != 1.0:
                         torch._foreach_mul_(changes, survivors.grad_scale)
                 done = True

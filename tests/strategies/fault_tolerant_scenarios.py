@@ -100,16 +100,16 @@ class AverageFails(L.Callback):
         local = trainer.strategy.local_sgd  # type: ignore[attr-defined]
         if trainer.global_rank != self.rank:
             return
-        average = local._average
+        average = local.averager.average
 
-        def flaky(tensors: list[torch.Tensor], lossy: int) -> None:
+        def flaky(tensors: list[torch.Tensor], lossy: int | None = None) -> None:
             average(tensors, lossy)
             if local.syncs == self.syncs and not self.fired:
                 self.fired = True
                 torch._foreach_mul_(tensors, 0.5)  # what a reduction cut short leaves: not the average
                 raise PeerLostError("injected: the average completed elsewhere, then failed on this rank only")
 
-        local._average = flaky
+        local.averager.average = flaky
 
 
 class Fail(L.Callback):
