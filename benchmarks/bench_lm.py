@@ -694,9 +694,13 @@ def streaming_clause(cell: dict[str, Any]) -> str:
         return ""
     bursts = [f"{name}'s {rows[v]['peak_mb_per_s']:.0f} MB" for v, name in BURSTS.items() if v in rows]
     waited = run["local_sgd"]["exposed_seconds"] / row["seconds"]
+    reached = f"reached ddp's final held-out loss in {_share(row)} of ddp's time"
+    if row["ratio_to_ddp"] is None:
+        reached = "did not reach ddp's final held-out loss within its budget"
     return (
-        f"`streaming_diloco` took {row['seconds_per_step']:.2f} s a step, reached ddp's final held-out loss in "
-        f"{_share(row)} of ddp's time" + (f" (its int8 variant {_share(int8)})" if int8 is not None else "") + ", "
+        f"`streaming_diloco` took {row['seconds_per_step']:.2f} s a step, {reached}"
+        + (f" (its int8 variant: {_share(int8)})" if int8 is not None else "")
+        + ", "
         f"sent {row['sent_mb_per_step']:.2f} MB a step where ddp sends {rows['ddp']['sent_mb_per_step']:.0f} MB, and "
         f"never more than {row['peak_mb_per_s']:.1f} MB in one second"
         + (f", against {_and(bursts)}" if bursts else "")

@@ -143,3 +143,14 @@ def test_add_to_refuses_cells_trained_otherwise_and_records_every_stored_cell(tm
     merged = json.loads((tmp_path / "out.json").read_text())
     assert sorted(merged["settings"]["links"]) == ["1gbit", "200mbit"] and merged["settings"]["nodes"] == [2, 4]
     assert len(merged["cells"]) == len(stored["cells"])
+
+
+def test_the_quoted_sentence_says_when_streaming_never_reached_ddps_loss() -> None:
+    """A cell where ``streaming_diloco`` did not reach ddp's final loss says so in words, not as a share."""
+    stored = json.loads((BENCHMARKS / "results" / "lm.json").read_text())
+    cell = next(c for c in stored["cells"] if (c["link"], c["nodes"]) == ("200mbit", 2))
+    reached = bench_lm.streaming_clause(cell)
+    assert "reached ddp's final held-out loss in 0." in reached
+    cell["variants"]["streaming_diloco"] = {**cell["variants"]["streaming_diloco"], "ratio_to_ddp": None}
+    never = bench_lm.streaming_clause(cell)
+    assert "did not reach ddp's final held-out loss within its budget" in never and "not reached of" not in never
