@@ -2,16 +2,17 @@
 summed in fp32.
 
 Each rank owns one chunk of the flat tensor (as :func:`~lightning_dp_strategies.comm.shards.chunk_range` cuts it).
-Every rank quantizes its contribution to each chunk and sends it to the chunk's owner; the owner dequantizes the
-contributions, sums them in fp32, quantizes the reduced chunk once more and all-gathers it; every rank then
-dequantizes the same bytes, so the result is the same on every rank::
+Every rank quantizes its contribution to each other rank's chunk and sends it to the chunk's owner; the owner
+dequantizes them, sums them in fp32 with its own contribution (exact: it never leaves the rank), quantizes the reduced
+chunk once more and all-gathers it; every rank then dequantizes the same bytes, so the result is the same on every
+rank::
 
     quantize chunk j ──send──▶ rank j: dequantize, sum in fp32 ──▶ quantize ──all-gather──▶ every rank: dequantize
 
 A value travels twice, each time as ``bits`` bits (plus one fp32 scale per ``block`` values): a rank sends
 ``2(N-1)/N`` of the tensor as the ring does, at ``bits/32`` of its fp32 bytes. Quantization is symmetric and
 round-to-nearest per block: a value's error is at most half its block's scale (``max|x| / 127`` for 8 bits,
-``max|x| / 7`` for 4), once for each contribution and once for the reduced chunk (:func:`error_bound`).
+``max|x| / 7`` for 4), once for each contribution sent and once for the reduced chunk (:func:`error_bound`).
 """
 
 from __future__ import annotations
@@ -67,6 +68,30 @@ def _blocks(x: Tensor, block: int) -> Tensor:
     return padded.view(-1, block)
 
 
+def _block_scales(x: Tensor, qmax: int, block: int) -> Tensor:
+    """Each block's largest magnitude over ``qmax``: the whole blocks as a view of ``x``, the short last one apart."""
+    whole = x.numel() // block * block
+    scales = torch.empty(-(-x.numel() // block), dtype=torch.float32, device=x.device)
+    head = x[:whole].view(-1, block)
+    if whole:
+        torch.maximum(head.amax(dim=1), head.amin(dim=1).neg_(), out=scales[: whole // block])
+    if whole < x.numel():
+        scales[-1] = x[whole:].abs().max()
+    return scales.div_(qmax)
+
+
+def _steps(x: Tensor, scales: Tensor, block: int) -> Tensor:
+    """``x / scale`` rounded to the nearest integer (as floats; 0 where a block's scale is 0), in one new tensor."""
+    whole = x.numel() // block * block
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    out = torch.empty(x.numel() + x.numel() % 2, dtype=torch.float32, device=x.device)  # room for a last nibble
+    torch.div(x[:whole].view(-1, block), safe[: whole // block, None], out=out[:whole].view(-1, block))
+    if whole < x.numel():
+        torch.div(x[whole:], safe[-1], out=out[whole : x.numel()])
+    out[x.numel() :] = 0.0
+    return out.round_()
+
+
 def quantize(x: Tensor, bits: int = 8, block: int = 128) -> Quantized:
     """``x`` (any shape, read flat) as ``bits``-bit integers with one scale a block of ``block`` values.
 
@@ -78,18 +103,16 @@ def quantize(x: Tensor, bits: int = 8, block: int = 128) -> Quantized:
         58
     """
     qmax = _qmax(bits)
-    blocks = _blocks(x.detach(), block)
-    scales = blocks.abs().amax(dim=1) / qmax
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    q = torch.round(blocks / safe[:, None]).clamp_(-qmax, qmax).to(torch.int16).view(-1)[: x.numel()]
-    if bits == 8:
-        data = (q + 128).to(torch.uint8)
-    else:
-        nibbles = (q + 8).to(torch.uint8)
-        if nibbles.numel() % 2:
-            nibbles = torch.cat([nibbles, nibbles.new_full((1,), 8)])
-        data = nibbles[0::2] | (nibbles[1::2] << 4)
-    return Quantized(data, scales, x.numel(), bits, block)
+    flat = x.detach().reshape(-1).to(torch.float32)
+    scales = _block_scales(flat, qmax, block)
+    steps = _steps(flat, scales, block)
+    if bits == 8:  # v + 128 as a byte is v's two's-complement byte with its top bit flipped
+        data = steps[: flat.numel()].to(torch.int8).view(torch.uint8).bitwise_xor_(0x80)
+    else:  # (v0 + 8) | (v1 + 8) << 4  ==  (v0 + 16 v1 + 8) + 128, and v0 + 16 v1 + 8 fits a signed byte
+        pairs = steps.view(-1, 2)
+        packed = torch.addcmul(pairs[:, 0], pairs[:, 1], steps.new_tensor(16.0)).add_(8)
+        data = packed.to(torch.int8).view(torch.uint8).bitwise_xor_(0x80)
+    return Quantized(data, scales, flat.numel(), bits, block)
 
 
 def dequantize(q: Quantized) -> Tensor:
@@ -99,13 +122,17 @@ def dequantize(q: Quantized) -> Tensor:
         >>> dequantize(quantize(torch.tensor([7.0, -3.5, 0.0]), bits=4)).tolist()
         [7.0, -4.0, 0.0]
     """
+    full = q.scales.numel() * q.block
+    values = torch.empty(max(full, 2 * q.data.numel()), dtype=torch.float32, device=q.data.device)
     if q.bits == 8:
-        values = q.data.to(torch.int16) - 128
+        values[: q.numel] = q.data
     else:
-        values = torch.stack([q.data & 0x0F, q.data >> 4], dim=1).view(-1)[: q.numel].to(torch.int16) - 8
-    padded = torch.zeros(q.scales.numel() * q.block, dtype=torch.float32, device=q.data.device)
-    padded[: q.numel] = values.to(torch.float32)
-    return (padded.view(-1, q.block) * q.scales[:, None]).view(-1)[: q.numel]
+        pairs = values[: 2 * q.data.numel()].view(-1, 2)
+        pairs[:, 0] = q.data & 0x0F
+        pairs[:, 1] = q.data >> 4
+    values[: q.numel].sub_(128 if q.bits == 8 else 8)
+    values[q.numel : full] = 0.0
+    return values[:full].view(-1, q.block).mul_(q.scales[:, None]).view(-1)[: q.numel]
 
 
 def _half_scales(x: Tensor, qmax: int, block: int) -> Tensor:
@@ -115,19 +142,20 @@ def _half_scales(x: Tensor, qmax: int, block: int) -> Tensor:
 
 def error_bound(contributions: list[Tensor], bits: int = 8, block: int = 128) -> Tensor:
     """The largest error, per element, :func:`quantized_all_reduce` can make averaging ``contributions`` (one a
-    rank, as many as ranks): half a block scale for each contribution (averaged over the ranks) and half the reduced
-    chunk's, the blocks counted from each rank's chunk as the reduction cuts them.
+    rank, as many as ranks): half a block scale for each contribution sent to the chunk's owner (their sum over
+    the number of ranks) and half the reduced chunk's, the blocks counted from each rank's chunk as the reduction
+    cuts them.
 
     Examples:
         >>> round(float(error_bound([torch.full((4,), 127.0), torch.full((4,), -127.0)], bits=8, block=4).max()), 3)
-        0.502
+        0.251
     """
     qmax, size = _qmax(bits), len(contributions)
     flat = [c.reshape(-1).float() for c in contributions]
     bound = torch.zeros_like(flat[0])
     for j in range(size):
         a, b = chunk_range(flat[0].numel(), size, j)
-        sent = torch.stack([_half_scales(c[a:b], qmax, block) for c in flat]).mean(dim=0)
+        sent = sum(_half_scales(c[a:b], qmax, block) for i, c in enumerate(flat) if i != j) / size
         largest = torch.stack([c[a:b] for c in flat]).mean(dim=0).abs() + sent
         bound[a:b] = sent + _half_scales(largest, qmax, block)
     return bound
@@ -138,19 +166,24 @@ def _wire_sizes(numel: int, bits: int, block: int) -> tuple[int, int]:
     return (numel if bits == 8 else -(-numel // 2)), -(-numel // block)
 
 
-def _exchange(sends: list[Quantized], rank: int, size: int, group: dist.ProcessGroup | None) -> list[Quantized]:
-    """Each rank's quantized contribution to this rank's chunk (this rank's own without a message)."""
-    received = [sends[rank]]
-    requests = []
+def _exchange(
+    sends: dict[int, Quantized], mine: int, rank: int, size: int, group: dist.ProcessGroup | None
+) -> list[Quantized]:
+    """The other ranks' quantized contributions to this rank's chunk (``mine`` values), ``sends[j]`` sent to rank
+    ``j``."""
+    received, requests = [], []
+    some = next(iter(sends.values()))
+    n_data, n_scales = _wire_sizes(mine, some.bits, some.block)
     for step in range(1, size):
         dst, src = (rank + step) % size, (rank - step) % size
-        out, theirs = sends[dst], sends[rank]
-        data, scales = torch.empty_like(theirs.data), torch.empty_like(theirs.scales)
+        out = sends[dst]
+        data = torch.empty(n_data, dtype=torch.uint8, device=out.data.device)
+        scales = torch.empty(n_scales, dtype=torch.float32, device=out.data.device)
         peer = dist.get_global_rank(group, dst) if group is not None else dst
         source = dist.get_global_rank(group, src) if group is not None else src
         requests += [dist.isend(out.data, peer, group), dist.isend(out.scales, peer, group)]
         requests += [dist.irecv(data, source, group), dist.irecv(scales, source, group)]
-        received.append(Quantized(data, scales, theirs.numel, theirs.bits, theirs.block))
+        received.append(Quantized(data, scales, mine, some.bits, some.block))
     for request in requests:
         if request is not None:
             request.wait()
@@ -200,16 +233,19 @@ def quantized_all_reduce(
         return tensor
     rank = dist.get_rank(group)
     ranges = [chunk_range(flat.numel(), size, j) for j in range(size)]
-    sends = [quantize(flat[a:b].float(), bits, block) for a, b in ranges]
-    received = _exchange(sends, rank, size, group)
-    reduced = torch.stack([dequantize(q) for q in received]).sum(dim=0)
+    sends = {j: quantize(flat[a:b], bits, block) for j, (a, b) in enumerate(ranges) if j != rank}
+    a, b = ranges[rank]
+    received = _exchange(sends, b - a, rank, size, group)
+    reduced = flat[a:b].to(torch.float32, copy=True)  # this rank's own part, exact
+    for q in received:
+        reduced += dequantize(q)
     if average:
         reduced /= size
     gathered = _gather(quantize(reduced, bits, block), [b - a for a, b in ranges], group, size)
     for (a, b), q in zip(ranges, gathered, strict=True):
-        flat[a:b] = dequantize(q).to(flat.dtype)
+        flat[a:b] = dequantize(q)
     if counter is not None:
-        sent = sum(q.nbytes for j, q in enumerate(sends) if j != rank)
+        sent = sum(q.nbytes for q in sends.values())
         counter.bytes_sent += sent + (size - 1) * gathered[rank].nbytes
         counter.messages += 4 * (size - 1)
         counter.operations += 1

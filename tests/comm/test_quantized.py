@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from lightning_dp_strategies.comm import CommCounter, ring_all_reduce
 from lightning_dp_strategies.comm.quantized import dequantize, error_bound, quantize, quantized_all_reduce
+from lightning_dp_strategies.comm.shards import chunk_range
 from tests.helpers.distributed import run_distributed
 
 NUMEL = 1000  # not a multiple of the block or of the world: uneven chunks and a short last block
@@ -54,6 +55,11 @@ def _reduce(rank: int, world_size: int, bits: int) -> None:
     bound = error_bound(everyone, bits=bits)
     assert torch.all((tensor - exact).abs() <= bound * (1 + 1e-5)), float(((tensor - exact).abs() - bound).max())
     assert float((tensor - exact).abs().max()) > 0  # it did quantize: the bound is not met by an exact copy
+    a, b = chunk_range(NUMEL, world_size, rank)  # this rank's chunk: its own part summed unrounded, the others' sent
+    total = mine[a:b].clone()
+    for step in range(1, world_size):  # summed in the order they arrive: from rank - 1, rank - 2, ...
+        total += dequantize(quantize(everyone[(rank - step) % world_size][a:b], bits))
+    assert torch.equal(tensor[a:b], dequantize(quantize(total / world_size, bits)))
     same = [torch.empty_like(tensor) for _ in range(world_size)]
     dist.all_gather(same, tensor)
     assert all(torch.equal(other, tensor) for other in same)  # every rank dequantizes the same bytes

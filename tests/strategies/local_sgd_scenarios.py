@@ -273,8 +273,9 @@ def reference_diloco(sync_every: int, optimizer: str = "adam") -> dict[str, Tens
 
 
 def _average(per_rank: list[list[Tensor]], bits: int | None) -> list[Tensor]:
-    """The ranks' tensors averaged as the strategy's reduction averages them: in fp32, or with each rank's chunk of
-    the flat vector quantized to ``bits``, summed in fp32 by its owner and quantized again (2 ranks)."""
+    """The ranks' tensors averaged as the strategy's reduction averages them: in fp32, or with the other rank's
+    part of each chunk of the flat vector quantized to ``bits``, summed in fp32 with the owner's own part and
+    quantized again (2 ranks)."""
     flats = [torch.cat([t.reshape(-1) for t in tensors]) for tensors in per_rank]
     if bits is None:
         mean = sum(flats) / WORLD
@@ -282,7 +283,8 @@ def _average(per_rank: list[list[Tensor]], bits: int | None) -> list[Tensor]:
         chunks = []
         for j in range(WORLD):
             a, b = chunk_range(flats[0].numel(), WORLD, j)
-            total = torch.stack([dequantize(quantize(f[a:b], bits)) for f in flats]).sum(dim=0) / WORLD
+            parts = [f[a:b] if i == j else dequantize(quantize(f[a:b], bits)) for i, f in enumerate(flats)]
+            total = (parts[j] + parts[1 - j]) / WORLD
             chunks.append(dequantize(quantize(total, bits)))
         mean = torch.cat(chunks)
     out, start = [], 0
