@@ -79,8 +79,8 @@ def outer_averager(precision: str, reducer: Reducer) -> FlatAverager:
 class FlatAverager:
     """Averages lists of tensors over a process group in one reduction of one flat fp32 buffer.
 
-    Configuration: the reducer and the group (:meth:`setup`). Runtime state: the flat buffer, kept between calls while
-    the sizes stay the same. Statistics: ``counter`` (what the reducer sent) and ``reductions``.
+    Configuration: the reducer and the group (:meth:`setup`). Runtime state: the flat buffer, kept between calls (the
+    largest size yet). Statistics: ``counter`` (what the reducer sent) and ``reductions``.
 
     Examples:
         >>> from lightning_dp_strategies.reducers import NativeReducer
@@ -144,9 +144,9 @@ class FlatAverager:
             return
         total = sum(t.numel() for t in tensors)
         device = tensors[0].device if tensors else torch.device("cpu")
-        if self._buffer is None or self._buffer.numel() != total or self._buffer.device != device:
+        if self._buffer is None or self._buffer.numel() < total or self._buffer.device != device:
             self._buffer = torch.empty(total, dtype=torch.float32, device=device)
-        buffer = self._buffer
+        buffer = self._buffer[:total]  # one buffer, the largest yet, for lists of every size (fragments differ)
         if tensors:
             torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors], out=buffer)
         bucket = GradBucket(buffer, self.group, self.counter, shapes=[t.shape for t in tensors], op="avg", last=True)
