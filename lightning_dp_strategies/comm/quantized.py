@@ -77,7 +77,7 @@ def _block_scales(x: Tensor, qmax: int, block: int) -> Tensor:
         torch.maximum(head.amax(dim=1), head.amin(dim=1).neg_(), out=scales[: whole // block])
     if whole < x.numel():
         scales[-1] = x[whole:].abs().max()
-    return scales.div_(qmax)
+    return scales.div_(torch.full_like(scales, qmax))  # not by a scalar: CUDA multiplies by its reciprocal then
 
 
 def _steps(x: Tensor, scales: Tensor, block: int) -> Tensor:
