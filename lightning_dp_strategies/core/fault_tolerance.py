@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_dp_strategies.core.lost_batches import LostBatches
-from lightning_dp_strategies.core.membership import ExcludedError, Membership, MembershipConfig, MembershipState
+from lightning_dp_strategies.core.membership import ExcludedError, Membership, MembershipConfig
 
 __all__ = [
     "JOIN_ENV",
@@ -281,7 +281,7 @@ class Survivors:
         """The whole original world is back (replacements joined) from membership ``epoch`` on: new groups over it."""
         membership = self.membership
         assert membership is not None
-        membership.state = MembershipState(epoch=epoch, members=list(range(membership.world_size)))
+        membership.rejoin(epoch)
         self.group = membership.form_group(membership.state.members, epoch, self.options.timeout_s)
         self._form_control_group()
 

@@ -228,6 +228,13 @@ class Membership:
         since = time.monotonic() - self._last_beat
         return since if since > self.config.stale_s else None
 
+    def rejoin(self, epoch: int) -> None:
+        """The whole original world is a member again from membership ``epoch`` on (replacements joined). Every
+        member is watched afresh, ``stale_s`` from now: a replacement's counter would otherwise be judged by the
+        last beat of the process it replaces, and taken for gone before its own first beat."""
+        self._seen.clear()
+        self.state = MembershipState(epoch=epoch, members=list(range(self.world_size)))
+
     def stop_heartbeat(self) -> None:
         """Stop beating (peers take this rank for gone ``stale_s`` later)."""
         self._beating.clear()

@@ -271,9 +271,11 @@ def launch(
 
 
 def result(outcomes: dict[int, Any], rank: int) -> dict[str, Any]:
-    """Rank ``rank``'s result; fails naming what it reported instead."""
+    """Rank ``rank``'s result; fails naming what it reported instead, and what the other ranks that failed did."""
     value = outcomes.get(rank)
-    assert isinstance(value, dict), f"rank {rank} did not finish: {value}"
+    failed = [(r, v) for r, v in sorted(outcomes.items()) if r != rank and not isinstance(v, dict)]
+    others = "".join(f"\n--- rank {r}: {v}" for r, v in failed)
+    assert isinstance(value, dict), f"rank {rank} did not finish: {value}{others}"
     return value
 
 

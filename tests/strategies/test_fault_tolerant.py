@@ -137,6 +137,25 @@ def test_a_stopped_heartbeat_is_stale_after_stale_s() -> None:
     assert watcher.stale([1]) == [1]
 
 
+def test_a_readmitted_rank_is_watched_afresh_not_by_the_beats_of_the_process_it_replaces() -> None:
+    store = torch.distributed.HashStore()
+    config = MembershipConfig(heartbeat_s=0.05, stale_s=0.3)
+    watcher, lost = Membership(store, 0, 2, config), Membership(store, 1, 2, config)
+    lost.start_heartbeat()
+    time.sleep(0.15)
+    watcher.stale([1])
+    lost.stop_heartbeat()
+    time.sleep(0.1)  # a beat under way when it stopped lands
+    watcher.stale([1])
+    time.sleep(0.35)
+    assert watcher.stale([1]) == [1]  # the lost process
+    watcher.rejoin(1)  # its replacement is admitted and has not beaten yet
+    assert watcher.state.epoch == 1 and watcher.state.members == [0, 1]
+    assert watcher.stale([1]) == []  # watched from now, not from the lost process's last beat
+    time.sleep(0.35)
+    assert watcher.stale([1]) == [1]  # a replacement that never beats is still found out, stale_s later
+
+
 class BlockingStore(torch.distributed.Store):
     """A store whose calls block (as over a cut link) once ``blocked`` is set."""
 
