@@ -62,12 +62,6 @@ def _qmax(bits: int) -> int:
     return (1 << (bits - 1)) - 1
 
 
-def _blocks(x: Tensor, block: int) -> Tensor:
-    padded = torch.zeros(-(-x.numel() // block) * block, dtype=torch.float32, device=x.device)
-    padded[: x.numel()] = x.reshape(-1)
-    return padded.view(-1, block)
-
-
 def _block_scales(x: Tensor, qmax: int, block: int) -> Tensor:
     """Each block's largest magnitude over ``qmax``: the whole blocks as a view of ``x``, the short last one apart."""
     whole = x.numel() // block * block
@@ -123,7 +117,8 @@ def dequantize(q: Quantized) -> Tensor:
         [7.0, -4.0, 0.0]
     """
     full = q.scales.numel() * q.block
-    values = torch.empty(max(full, 2 * q.data.numel()), dtype=torch.float32, device=q.data.device)
+    room = full if q.bits == 8 else max(full, 2 * q.data.numel())  # 4 bits: a last nibble past the blocks
+    values = torch.empty(room, dtype=torch.float32, device=q.data.device)
     if q.bits == 8:
         values[: q.numel] = q.data
     else:
@@ -137,7 +132,7 @@ def dequantize(q: Quantized) -> Tensor:
 
 def _half_scales(x: Tensor, qmax: int, block: int) -> Tensor:
     """Half of each value's block scale: the most round-to-nearest can move it."""
-    return (_blocks(x, block).abs().amax(dim=1, keepdim=True) / qmax / 2).expand(-1, block).reshape(-1)[: x.numel()]
+    return (_block_scales(x.reshape(-1).float(), qmax, block) / 2).repeat_interleave(block)[: x.numel()]
 
 
 def error_bound(contributions: list[Tensor], bits: int = 8, block: int = 128) -> Tensor:
