@@ -27,7 +27,7 @@ strategy holds; it knows nothing of either.
 - :mod:`.checkpoint`: each rank's own state gathered into one checkpoint entry, and restored from it.
 """
 
-from lightning_dp_strategies.local_sgd.algorithm import InFlight, LocalSGD
+from lightning_dp_strategies.local_sgd.algorithm import LocalSGD
 from lightning_dp_strategies.local_sgd.averaging import (
     FlatAverager,
     PeriodicAverager,
@@ -43,7 +43,7 @@ from lightning_dp_strategies.local_sgd.config import (
     diloco_outer_optimizer,
     make_outer_optimizer,
 )
-from lightning_dp_strategies.local_sgd.streaming import OuterChannel, split_fragments, turns
+from lightning_dp_strategies.local_sgd.streaming import InFlight, OuterChannel, split_fragments, turns
 
 __all__ = [
     "OUTER_PRECISIONS",

@@ -3,13 +3,11 @@ streaming DiLoCo's fragments in flight."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import logging
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -22,6 +20,7 @@ from lightning_dp_strategies.local_sgd.averaging import FlatAverager, averageabl
 from lightning_dp_strategies.local_sgd.config import LocalSGDConfig, make_outer_optimizer
 from lightning_dp_strategies.local_sgd.streaming import (
     BYTES_PER_VALUE,
+    InFlight,
     OuterChannel,
     choose_period,
     split_fragments,
@@ -29,7 +28,7 @@ from lightning_dp_strategies.local_sgd.streaming import (
 )
 from lightning_dp_strategies.reducers.auto import visible
 
-__all__ = ["InFlight", "LocalSGD", "SyncSurvivor"]
+__all__ = ["LocalSGD", "SyncSurvivor"]
 
 log = logging.getLogger("lightning_dp_strategies")
 
@@ -48,24 +47,6 @@ class SyncSurvivor(Protocol):
     def averaged_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """A module ``state_dict`` averaged over the original world's replicas (collective)."""
         ...
-
-
-@dataclass
-class InFlight:
-    """A fragment's outer gradient on its way: averaged on the channel's thread, applied at phase ``apply_at``."""
-
-    fragment: int
-    apply_at: int
-    future: concurrent.futures.Future[list[Tensor]] | None = None
-    averaged: list[Tensor] | None = None
-    """The averaged change (and buffers), once received: what a checkpoint keeps."""
-
-    def result(self) -> list[Tensor]:
-        if self.averaged is None:
-            assert self.future is not None
-            self.averaged = self.future.result()
-            self.future = None
-        return self.averaged
 
 
 class LocalSGD:
@@ -118,6 +99,10 @@ class LocalSGD:
         self.since_sync = 0
         """Local steps since every rank last held the same parameters."""
         self.in_flight: list[InFlight] = []
+        self.hold_sends = False
+        """Keep a fragment's reduction until :meth:`release` (else it starts when the fragment leaves). The Trainer
+        strategy releases at the next batch's start, after Lightning's per-batch broadcast from rank 0, so that the
+        fragment's bytes do not queue on the link ahead of that broadcast."""
         self.survivor: SyncSurvivor | None = None
         """With ``fault_tolerant``: what averages the changes over the survivors (the lost ranks' replicas too)."""
         # statistics
@@ -240,6 +225,7 @@ class LocalSGD:
 
     def close(self) -> None:
         """Wait for the reductions in flight and stop the channel's thread."""
+        self.release()
         for pending in self.in_flight:
             pending.result()
         if self.channel is not None:
@@ -268,9 +254,17 @@ class LocalSGD:
             return True
         with torch.no_grad():
             changes = self._changes(indices)
-        future = self.channel.submit(lambda: self._averaged(changes, len(indices)))
-        self.in_flight.append(InFlight(fragment, self.phase + self.delay, future))
+        pending = InFlight(fragment, self.phase + self.delay, work=lambda: self._averaged(changes, len(indices)))
+        self.in_flight.append(pending)
+        if not self.hold_sends:
+            pending.start(self.channel)
         return False
+
+    def release(self) -> None:
+        """Start the held reductions, in the order the fragments left."""
+        if self.channel is not None:
+            for pending in self.in_flight:
+                pending.start(self.channel)
 
     def _averaged_now(self, indices: list[int], average: Callable[[list[Tensor]], object]) -> list[Tensor]:
         """The changes of ``indices`` (and the buffers with the last) averaged by ``average``, or by the survivor."""
@@ -293,6 +287,7 @@ class LocalSGD:
     def _collective(self, work: Callable[[], Any]) -> Any:
         """Run ``work`` (a collective over the averager's group) after what is in flight, counting the wait."""
         start = time.perf_counter()
+        self.release()  # after the fragments in flight, on every rank alike
         result = work() if self.channel is None else self.channel.run(work)
         self.exposed_seconds += time.perf_counter() - start
         return result
@@ -303,6 +298,8 @@ class LocalSGD:
         self._collective(lambda: self.averager.average(tensors, lossy))
 
     def _apply(self, pending: InFlight) -> None:
+        if self.channel is not None:  # the first in flight: started before any other held
+            pending.start(self.channel)
         start = time.perf_counter()
         averaged = pending.result()
         self.exposed_seconds += time.perf_counter() - start
@@ -352,6 +349,7 @@ class LocalSGD:
     def state_dict(self) -> dict[str, Any]:
         """What resumes the run besides the module and the inner optimizer: anchor, outer state, position, and the
         averages in flight (received first)."""
+        self.release()
         return {
             "sync_every": self.sync_every,
             "delay": self.delay,

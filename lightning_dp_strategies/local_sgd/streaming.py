@@ -1,4 +1,5 @@
-"""Streaming DiLoCo's parts: the model cut into fragments, their staggered turns, and the thread that sends them.
+"""Streaming DiLoCo's parts: the model cut into fragments, their staggered turns, the thread that sends them, and
+a fragment on its way.
 
 A fragment is a run of consecutive parameters (in the module's order) of about ``1/K`` of the model's values. Each
 fragment is synchronised every ``sync_every = H`` local steps, fragment ``p`` at the steps ``s`` with
@@ -21,11 +22,12 @@ import concurrent.futures
 import itertools
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TypeVar
 
 from torch import Tensor
 
-__all__ = ["BYTES_PER_VALUE", "OuterChannel", "choose_period", "split_fragments", "turns"]
+__all__ = ["BYTES_PER_VALUE", "InFlight", "OuterChannel", "choose_period", "split_fragments", "turns"]
 
 BYTES_PER_VALUE = {"fp32": 4.0, "bf16": 2.0, "int8": 1 + 4 / 128, "int4": 0.5 + 4 / 128}
 """Bytes a value of the change takes on the wire in each outer precision (a 4-byte scale a block of 128 values)."""
@@ -137,3 +139,28 @@ class OuterChannel:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+@dataclass
+class InFlight:
+    """A fragment's outer gradient on its way: averaged on the channel's thread, applied at phase ``apply_at``."""
+
+    fragment: int
+    apply_at: int
+    future: concurrent.futures.Future[list[Tensor]] | None = None
+    averaged: list[Tensor] | None = None
+    """The averaged change (and buffers), once received: what a checkpoint keeps."""
+    work: Callable[[], list[Tensor]] | None = None
+    """The reduction, until it is handed to the channel (held sends)."""
+
+    def start(self, channel: OuterChannel) -> None:
+        """Hand the reduction to ``channel`` (nothing if it was handed over already)."""
+        if self.work is not None:
+            self.future, self.work = channel.submit(self.work), None
+
+    def result(self) -> list[Tensor]:
+        if self.averaged is None:
+            assert self.future is not None, "a held send must be released before its result is taken"
+            self.averaged = self.future.result()
+            self.future = None
+        return self.averaged

@@ -100,6 +100,16 @@ class LocalSGDStrategy(LocalSGDInterface, SurvivingDataParallel):
     def setup_distributed(self) -> None:
         super().setup_distributed()
         self._start_local_sgd()
+        assert self.local_sgd is not None
+        self.local_sgd.hold_sends = True  # released by on_train_batch_start
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Start the reductions of the fragments that left at the last step. Lightning broadcasts a flag from rank 0
+        at the top of every batch; started here, after it, a fragment's bytes do not queue on the link ahead of it."""
+        super().on_train_batch_start(batch, batch_idx)
+        if self.local_sgd is not None:
+            self.local_sgd.release()
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:

@@ -173,12 +173,32 @@ def make_strategy(scenario: Scenario) -> Any:
     )
 
 
+class HeldSends(L.Callback):
+    """Streaming: how many fragments' reductions wait unstarted at each batch's end, and at the next backward."""
+
+    def __init__(self) -> None:
+        self.at_batch_end: list[int] = []
+        self.at_backward: list[int] = []
+
+    @staticmethod
+    def held(trainer: L.Trainer) -> int:
+        local = getattr(trainer.strategy, "local_sgd", None)
+        return 0 if local is None else sum(pending.work is not None for pending in local.in_flight)
+
+    def on_train_batch_end(self, trainer: L.Trainer, *_: Any) -> None:
+        self.at_batch_end.append(self.held(trainer))
+
+    def on_before_backward(self, trainer: L.Trainer, *_: Any) -> None:
+        self.at_backward.append(self.held(trainer))
+
+
 def run(name: str, outdir: Path) -> None:
     scenario = SCENARIOS[name]
     out = outdir / name
     out.mkdir(parents=True, exist_ok=True)
     model = Net(scenario)
-    callbacks: list[L.Callback] = []
+    held = HeldSends()
+    callbacks: list[L.Callback] = [held]
     if scenario.checkpoint:
         callbacks.append(ModelCheckpoint(dirpath=out, filename="{epoch}", save_top_k=-1, save_on_train_epoch_end=True))
     trainer = L.Trainer(
@@ -213,6 +233,7 @@ def run(name: str, outdir: Path) -> None:
             "comm": strategy.comm_stats.as_dict(),
             "averaged_bytes": local.averager.counter.bytes_sent if local is not None else None,
             "parameter_averages": averages,
+            "held": (held.at_batch_end, held.at_backward),
         },
         out / f"rank{trainer.global_rank}.pt",
     )

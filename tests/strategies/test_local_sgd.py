@@ -211,6 +211,16 @@ def test_streaming_validation_sees_one_model_on_every_rank(runs: Path) -> None:
 
 
 @pytest.mark.timeout(600)
+def test_a_fragment_starts_travelling_when_the_next_batch_starts(runs: Path) -> None:
+    """Under the Trainer a fragment's reduction is held from the step it leaves until the next batch starts (after
+    Lightning's per-batch broadcast), and started before that batch's backward."""
+    for result in results(runs, "stream_fp32"):
+        at_batch_end, at_backward = result["held"]
+        assert sum(at_batch_end) == result["syncs"] - 1, "every fragment but the last one synchronised waits held"
+        assert not any(at_backward), "a held fragment was not started when the next batch began"
+
+
+@pytest.mark.timeout(600)
 def test_ring_allreduce_runs_torchs_post_local_sgd_with_model_averaging_period(runs: Path) -> None:
     """``PostLocalSGDState(start_localSGD_iter=3)``, ``post_localSGD_hook``, ``model_averaging_period``: averages after
     steps 4, 8 and 12 (torch's ``PeriodicModelAverager`` schedule) on CPU/gloo."""
