@@ -6,7 +6,8 @@ library's ``pydoc_data.topics`` text, the last 10% held out. Every variant train
 the same global batch sequence (8 windows a process and step) for the same training-time budget (``--budget``
 seconds, evaluations left out), one process a simulated node with one thread. Every ``--eval-seconds`` of training
 the ranks' averaged model (for local SGD mid-period: the mean of the ranks' parameters, in a copy) is scored on 64
-held-out windows; the clock stops meanwhile. ``--add-to`` refuses a stored result whose cells trained with other
+held-out windows; the clock stops meanwhile (the score at step 0 runs on every rank, which warms every rank's forward
+pass before the clock starts). ``--add-to`` refuses a stored result whose cells trained with other
 settings.
 Variants (one line each in :data:`VARIANTS`):
 
@@ -135,7 +136,8 @@ def lm_config(args: argparse.Namespace) -> Any:
 def clock_callback(budget: float, eval_seconds: float, batches: list[Any]) -> Any:
     """A callback that keeps the training clock (evaluations left out), scores the averaged model every
     ``eval_seconds`` of it on ``batches`` (rank 0), and stops the fit once ``budget`` seconds have passed. Rank 0
-    decides and broadcasts the decision every step, so the ranks agree."""
+    decides and broadcasts the decision every step, so the ranks agree. The score at step 0 runs on every rank: the
+    ranks start the clock with the model's forward pass warmed up alike."""
     import copy
 
     import lightning as L
@@ -156,7 +158,7 @@ def clock_callback(budget: float, eval_seconds: float, batches: list[Any]) -> An
 
         def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
             dist.barrier()
-            self.points.append(self.evaluate(trainer, module, 0, 0.0))
+            self.points.append(self.evaluate(trainer, module, 0, 0.0, everyone=True))
             dist.barrier()
             self.start, self.paused, self.next_eval = time.perf_counter(), 0.0, eval_seconds
             self.segments.append([time.time(), 0.0])
@@ -180,13 +182,17 @@ def clock_callback(budget: float, eval_seconds: float, batches: list[Any]) -> An
         def on_train_end(self, *_: Any) -> None:
             self.segments.pop()  # the stretch opened after the last evaluation trained nothing
 
-        def evaluate(self, trainer: L.Trainer, module: L.LightningModule, step: int, now: float) -> dict[str, Any]:
+        def evaluate(
+            self, trainer: L.Trainer, module: L.LightningModule, step: int, now: float, everyone: bool = False
+        ) -> dict[str, Any]:
+            """The averaged model's held-out loss, scored on rank 0; with ``everyone`` on every rank (before the clock
+            starts, so that no rank's first forward pass is a cold one inside it), rank 0's kept."""
             local = getattr(trainer.strategy, "local_sgd", None)
             waited = 0.0 if local is None else local.exposed_seconds
             state = module.state_dict() if local is None else local.averaged_state(module.state_dict())
             self.evaluation_waits += 0.0 if local is None else local.exposed_seconds - waited
             loss = float("nan")
-            if trainer.global_rank == 0:
+            if trainer.global_rank == 0 or everyone:
                 model: Any = copy.deepcopy(module.model)
                 model.load_state_dict({k.removeprefix("model."): v for k, v in state.items()})
                 loss = evaluate(model, batches)
