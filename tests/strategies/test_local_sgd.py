@@ -216,7 +216,8 @@ def test_a_fragment_starts_travelling_when_the_next_batch_starts(runs: Path) -> 
     Lightning's per-batch broadcast), and started before that batch's backward."""
     for result in results(runs, "stream_fp32"):
         at_batch_end, at_backward = result["held"]
-        assert sum(at_batch_end) == result["syncs"] - 1, "every fragment but the last one synchronised waits held"
+        # `syncs` counts every fragment's outer step and the whole-model synchronisation at the end of `fit`
+        assert sum(at_batch_end) == result["syncs"] - 1, "a fragment was not held at the end of the step it left"
         assert not any(at_backward), "a held fragment was not started when the next batch began"
 
 
