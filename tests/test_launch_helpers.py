@@ -1,5 +1,6 @@
-"""The test helper that starts Trainer scripts the way ``torchrun`` does (:func:`run_ranks`): what each rank sees, and
-that a hung or failed rank fails the test within its bounds instead of hanging the suite."""
+"""The test helpers that start ranks: the one that starts Trainer scripts the way ``torchrun`` does
+(:func:`run_ranks`), what each rank sees, and that a hung or failed rank fails the test within its bounds instead of
+hanging the suite; and :func:`run_distributed`'s fresh start when no rank could join the group."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
+from pytest_mock import MockerFixture
 
+from tests.helpers import distributed
 from tests.helpers.distributed import REPO_ROOT, run_ranks
 
 
@@ -47,3 +51,35 @@ def test_a_failed_rank_fails_the_run_and_the_others_are_killed_after_the_grace(t
     assert time.monotonic() - start < 60  # the deadline was 100 s: the grace after the failure ended it
     message = str(failure.value)
     assert "RuntimeError: probe rank 1 refuses" in message and "ranks [0] killed" in message
+
+
+def _joined(rank: int, world_size: int) -> None:
+    """A test body that only needs the group it was handed."""
+    assert dist.get_world_size() == world_size
+
+
+@pytest.mark.timeout(120)
+def test_a_group_whose_ranks_all_failed_to_join_is_started_again(mocker: MockerFixture) -> None:
+    real = distributed._spawn
+    refused = [(0, distributed._RENDEZVOUS, "RuntimeError: Gloo connectFullMesh failed")] * 2
+    spawn = mocker.patch.object(distributed, "_spawn", side_effect=[([], [], refused), real(_joined, 2, (), 60)])
+    distributed.run_distributed(_joined, 2)
+    assert spawn.call_count == 2
+
+
+@pytest.mark.timeout(60)
+def test_a_failure_in_the_test_body_is_not_retried(mocker: MockerFixture) -> None:
+    body = [(1, distributed._BODY, "AssertionError: wrong gradient")]
+    spawn = mocker.patch.object(distributed, "_spawn", return_value=([], [], body))
+    with pytest.raises(AssertionError, match="rank 1 failed \\(running the test body\\)"):
+        distributed.run_distributed(_joined, 2)
+    assert spawn.call_count == 1
+
+
+@pytest.mark.timeout(60)
+def test_a_group_that_never_joins_fails_after_three_tries(mocker: MockerFixture) -> None:
+    refused = [(0, distributed._RENDEZVOUS, "RuntimeError: Gloo connectFullMesh failed")]
+    spawn = mocker.patch.object(distributed, "_spawn", return_value=([], [], refused))
+    with pytest.raises(AssertionError, match="joining the process group"):
+        distributed.run_distributed(_joined, 2)
+    assert spawn.call_count == 3

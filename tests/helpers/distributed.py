@@ -91,12 +91,16 @@ def _worker(
     os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
+    except BaseException:
+        errors.put((rank, _RENDEZVOUS, traceback.format_exc()))
+        raise
+    try:
         try:
             fn(rank, world_size, *args)
         finally:
             dist.destroy_process_group()
     except BaseException:
-        errors.put((rank, traceback.format_exc()))
+        errors.put((rank, _BODY, traceback.format_exc()))
         raise
 
 
@@ -131,15 +135,14 @@ def point_to_point_log() -> Iterator[list[tuple[str, dist.ProcessGroup, int]]]:
             setattr(dist.ProcessGroup, name, descriptor)
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0) -> None:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes joined in one gloo group.
+_RENDEZVOUS, _BODY = "joining the process group", "running the test body"
+_RENDEZVOUS_ATTEMPTS = 3
 
-    ``fn`` must be importable (a module-level function). The ranks are forked from a fork server that has torch and
-    the package imported already (``multiprocessing``'s ``forkserver``: a clean single-threaded process, never the
-    test process itself), and get the caller's environment. Raises with the failing rank's traceback; kills every
-    rank and fails if they do not all finish within ``timeout`` seconds, so a deadlocked collective never hangs the
-    suite.
-    """
+
+def _spawn(
+    fn: Callable[..., Any], world_size: int, args: tuple[Any, ...], timeout: float
+) -> tuple[list[Any], list[int], list[tuple[int, str, str]]]:
+    """One try of :func:`run_distributed`: the processes, the ranks that hung, and each failure reported."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)  # no effect once the server runs: it started with the same list
     errors = ctx.SimpleQueue()
@@ -158,9 +161,31 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
         if p.is_alive():
             p.kill()
             p.join()
-    if not errors.empty():
-        rank, tb = errors.get()
-        raise AssertionError(f"rank {rank} failed:\n{tb}")
+    failures = []
+    while not errors.empty():
+        failures.append(errors.get())
+    return procs, hung, failures
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0) -> None:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes joined in one gloo group.
+
+    ``fn`` must be importable (a module-level function). The ranks are forked from a fork server that has torch and
+    the package imported already (``multiprocessing``'s ``forkserver``: a clean single-threaded process, never the
+    test process itself), and get the caller's environment. Raises with the failing rank's traceback; kills every
+    rank and fails if they do not all finish within ``timeout`` seconds, so a deadlocked collective never hangs the
+    suite. When the only failures are ranks that could not join the group (another process on loopback took or
+    closed the port between :func:`free_port` and the rendezvous), the whole group is started again on a fresh
+    port, up to three tries in all; a failure inside ``fn`` is never retried.
+    """
+    for attempt in range(_RENDEZVOUS_ATTEMPTS):
+        procs, hung, failures = _spawn(fn, world_size, args, timeout)
+        rendezvous_only = bool(failures) and not hung and all(where == _RENDEZVOUS for _, where, _ in failures)
+        if not (rendezvous_only and attempt + 1 < _RENDEZVOUS_ATTEMPTS):
+            break
+    if failures:
+        rank, where, tb = failures[0]
+        raise AssertionError(f"rank {rank} failed ({where}):\n{tb}")
     if hung:
         raise TimeoutError(f"ranks {hung} did not finish within {timeout} s (a collective hung?)")
     failed = [(rank, p.exitcode) for rank, p in enumerate(procs) if p.exitcode != 0]
