@@ -71,11 +71,17 @@ VARIANTS: dict[str, str] = {
 
 def make_strategy(variant: str) -> Any:
     """The Trainer's ``strategy=`` for ``variant`` (``TypeError`` where the package lacks an option it names)."""
+    return strategy_from(VARIANTS[variant])
+
+
+def strategy_from(expression: str) -> Any:
+    """``expression`` (a variant's line) evaluated over the package's exported names and
+    ``diloco_outer_optimizer``."""
     import lightning_dp_strategies as ldp
     from lightning_dp_strategies.core.local_sgd import diloco_outer_optimizer
 
     names = {"diloco_outer_optimizer": diloco_outer_optimizer, **{n: getattr(ldp, n) for n in ldp.__all__}}
-    return eval(VARIANTS[variant], {"__builtins__": {}}, names)
+    return eval(expression, {"__builtins__": {}}, names)
 
 
 def available(variant: str) -> bool:

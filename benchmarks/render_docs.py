@@ -64,6 +64,7 @@ COMMANDS = {
     "network_guide": "python benchmarks/cluster_model.py --guide",
     "zero": "python benchmarks/bench_zero.py",
     "lm": "python benchmarks/bench_lm.py --links 200mbit 1gbit --nodes 2 4",
+    "lm_steps": "python benchmarks/bench_lm_steps.py --seeds 0 1 2 3",
     "restart": "python benchmarks/bench_restart.py --tries 4",
     "survive_local_sgd": "python benchmarks/bench_survive.py --strategy local_sgd",
     "compare": "python benchmarks/store_compare.py --figure docs/figures/comparison.png",

@@ -154,3 +154,49 @@ def test_the_quoted_sentence_says_when_streaming_never_reached_ddps_loss() -> No
     cell["variants"]["streaming_diloco"] = {**cell["variants"]["streaming_diloco"], "ratio_to_ddp": None}
     never = bench_lm.streaming_clause(cell)
     assert "did not reach ddp's final held-out loss within its budget" in never and "not reached of" not in never
+
+
+def test_steps_benchmark_takes_each_seeds_target_from_ddp_and_counts_every_variants_first_step_below_it() -> None:
+    """``bench_lm_steps.py``: a seed's target is ddp's loss at the target step; ddp's own first step at or below it
+    can come earlier (a bump); a variant that never gets there is shown as more than the steps trained, and the mean
+    is left out then."""
+    import bench_lm_steps
+
+    curve = [[36, 2.70], [37, 2.60], [38, 2.62], [39, 2.61], [40, 2.58]]
+    runs = {
+        0: {"ddp": {"points": curve}, "slow": {"points": [[39, 2.7], [40, 2.605]]}},
+        1: {"ddp": {"points": [[39, 3.0]]}, "slow": {"points": [[39, 3.1], [40, 3.05]]}},
+    }
+    seeds = bench_lm_steps.summarize(runs, target_step=39)
+    assert seeds[0] == {"target_loss": 2.61, "steps_to_target": {"ddp": 37, "slow": 40}}
+    assert seeds[1]["steps_to_target"] == {"ddp": 39, "slow": None}
+    rows = bench_lm_steps.table(seeds, ["ddp", "slow"], limit=40)
+    assert rows == [["ddp", "37", "39", "38.0"], ["slow", "40", "> 40", "> 40 in some seed"]]
+
+
+def test_steps_benchmark_builds_every_variant_and_its_dry_run_names_them_per_seed() -> None:
+    import bench_lm_steps
+
+    assert all(bench_lm.strategy_from(line) is not None for line in bench_lm_steps.VARIANTS.values())
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_lm_steps.py"), "--dry-run", "--seeds", "3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [f"seed 3: {v:22s} {line}" for v, line in bench_lm_steps.VARIANTS.items()]
+
+
+def test_steps_benchmark_quotes_every_variants_steps_seed_by_seed() -> None:
+    import bench_lm_steps
+
+    seeds = {
+        0: {"target_loss": 2.6, "steps_to_target": {"ddp": 37, "streaming_diloco": 42}},
+        1: {"target_loss": 2.7, "steps_to_target": {"ddp": 39, "streaming_diloco": None}},
+    }
+    assert bench_lm_steps.quote(seeds, 39) == (
+        "Over seeds 0, 1, the steps to ddp's loss after 39 steps were: ddp itself a mean of 38.0 (37, 39); "
+        "`streaming_diloco` no mean (a seed fell short) (42, not within the run)."
+    )
