@@ -96,7 +96,20 @@ def _rank(rank: int, fn: Callable[..., Any], world_size: int, port: int, args: t
     try:
         fn(rank, world_size, *args)
     finally:
-        dist.destroy_process_group()
+        release_groups()
+
+
+def release_groups() -> None:
+    """Free what the rank's work left in reference cycles (a ``DistributedDataParallel`` holds its process group),
+    then destroy the groups: the groups' worker threads are joined while the interpreter is whole. A group kept
+    alive by an object freed only at interpreter exit aborts the process then (``terminate called without an
+    active exception``) after its work is done."""
+    import gc
+
+    import torch.distributed as dist
+
+    gc.collect()
+    dist.destroy_process_group()
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float | None = None) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import subprocess
@@ -98,6 +99,9 @@ def _worker(
         try:
             fn(rank, world_size, *args)
         finally:
+            # what the body left in reference cycles (a DDP holds its group) is freed while the interpreter is
+            # whole: a group whose last reference goes at interpreter exit can abort the process then
+            gc.collect()
             dist.destroy_process_group()
     except BaseException:
         errors.put((rank, _BODY, traceback.format_exc()))
