@@ -64,6 +64,7 @@ COMMANDS = {
     "network_guide": "python benchmarks/cluster_model.py --guide",
     "zero": "python benchmarks/bench_zero.py",
     "lm": "python benchmarks/bench_lm.py --links 200mbit 1gbit --nodes 2 4",
+    "lm_amd": "python benchmarks/bench_lm.py --links 200mbit --nodes 2",
     "lm_steps": "python benchmarks/bench_lm_steps.py --seeds 0 1 2 3",
     "restart": "python benchmarks/bench_restart.py --tries 4",
     "survive_local_sgd": "python benchmarks/bench_survive.py --strategy local_sgd",
@@ -107,6 +108,7 @@ def _machine(data: dict[str, Any]) -> str:
     usable = m.get("cores_usable")
     parts = [
         f"{m.get('platform', '?')}",
+        *([m["cpu"]] if m.get("cpu") else []),  # the processor's model, where the run recorded it
         f"{cores} CPU cores" + (f" ({usable} usable)" if usable not in (None, cores) else ""),
     ]
     if m.get("cuda"):

@@ -222,3 +222,13 @@ def test_the_command_line_keeps_every_step_of_a_chain_and_names_the_stored_file_
     """The renderer replaces the last step's ``--json`` with the stored file; an earlier step's output is its input."""
     (render_docs.RESULTS / "demo.json").write_text(json.dumps({"command": command, "machine": {"cpu_count": 2}}))
     assert f"*Command:* `{shown}`." in render_docs.render("demo")
+
+
+@pytest.mark.parametrize(("cpu", "shown"), [("AMD EPYC", "; AMD EPYC; 2 CPU cores;"), (None, "; 2 CPU cores;")])
+def test_the_machine_line_names_the_processor_where_the_run_recorded_it(
+    demo: Path, cpu: str | None, shown: str
+) -> None:
+    """A time ratio depends on the processor's speed against the link: the machine line says which one ran."""
+    machine = {"platform": "Linux", "cpu_count": 2, **({"cpu": cpu} if cpu else {})}
+    (render_docs.RESULTS / "demo.json").write_text(json.dumps({"command": "python b.py", "machine": machine}))
+    assert f"*Machine:* Linux{shown}" in render_docs.render("demo")
