@@ -494,8 +494,17 @@ def _plain_sooner(data: Result) -> str:
     return f"in all {len(cells)} cells" if sooner == len(cells) else f"in {sooner} of the {len(cells)} cells"
 
 
+def _compute_share(data: Result, link: str, nodes: int) -> str:
+    """The compute's share of ddp's step in the ``link`` x ``nodes`` cell (local SGD's median step, which sends
+    nothing, over ddp's mean step): the share of ddp's time a mode takes that sends nothing and needs ddp's steps."""
+    cell = next(c for c in data["cells"] if c["link"] == link and c["nodes"] == nodes)
+    rows = cell["variants"]
+    return f"{rows['local_sgd']['median_step_s'] / rows['ddp']['seconds_per_step']:.2f}"
+
+
 LM: dict[str, Value] = {key: (lambda d, k=key: _lm_setting(d, k)) for key in ("lr", "warmup", "eval_seconds")}
 LM["plain_sooner"] = _plain_sooner
+LM["compute_share_200mbit_2"] = lambda d: _compute_share(d, "200mbit", 2)
 
 
 # ---- compare.json, compare_user.json: store_compare.py, the README's `lightning-dp-strategies compare` runs
@@ -540,6 +549,7 @@ VALUES: dict[str, dict[str, Value]] = {
     "ring_allreduce_c": RING_ALLREDUCE_C,
     "survive": SURVIVE,
     "lm": LM,
+    "lm_amd": {"compute_share_200mbit_2": LM["compute_share_200mbit_2"]},
     "compare": COMPARE,
     "compare_user": COMPARE,
 }

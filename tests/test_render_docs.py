@@ -232,3 +232,11 @@ def test_the_machine_line_names_the_processor_where_the_run_recorded_it(
     machine = {"platform": "Linux", "cpu_count": 2, **({"cpu": cpu} if cpu else {})}
     (render_docs.RESULTS / "demo.json").write_text(json.dumps({"command": "python b.py", "machine": machine}))
     assert f"*Machine:* Linux{shown}" in render_docs.render("demo")
+
+
+def test_the_compute_share_is_local_sgds_median_step_over_ddps_step() -> None:
+    """The share of ddp's time a mode that sends nothing would take, from the cell the page names."""
+    cell = {"variants": {"local_sgd": {"median_step_s": 0.5}, "ddp": {"seconds_per_step": 2.0}}}
+    other = {"variants": {"local_sgd": {"median_step_s": 0.5}, "ddp": {"seconds_per_step": 1.0}}}
+    data = {"cells": [{"link": "1gbit", "nodes": 2, **other}, {"link": "200mbit", "nodes": 2, **cell}]}
+    assert doc_values.VALUES["lm"]["compute_share_200mbit_2"](data) == "0.25"
