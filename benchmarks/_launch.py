@@ -23,6 +23,7 @@ Only the standard library is imported here at module level: a script's ``--help`
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import os
 import socket
@@ -92,6 +93,7 @@ def _rank(rank: int, fn: Callable[..., Any], world_size: int, port: int, args: t
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    gc.freeze()  # the imported modules are left out of release_groups' collection: only what ``fn`` made is scanned
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(minutes=5))
     try:
         fn(rank, world_size, *args)
@@ -104,8 +106,6 @@ def release_groups() -> None:
     then destroy the groups: the groups' worker threads are joined while the interpreter is whole. A group kept
     alive by an object freed only at interpreter exit aborts the process then (``terminate called without an
     active exception``) after its work is done."""
-    import gc
-
     import torch.distributed as dist
 
     gc.collect()
