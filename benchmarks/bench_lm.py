@@ -144,12 +144,10 @@ def clock_callback(budget: float, eval_seconds: float, batches: list[Any]) -> An
     ``eval_seconds`` of it on ``batches`` (rank 0), and stops the fit once ``budget`` seconds have passed. Rank 0
     decides and broadcasts the decision every step, so the ranks agree. The score at step 0 runs on every rank: the
     ranks start the clock with the model's forward pass warmed up alike."""
-    import copy
-
     import lightning as L
     import torch
     import torch.distributed as dist
-    from lm_task import evaluate
+    from lm_task import averaged_state, held_out_loss
 
     class Clock(L.Callback):
         def __init__(self) -> None:
@@ -195,13 +193,9 @@ def clock_callback(budget: float, eval_seconds: float, batches: list[Any]) -> An
             starts, so that no rank's first forward pass is a cold one inside it), rank 0's kept."""
             local = getattr(trainer.strategy, "local_sgd", None)
             waited = 0.0 if local is None else local.exposed_seconds
-            state = module.state_dict() if local is None else local.averaged_state(module.state_dict())
+            state = averaged_state(trainer, module)
             self.evaluation_waits += 0.0 if local is None else local.exposed_seconds - waited
-            loss = float("nan")
-            if trainer.global_rank == 0 or everyone:
-                model: Any = copy.deepcopy(module.model)
-                model.load_state_dict({k.removeprefix("model."): v for k, v in state.items()})
-                loss = evaluate(model, batches)
+            loss = held_out_loss(module, state, batches) if trainer.global_rank == 0 or everyone else float("nan")
             return {"step": step, "seconds": now, "val_loss": loss}
 
     return Clock()

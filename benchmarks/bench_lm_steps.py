@@ -53,13 +53,11 @@ VARIANTS: dict[str, str] = {
 
 def worker(args: argparse.Namespace) -> None:
     """One rank of one variant and seed (started by torchrun on loopback)."""
-    import copy
-
     import lightning as L
     import torch
     from _launch import QUIET_TRAINER
     from bench_lm import arguments, lm_config, strategy_from
-    from lm_task import TrainWindows, corpus, evaluate, lightning_module, val_batches
+    from lm_task import TrainWindows, averaged_state, corpus, held_out_loss, lightning_module, val_batches
     from torch.utils.data import DataLoader
 
     torch.set_num_threads(1)
@@ -76,12 +74,9 @@ def worker(args: argparse.Namespace) -> None:
         def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *_: Any) -> None:
             if trainer.global_step < args.eval_from:
                 return
-            local = getattr(trainer.strategy, "local_sgd", None)
-            state = module.state_dict() if local is None else local.averaged_state(module.state_dict())
+            state = averaged_state(trainer, module)
             if trainer.global_rank == 0:
-                model: Any = copy.deepcopy(module.model)
-                model.load_state_dict({k.removeprefix("model."): v for k, v in state.items()})
-                self.points.append([trainer.global_step, evaluate(model, batches)])
+                self.points.append([trainer.global_step, held_out_loss(module, state, batches)])
 
     score = Score()
     trainer = L.Trainer(

@@ -14,6 +14,7 @@ module is made), so a test can import this file on its own.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -141,6 +142,22 @@ def evaluate(model: ByteLM, batches: list[tuple[Tensor, Tensor]]) -> float:
     with torch.no_grad():
         losses = [model.loss(x, y).item() * x.numel() for x, y in batches]
     return sum(losses) / sum(x.numel() for x, _ in batches)
+
+
+def averaged_state(trainer: Any, module: Any) -> dict[str, Tensor]:
+    """The Lightning module's ``state_dict`` as the ranks' mean where they differ (local SGD mid-period, averaged
+    exactly in a copy), else its own. Collective under local SGD: every rank calls it."""
+    local = getattr(trainer.strategy, "local_sgd", None)
+    state: dict[str, Tensor] = module.state_dict()
+    return state if local is None else local.averaged_state(state)
+
+
+def held_out_loss(module: Any, state: dict[str, Tensor], batches: list[tuple[Tensor, Tensor]]) -> float:
+    """:func:`evaluate` of a copy of ``module.model`` holding ``state`` (a Lightning module's keys); the module is
+    left as it is."""
+    model = copy.deepcopy(module.model)
+    model.load_state_dict({k.removeprefix("model."): v for k, v in state.items()})
+    return evaluate(model, batches)
 
 
 def warmup_factor(step: int, warmup: int) -> float:
