@@ -17,6 +17,7 @@ __all__ = [
     "announce_failure",
     "detect",
     "is_peer_failure",
+    "wait_work",
 ]
 
 
@@ -108,3 +109,16 @@ def detect(fn: Callable[[], object]) -> PeerFailure | None:
             raise
         return PeerFailure(error, time.monotonic() - start)
     return None
+
+
+def wait_work(work: dist.Work | None, interrupt: Callable[[], str | None] | None, what: str) -> None:
+    """Wait for ``work`` (a collective run on its group's threads); with ``interrupt``, polled, and given up with
+    :class:`PeerLostError` naming ``what`` once it gives a reason (the collective is left to end with its group, no
+    Python thread waits on it)."""
+    assert work is not None
+    while interrupt is not None and not work.is_completed():
+        reason = interrupt()
+        if reason is not None:
+            raise PeerLostError(f"{what} was given up: {reason}.")
+        time.sleep(0.001)
+    work.wait()

@@ -3,8 +3,7 @@
 A strategy with ``fault_tolerant=True`` holds one :class:`Survivors` and calls it at fixed points::
 
     setup_distributed   start(rank, world_size, timeout)     the gradient group (short timeout), the control group
-                                                              (Lightning's barriers, broadcasts, metric syncs), a
-                                                              heartbeat thread
+                                                              (Lightning's collectives), a heartbeat thread
     each gradient wait  interrupted()                        polled: gives up the wait once a peer is known lost
     a peer failure      recover(step, error)                 survivors agree (store), new groups, a Recovery record
     each backward       lost_batches(batch_idx)              the lost logical ranks' batches this rank trains too
@@ -185,6 +184,10 @@ class Recovery:
     behind: list[int] = field(default_factory=list)
     """Survivors whose step failed while the others' completed: they take the step's result from a survivor that
     completed it instead of redoing it."""
+    behind_control: list[int] = field(default_factory=list)
+    """Survivors of the furthest step one control collective (between steps) behind: they take its result."""
+    control: int = 0
+    """The most control collectives a survivor of the furthest step had completed."""
     at: float = field(default_factory=time.time)
     """When the survivors' groups were ready (``time.time()``)."""
 
@@ -317,11 +320,13 @@ class Survivors:
         """Polled while waiting for the gradients: why the wait cannot complete (a peer known lost), or ``None``."""
         return self.membership.interrupted() if self.membership is not None else None
 
-    def recover(self, step: int, error: BaseException, progress: int | None = None) -> Recovery:
+    def recover(
+        self, step: int, error: BaseException, progress: int | None = None, control: int | None = None
+    ) -> Recovery:
         """After a peer failure in optimizer step ``step``: agree on the survivors, form their groups, point the
-        metrics at them. A collective can complete on some ranks and fail on others, so a survivor may already have
-        taken ``step`` and failed in the next: the record names the survivors one step behind (``behind``). Where
-        ``progress`` is given, the survivors compare it instead of their steps (``behind``: those with less).
+        metrics at them. A collective can complete on some ranks and fail on others: the record names the survivors
+        one step behind (``behind``; or with less ``progress``, where given, compared instead of the steps), and
+        those of the furthest step with fewer ``control`` collectives completed (``behind_control``).
 
         Raises:
             ExcludedError: if the others went on without this rank (it should exit).
@@ -336,9 +341,11 @@ class Survivors:
                 "This process exits; the survivors finish the run."
             )
         before = list(membership.state.members)
-        note = str(step if progress is None else progress)
+        note = f"{step if progress is None else progress}/{control or 0}"
         self.group = membership.recover(self.options.timeout_s, agreement=self.options.timeout_s, note=note)
-        steps = {rank: int(note) for rank, note in membership.notes().items()}
+        notes = {rank: tuple(map(int, note.split("/"))) for rank, note in membership.notes().items()}
+        steps = {rank: taken for rank, (taken, _) in notes.items()}
+        controls = {rank: done for rank, (taken, done) in notes.items() if taken == max(steps.values())}
         self._form_control_group()
         record = Recovery(
             step=max(steps.values()) if progress is None else step,
@@ -348,17 +355,14 @@ class Survivors:
             agreement_s=membership.stats.agreements_s[-1],
             formation_s=membership.stats.formations_s[-1],
             behind=sorted(r for r, taken in steps.items() if taken < max(steps.values())),
+            behind_control=sorted(r for r, done in controls.items() if done < max(controls.values())),
+            control=max(controls.values()),
         )
         self.recoveries.append(record)
         if membership.rank == membership.leader:
-            _log.warning(
-                "Lost rank(s) %s at step %d (%s); ranks %s go on%s.",
-                record.lost,
-                step,
-                record.reason,
-                record.members,
-                ", training the lost ranks' batches too" if self.options.keep_global_batch else " with a smaller batch",
-            )
+            batch = "training the lost ranks' batches too" if self.options.keep_global_batch else "with a smaller batch"
+            message = "Lost rank(s) %s at step %d (%s); ranks %s go on, %s."
+            _log.warning(message, record.lost, step, record.reason, record.members, batch)
         return record
 
     def lost_ranks(self) -> list[int]:

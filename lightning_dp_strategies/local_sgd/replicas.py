@@ -12,7 +12,6 @@ optimizer state into the module and the optimizer for its step and back out afte
 from __future__ import annotations
 
 import io
-import time
 from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -23,7 +22,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_dp_strategies.comm.failures import PeerLostError
+from lightning_dp_strategies.comm.failures import wait_work
 
 __all__ = ["InnerStates", "Replica", "Replicas", "exchange"]
 
@@ -37,16 +36,7 @@ def _to_bytes(obj: object) -> Tensor:
     return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
 
 
-def _wait(work: dist.Work | None, interrupt: Callable[[], str | None] | None) -> None:
-    """Wait for a collective run on the process group's own threads; with ``interrupt``, polled (a given-up
-    collective is left to end with its group, no Python thread waits on it)."""
-    assert work is not None
-    while interrupt is not None and not work.is_completed():
-        reason = interrupt()
-        if reason is not None:
-            raise PeerLostError(f"A hand-over of inner optimizer states was given up: {reason}.")
-        time.sleep(0.001)
-    work.wait()
+HANDOVER = "A hand-over of inner optimizer states"
 
 
 def exchange(
@@ -68,12 +58,12 @@ def exchange(
     empty = torch.empty(0, dtype=torch.uint8)
     send_sizes = torch.tensor([payloads[m].numel() if m in payloads else 0 for m in members], dtype=torch.int64)
     recv_sizes = torch.empty_like(send_sizes)
-    _wait(dist.all_to_all_single(recv_sizes, send_sizes, group=group, async_op=True), interrupt)
+    wait_work(dist.all_to_all_single(recv_sizes, send_sizes, group=group, async_op=True), interrupt, HANDOVER)
     sent = torch.cat([payloads.get(m, empty) for m in members])
     received = torch.empty(int(recv_sizes.sum()), dtype=torch.uint8)
     splits_in, splits_out = send_sizes.tolist(), recv_sizes.tolist()
     work = dist.all_to_all_single(received, sent, splits_out, splits_in, group=group, async_op=True)
-    _wait(work, interrupt)
+    wait_work(work, interrupt, HANDOVER)
     chunks = dict(zip(members, torch.split(received, splits_out), strict=True))
     return {src: torch.load(io.BytesIO(chunks[src].numpy().tobytes()), weights_only=True) for src in sources}
 

@@ -88,6 +88,7 @@ class LocalSurvival(SurvivalHooks):
     def __init__(self, strategy: LocalSurvivingStrategy, survival: TrainerSurvival) -> None:
         self.strategy = strategy
         self.trains_lost_batches = False  # a lost rank's batches go to its replica, not into this rank's step
+        self.recovers_between_steps = False  # its replicas start at a synchronisation
         self.survival = survival
         self.replicas: Replicas | None = None
         """The lost ranks' replicas this rank trains, and the inner states handed to it (``keep_global_batch``)."""

@@ -13,14 +13,15 @@ A bucketed strategy with ``fault_tolerant`` holds one :class:`TrainerSurvival` a
     optimizer_step      step(run, closure)      a peer failure: agree, regroup, redo the step (or catch up)
     backward            backward(run, loss)     the lost ranks' micro-batches too, one reduction
     post_backward       scale_gradients()       members / world size (global batch kept)
-    barrier, broadcast, reduce, reduce_boolean_decision, is_global_zero: over the survivors, the leader for rank 0
+    barrier, broadcast, reduce, all_gather, reduce_boolean_decision, metric syncs: over the survivors, redone over
+                        them after a peer failure between steps (ControlCollectives); is_global_zero: the leader
     teardown            teardown()              heartbeat stopped, metrics' groups and Lightning's loop put back
 
-Edits of objects the strategy does not own, each put back at teardown: the torchmetrics metrics of the module get
-the survivors' control group as ``process_group``; the fit loop's ``_broadcast_sigterm_tensor`` (Lightning broadcasts
-a SIGTERM flag from rank 0 over the whole world before every batch, which a lost rank blocks until the world's
-timeout) is replaced by :func:`_before_batch`: the replacements' admission at an epoch's start, and each rank
-stopping on its own SIGTERM.
+Edits of objects the strategy does not own, each put back at teardown: the module's torchmetrics metrics get the
+survivors' control group as ``process_group`` and an instance ``_sync_dist`` that syncs through ControlCollectives;
+the fit loop's ``_broadcast_sigterm_tensor`` (Lightning broadcasts a SIGTERM flag from rank 0 over the whole world
+before every batch, which a lost rank blocks until the world's timeout) is replaced by :func:`_before_batch`: the
+replacements' admission at an epoch's start, and each rank stopping on its own SIGTERM.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from lightning_dp_strategies.core.fault_tolerance import (
 from lightning_dp_strategies.core.membership import is_peer_failure
 from lightning_dp_strategies.core.module_state import broadcast_module_buffers, sync_module_states
 from lightning_dp_strategies.reducers import Reducer
+from lightning_dp_strategies.strategies.control import ControlCollectives
 from lightning_dp_strategies.strategies.survival_hooks import SurvivalHooks
 
 __all__ = ["TrainerSurvival", "check_survivable"]
@@ -128,6 +130,8 @@ class TrainerSurvival:
         """``(global_step, ranks)`` of each admission of replacements this rank took part in."""
         self.hooks = SurvivalHooks()
         """What the strategy adds at fixed points (local SGD: its replicas)."""
+        self.control = ControlCollectives(survivors, self.recover, lambda record: self.catch_up(record, None))
+        """Lightning's collectives over the survivors, redone after a peer failure between steps."""
         self._store: dist.Store | None = None  # the job's store, under this attempt's prefix
         self._loop: Any = None  # the fit loop whose SIGTERM broadcast is replaced
 
@@ -190,6 +194,8 @@ class TrainerSurvival:
         assert module is not None
         self.survivors.use_loader(trainer.train_dataloader)
         self.survivors.watch_metrics(module.modules(), _is_metric)
+        self.control.watch_metrics(m for m in module.modules() if _is_metric(m))
+        self.control.active = self.hooks.recovers_between_steps
         self._loop = trainer.fit_loop.epoch_loop
         self._loop._broadcast_sigterm_tensor = functools.partial(_before_batch, trainer, self)
         self.joining = False  # a replacement's setup is over: Lightning's collectives meet the others again
@@ -223,6 +229,7 @@ class TrainerSurvival:
         sync_module_states(self.strategy.lightning_module, leader)
         self._share_state(leader, joining, state)
         self.hooks.after_admit(joining)
+        self.control.restart()
         self.joins.append((trainer.global_step, joining))
 
     def _training_state(self, trainer: pl.Trainer) -> dict[str, Any]:
@@ -264,22 +271,28 @@ class TrainerSurvival:
     def step(self, run: Callable[[], Any], closure: Callable[[], Any]) -> Any:
         """``run()`` (Lightning's optimizer step with ``closure``), redone over the survivors after each peer failure
         in it (the closure zeroes the gradients and recomputes them). A survivor whose step failed while the others'
-        completed takes their result instead (:meth:`catch_up`)."""
-        for _ in range(self.strategy.world_size):
-            try:
-                output = run()
-            except Exception as error:
-                if not is_peer_failure(error):
-                    raise
-                record = self.recover(error)
-                if record.behind and self.catch_up(record, closure):
-                    return None
-            else:
-                self.hooks.after_own_step()
-                return output
-        return run()
+        completed takes their result instead (:meth:`catch_up`). Lightning's collectives inside the step fail with
+        it, and the step is redone."""
+        between_steps, self.control.active = self.control.active, False
+        try:
+            for _ in range(self.strategy.world_size):
+                try:
+                    output = run()
+                except Exception as error:
+                    if not is_peer_failure(error):
+                        raise
+                    record = self.recover(error)
+                    self.control.completed = record.control  # the step is redone: its collectives again, by all
+                    if record.behind and self.catch_up(record, closure):
+                        return None
+                else:
+                    self.hooks.after_own_step()
+                    return output
+            return run()
+        finally:
+            self.control.active = between_steps
 
-    def catch_up(self, record: Recovery, closure: Callable[[], Any]) -> bool:
+    def catch_up(self, record: Recovery, closure: Callable[[], Any] | None) -> bool:
         """The parameters and optimizer states of the lowest survivor that completed the step, sent to those that
         did not (every survivor takes part); whether this rank was behind (then its step is done: the closure runs
         once more without communicating, as Lightning expects of a step, and nothing is stepped)."""
@@ -289,6 +302,7 @@ class TrainerSurvival:
         source = min(r for r in record.members if r not in record.behind)
         behind = strategy.global_rank in record.behind
         if behind:
+            assert closure is not None, "a rank between steps is never a step behind"
             with strategy.engine.grad_sync.no_sync():
                 closure()
         state = {"module": module.state_dict(), "optimizers": [o.state_dict() for o in strategy.optimizers]}
@@ -306,7 +320,8 @@ class TrainerSurvival:
         (buckets built anew)."""
         strategy, survivors = self.strategy, self.survivors
         assert strategy.lightning_module is not None
-        record = survivors.recover(strategy.lightning_module.trainer.global_step, error, progress)
+        step = strategy.lightning_module.trainer.global_step
+        record = survivors.recover(step, error, progress, self.control.completed)
         self._regroup()
         return record
 
@@ -359,15 +374,13 @@ class TrainerSurvival:
 
     def barrier(self) -> None:
         if not self.joining:  # a replacement's setup meets nobody: the live ranks are training
-            dist.barrier(group=self.survivors.control_group)
+            self.control.barrier()
 
     def broadcast(self, obj: Any, src: int) -> Any:
         """Lightning's broadcast over the survivors; rank 0's part is the leader's (a replacement's setup: its own)."""
         if self.joining:
             return obj
-        box = [obj]
-        dist.broadcast_object_list(box, self.survivors.leader if src == 0 else src, group=self.survivors.control_group)
-        return box[0]
+        return self.control.broadcast(obj, src)
 
     def reduce_boolean_decision(self, decision: bool, all: bool) -> bool:
         total = self.strategy.reduce(torch.tensor(int(decision), device=self.strategy.root_device), reduce_op="sum")
@@ -381,6 +394,7 @@ class TrainerSurvival:
     # ------------------------------------------------------------------ teardown
     def teardown(self) -> None:
         self.survivors.close()
+        self.control.close()
         loop, self._loop = self._loop, None
         if loop is not None:
             del loop._broadcast_sigterm_tensor  # Lightning's own method again

@@ -17,6 +17,9 @@ class SurvivalHooks:
 
     trains_lost_batches: bool = True
     """Whether backward adds the lost ranks' micro-batches to this rank's step (local SGD trains replicas instead)."""
+    recovers_between_steps: bool = True
+    """Whether a rank lost between optimizer steps (validation, a checkpoint's save) is survived there (local SGD
+    meets it at its next synchronisation only, so a loss there fails the run)."""
 
     def after_own_step(self) -> None:
         """After each optimizer step of this rank that completed."""

@@ -4,7 +4,9 @@
 ``survival`` (a :class:`~lightning_dp_strategies.strategies.survival.TrainerSurvival`, set by the subclass when
 ``fault_tolerant`` is on) also answers Lightning's own collectives: ``is_global_zero`` is the lowest live rank, and
 ``barrier``, ``broadcast``, ``reduce``, ``all_gather`` and ``reduce_boolean_decision`` run over the survivors'
-control group, the leader answering for rank 0. Without ``fault_tolerant`` every one of them is Lightning's.
+control group, the leader answering for rank 0, and are redone over the survivors after a peer failure between
+optimizer steps; a checkpoint whose writer was lost is written by the new leader. Without ``fault_tolerant`` every
+one of them is Lightning's.
 """
 
 from __future__ import annotations
@@ -68,8 +70,8 @@ class SurvivingDataParallel(BucketedDataParallel):
         """Lightning's reduce; with ``fault_tolerant`` over the survivors (a replacement's setup: its own value)."""
         if self.survival is not None and self.survival.joining:
             return tensor
-        if self.survivors is not None and group is None:
-            group = self.survivors.control_group
+        if self.survival is not None and group is None and isinstance(tensor, Tensor):
+            return self.survival.control.reduce(tensor, reduce_op)
         return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
     @override
@@ -78,9 +80,24 @@ class SurvivingDataParallel(BucketedDataParallel):
         with the leading dimension of one rank)."""
         if self.survival is not None and self.survival.joining:
             return tensor.unsqueeze(0)
+        if self.survival is not None and group is None and not sync_grads:
+            return self.survival.control.all_gather(tensor)
         if self.survivors is not None and group is None:
             group = self.survivors.control_group
         return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Lightning's save (the leader writes); with ``fault_tolerant``, followed by a barrier over the survivors,
+        and if the leader was lost before every rank passed it, the new leader writes the same checkpoint (every rank
+        holds it: the ranks train the same parameters)."""
+        writer = self.survivors.leader if self.survivors is not None else None
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+        if self.survival is None or self.survivors is None or self.survival.joining:
+            return
+        self.survival.barrier()
+        if self.survivors.leader != writer and self.is_global_zero:
+            super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:

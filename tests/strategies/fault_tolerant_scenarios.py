@@ -8,6 +8,7 @@ A rank planned to fail is SIGKILLed by a callback at the start of a chosen step.
 from __future__ import annotations
 
 import os
+import signal
 import time
 import traceback
 from dataclasses import dataclass
@@ -122,6 +123,46 @@ class Fail(L.Callback):
         self.injector.step(trainer.global_rank, trainer.global_step)
 
 
+class DieBetweenSteps(L.Callback):
+    """``rank`` is SIGKILLed in epoch ``epoch`` between optimizer steps: at its first validation batch
+    (``during="validation"``), or while a checkpoint is being saved, before it is written (``"save"``)."""
+
+    def __init__(self, during: str, rank: int, epoch: int) -> None:
+        self.during, self.rank, self.epoch = during, rank, epoch
+
+    def _maybe_die(self, trainer: L.Trainer, during: str) -> None:
+        if (during, trainer.global_rank, trainer.current_epoch) == (self.during, self.rank, self.epoch):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_validation_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self._maybe_die(trainer, "validation")
+
+    def on_save_checkpoint(self, trainer: L.Trainer, *args: Any) -> None:
+        self._maybe_die(trainer, "save")
+
+
+class ReductionStumbles(L.Callback):
+    """In epoch ``epoch``'s validation, ``rank``'s first reduction completes (the others get its result) and then
+    raises a peer failure there: the others go on to the next collective, one ahead of it."""
+
+    def __init__(self, rank: int, epoch: int) -> None:
+        self.rank, self.epoch = rank, epoch
+
+    def on_validation_start(self, trainer: L.Trainer, *args: Any) -> None:
+        from lightning_dp_strategies.strategies import control
+
+        if (trainer.global_rank, trainer.current_epoch) != (self.rank, self.epoch):
+            return
+        reduce = control.all_reduce
+
+        def flaky(*args: Any, **kwargs: Any) -> torch.Tensor:
+            reduce(*args, **kwargs)
+            control.all_reduce = reduce
+            raise PeerLostError("injected: the reduction completed elsewhere, then failed on this rank only")
+
+        control.all_reduce = flaky
+
+
 @dataclass(frozen=True)
 class Run:
     steps: int = 3 * STEPS_PER_EPOCH
@@ -140,6 +181,10 @@ class Run:
     average_fails: tuple[int, int] | None = None
     """Local SGD, ``(rank, syncs)``: that rank's average at that synchronisation completes, then raises a peer
     failure there (the others got the average)."""
+    reduction_stumbles: tuple[int, int] | None = None
+    """``(rank, epoch)``: :class:`ReductionStumbles`."""
+    dies_between_steps: tuple[str, int, int] | None = None
+    """``(during, rank, epoch)``: that rank is killed in validation or a save (:class:`DieBetweenSteps`)."""
 
 
 def train(rank: int, run: Run, root: str) -> dict[str, Any]:
@@ -163,6 +208,10 @@ def train(rank: int, run: Run, root: str) -> dict[str, Any]:
         callbacks.append(Pace(run.pace_s))
     if run.average_fails is not None:
         callbacks.append(AverageFails(*run.average_fails))
+    if run.reduction_stumbles is not None:
+        callbacks.append(ReductionStumbles(*run.reduction_stumbles))
+    if run.dies_between_steps is not None:
+        callbacks.append(DieBetweenSteps(*run.dies_between_steps))
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",
@@ -185,6 +234,7 @@ def train(rank: int, run: Run, root: str) -> dict[str, Any]:
         "global_step": trainer.global_step,
         "recoveries": [(r.step, r.lost, r.members) for r in survivors.recoveries],
         "behind": [r.behind for r in survivors.recoveries],
+        "behind_control": [r.behind_control for r in survivors.recoveries],
         "best": trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else None,
         "is_global_zero": trainer.is_global_zero,
         "val_mse": float(trainer.callback_metrics["val_mse"]),

@@ -19,6 +19,7 @@ from lightning_dp_strategies.core.fault_tolerance import FaultTolerance, LostBat
 from lightning_dp_strategies.core.membership import ExcludedError, Membership, MembershipConfig
 from tests.helpers.distributed import run_script
 from tests.strategies.fault_tolerant_scenarios import (
+    STEPS_PER_EPOCH,
     WORLD,
     Run,
     assert_departs,
@@ -94,6 +95,65 @@ def test_a_rank_whose_step_failed_while_the_others_completed_takes_their_result(
         assert _result(outcomes, rank)["recoveries"] == [(3, [], [0, 1, 2])]
         assert _result(outcomes, rank)["behind"] == [[2]]
         assert (_params(outcomes, rank) - uninterrupted).abs().max().item() <= TOLERANCE
+
+
+@pytest.mark.timeout(240)
+def test_a_rank_whose_last_step_before_validation_failed_catches_up_with_the_others_in_validation(
+    uninterrupted: torch.Tensor, tmp_path: Path
+) -> None:
+    """Rank 2's last step of the first epoch fails after the reduction completed everywhere; ranks 0 and 1 took it
+    and wait in validation's first collective. They take part in handing rank 2 the step's state, then all three
+    meet in the collective again."""
+    outcomes, codes, _ = launch(Run(stumble=(2, 4)), tmp_path)
+    assert codes == [0] * WORLD, outcomes
+    for rank in range(WORLD):
+        assert _result(outcomes, rank)["behind"] == [[2]]
+        assert (_params(outcomes, rank) - uninterrupted).abs().max().item() <= TOLERANCE
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_rank_lost_in_validation_is_survived(uninterrupted: torch.Tensor, tmp_path: Path, victim: int) -> None:
+    """A rank killed at its first validation batch of the second epoch: the survivors redo the collective they were
+    in over themselves, and training ends on the uninterrupted run's parameters (the lowest survivor leading)."""
+    outcomes, codes, _ = launch(Run(dies_between_steps=("validation", victim, 1)), tmp_path)
+    survivors = [r for r in range(WORLD) if r != victim]
+    assert codes == [-9 if r == victim else 0 for r in range(WORLD)], outcomes
+    for rank in survivors:
+        result = _result(outcomes, rank)
+        assert result["global_step"] == Run().steps
+        assert [(lost, members) for _, lost, members in result["recoveries"]] == [([victim], survivors)]
+        assert math.isfinite(result["val_mse"])
+        assert result["is_global_zero"] == (rank == survivors[0])
+        assert (_params(outcomes, rank) - uninterrupted).abs().max().item() <= TOLERANCE
+    assert Path(_result(outcomes, survivors[0])["best"]).is_file()
+
+
+@pytest.mark.timeout(240)
+def test_a_rank_whose_reduction_failed_while_the_others_completed_takes_their_result(
+    uninterrupted: torch.Tensor, tmp_path: Path
+) -> None:
+    """In the second validation rank 2's first reduction completes everywhere, then fails on rank 2; ranks 0 and 1
+    fail in the next collective. All three are alive: rank 2 is one collective behind and takes rank 0's result."""
+    outcomes, codes, _ = launch(Run(reduction_stumbles=(2, 1)), tmp_path)
+    assert codes == [0] * WORLD, outcomes
+    for rank in range(WORLD):
+        assert _result(outcomes, rank)["behind_control"] == [[2]]
+        assert _result(outcomes, rank)["behind"] == [[]]
+        assert (_params(outcomes, rank) - uninterrupted).abs().max().item() <= TOLERANCE
+
+
+@pytest.mark.timeout(240)
+def test_a_checkpoint_whose_writer_was_lost_is_written_by_the_new_leader(tmp_path: Path) -> None:
+    """Rank 0 (the leader) is killed while the last checkpoint is saved, before it wrote the file: rank 1 leads and
+    writes it, and it holds the parameters the survivors ended on."""
+    run = Run(steps=2 * STEPS_PER_EPOCH, dies_between_steps=("save", 0, 1))
+    outcomes, codes, _ = launch(run, tmp_path)
+    assert codes == [-9, 0, 0], outcomes
+    assert _result(outcomes, 1)["recoveries"][0][1:] == ([0], [1, 2])
+    saved = _result(outcomes, 1)["best_params"]
+    assert saved is not None and Path(_result(outcomes, 1)["best"]).is_file()
+    assert torch.equal(torch.tensor(saved), _params(outcomes, 1))
 
 
 # ---------------------------------------------------------------------------------------------- one process

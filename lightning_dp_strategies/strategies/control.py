@@ -1,0 +1,197 @@
+"""Lightning's collectives over the survivors, surviving a lost rank between optimizer steps.
+
+Between steps Lightning's collectives run over the survivors' control group: validation's ``sync_dist`` reductions
+and metric syncs, the checkpoint callback's broadcasts and barriers, a checkpoint's save. :class:`ControlCollectives`
+runs each on the group's own threads and waits by polling the membership, so a rank lost during validation or a
+checkpoint save is noticed within the heartbeat's ``stale_s`` however the collective routes its messages. Then the
+survivors agree (each announcing how many control collectives it completed), re-form their groups, and redo the
+collective over the new ones. A collective can complete on some ranks and fail on others (the lost rank's part had
+arrived): the ranks one collective behind take its result from a rank that completed it, so every survivor acts on
+the same decisions. A survivor one optimizer step behind (its step failed while the others' completed) takes the
+step's state from one that completed it and then meets the others in the collective they redo.
+
+Inside an optimizer step (``active`` is off) a failure propagates, and the step's own recovery redoes the step.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_dp_strategies.comm.failures import PeerLostError, wait_work
+from lightning_dp_strategies.core.fault_tolerance import Recovery, Survivors
+from lightning_dp_strategies.core.membership import is_peer_failure
+
+__all__ = ["ControlCollectives", "all_reduce", "barrier", "broadcast_object", "gather"]
+
+T = TypeVar("T")
+Interrupt = Callable[[], str | None] | None
+"""Polled while a collective waits: why it cannot complete (a peer known lost), or ``None``; ``None``: not polled."""
+
+
+def barrier(group: dist.ProcessGroup, interrupt: Interrupt) -> None:
+    wait_work(dist.barrier(group=group, async_op=True), interrupt, "A barrier")
+
+
+def all_reduce(tensor: Tensor, op: Any, group: dist.ProcessGroup, interrupt: Interrupt) -> Tensor:
+    """The reduction of a copy of ``tensor`` (``tensor`` itself is left as it is, so a failed attempt can be redone)."""
+    result = tensor.detach().clone()
+    wait_work(dist.all_reduce(result, op=op, group=group, async_op=True), interrupt, "A reduction")
+    return result
+
+
+def broadcast_object(obj: Any, src: int, group: dist.ProcessGroup, interrupt: Interrupt) -> Any:
+    """Global rank ``src``'s ``obj`` (pickled), on every rank of ``group``."""
+    mine = dist.get_rank() == src
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) if mine else None
+    size = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64)
+    wait_work(dist.broadcast(size, src, group=group, async_op=True), interrupt, "A broadcast")
+    if payload is None:
+        payload = torch.empty(int(size.item()), dtype=torch.uint8)
+    wait_work(dist.broadcast(payload, src, group=group, async_op=True), interrupt, "A broadcast")
+    return obj if mine else pickle.loads(payload.numpy().tobytes())
+
+
+def gather(tensor: Tensor, group: dist.ProcessGroup, interrupt: Interrupt = None) -> list[Tensor]:
+    """Every rank's ``tensor`` of ``group``, in rank order, their shapes allowed to differ (what torchmetrics'
+    ``gather_all_tensors`` returns)."""
+    ranks = dist.get_world_size(group)
+    tensor = tensor.detach().contiguous()
+    shape = torch.tensor(tensor.shape, dtype=torch.int64)
+    shapes = [torch.empty_like(shape) for _ in range(ranks)]
+    wait_work(dist.all_gather(shapes, shape, group=group, async_op=True), interrupt, "A gather")
+    largest = torch.stack(shapes).amax(dim=0) if tensor.dim() else shape
+    padded = tensor.new_zeros(torch.Size(largest.tolist()))
+    padded[tuple(slice(0, n) for n in tensor.shape)] = tensor
+    out = [torch.empty_like(padded) for _ in range(ranks)]
+    wait_work(dist.all_gather(out, padded, group=group, async_op=True), interrupt, "A gather")
+    return [t[tuple(slice(0, int(n)) for n in s)] for t, s in zip(out, shapes, strict=True)]
+
+
+class ControlCollectives:
+    """The collectives between optimizer steps, redone over the survivors after a peer failure (see the module
+    docstring). ``recover(error)`` agrees on the survivors (this rank announcing ``completed``) and re-forms their
+    groups; ``catch_up(record)`` takes part in handing a completed step's state to the survivors one step behind."""
+
+    def __init__(
+        self,
+        survivors: Survivors,
+        recover: Callable[[BaseException], Recovery],
+        catch_up: Callable[[Recovery], object],
+    ) -> None:
+        self.survivors = survivors
+        self._recover = recover
+        self._catch_up = catch_up
+        self.completed = 0
+        """Control collectives this rank completed since the world was last formed: what it announces on a failure."""
+        self.active = True
+        """Whether a peer failure is survived here; off inside an optimizer step (its own recovery redoes it)."""
+        self._last: Any = None  # the last completed collective's result, for the ranks one behind
+        self._metrics: list[Any] = []
+
+    def run(self, attempt: Callable[[dist.ProcessGroup, Interrupt], T]) -> T:
+        """``attempt(group, interrupt)`` over the control group; while ``active``, polled and redone over the
+        survivors after each peer failure."""
+        if not self.active:
+            return self._done(attempt(self._group(), None))
+        for _ in range(self.survivors.world_size):
+            try:
+                result = attempt(self._group(), self.survivors.interrupted)
+            except Exception as error:
+                if not is_peer_failure(error):
+                    raise
+                record = self._recover(error)
+                if record.behind:  # a survivor's optimizer step failed while this rank's completed
+                    self._catch_up(record)
+                elif record.behind_control:
+                    handed = self._hand_over(record)
+                    if dist.get_rank() in record.behind_control:
+                        return self._done(handed)
+                continue
+            return self._done(result)
+        raise PeerLostError(f"A collective failed {self.survivors.world_size} times in a row; giving up.")
+
+    def _group(self) -> dist.ProcessGroup:
+        group = self.survivors.control_group
+        assert group is not None, "the survivors' groups are formed at setup"
+        return group
+
+    def _done(self, result: T) -> T:
+        self.completed += 1
+        self._last = result
+        return result
+
+    def _hand_over(self, record: Recovery) -> Any:
+        """The last result of the lowest survivor that completed one collective more than the others (every
+        survivor takes part)."""
+        source = min(r for r in record.members if r not in record.behind_control)
+        return broadcast_object(self._last, source, self._group(), None)
+
+    # ------------------------------------------------------------------ Lightning's collectives
+    def barrier(self) -> None:
+        self.run(barrier)
+
+    def broadcast(self, obj: Any, src: int) -> Any:
+        """Global rank ``src``'s ``obj``; rank 0's is the leader's (the lowest live rank) at the time it is sent."""
+        return self.run(
+            lambda group, wait: broadcast_object(obj, self.survivors.leader if src == 0 else src, group, wait)
+        )
+
+    def reduce(self, tensor: Tensor, reduce_op: Any) -> Tensor:
+        """Lightning's reduce of ``tensor``, in place as Lightning's: ``"mean"`` (``"avg"``) is the sum over the
+        survivors divided by their number; another name, or a ``ReduceOp``, is that reduction."""
+        mean = isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg")
+        op = getattr(dist.ReduceOp, "SUM" if mean else reduce_op.upper()) if isinstance(reduce_op, str) else reduce_op
+
+        def attempt(group: dist.ProcessGroup, wait: Interrupt) -> Tensor:
+            result = all_reduce(tensor, op, group, wait)
+            return result / dist.get_world_size(group) if mean else result
+
+        return tensor.copy_(self.run(attempt))
+
+    def all_gather(self, tensor: Tensor) -> Tensor:
+        """Lightning's all-gather: the survivors' ``tensor`` stacked in rank order."""
+        return torch.stack(self.run(lambda group, wait: gather(tensor, group, wait)))
+
+    def restart(self) -> None:
+        """The world was formed anew (replacements admitted): every rank counts from zero again."""
+        self.completed, self._last = 0, None
+
+    # ------------------------------------------------------------------ torchmetrics
+    def watch_metrics(self, metrics: Iterable[Any]) -> None:
+        """Sync each torchmetrics metric through :meth:`run` (the instance's ``_sync_dist`` is set; :meth:`close`
+        removes it, so the class's own is used again)."""
+        for metric in metrics:
+            if "_sync_dist" not in vars(metric):
+                metric._sync_dist = self._metric_sync(metric)
+                self._metrics.append(metric)
+
+    def _metric_sync(self, metric: Any) -> Callable[..., None]:
+        own = type(metric)._sync_dist
+
+        def sync(dist_sync_fn: Any = None, process_group: Any = None) -> None:
+            def attempt(group: dist.ProcessGroup, interrupt: Interrupt) -> dict[str, Any]:
+                own(metric, lambda tensor, group: gather(tensor, group, interrupt), process_group=group)
+                return {attr: _copied(getattr(metric, attr)) for attr in metric._reductions}
+
+            for attr, value in self.run(attempt).items():
+                setattr(metric, attr, value)
+
+        return sync
+
+    def close(self) -> None:
+        """The metrics' own ``_sync_dist`` again."""
+        for metric in self._metrics:
+            del metric._sync_dist
+        self._metrics = []
+
+
+def _copied(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.clone()
+    return [_copied(v) for v in value] if isinstance(value, list) else value
