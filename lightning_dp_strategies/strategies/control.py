@@ -97,7 +97,7 @@ class ControlCollectives:
     def run(self, attempt: Callable[[dist.ProcessGroup, Interrupt], T]) -> T:
         """``attempt(group, interrupt)`` over the control group; while ``active``, polled and redone over the
         survivors after each peer failure."""
-        if not self.active:
+        if not (self.active and self.survivors.started):
             return self._done(attempt(self._group(), None))
         for _ in range(self.survivors.world_size):
             try:
@@ -109,26 +109,28 @@ class ControlCollectives:
                 if record.behind:  # a survivor's optimizer step failed while this rank's completed
                     self._catch_up(record)
                 elif record.behind_control:
-                    handed = self._hand_over(record)
+                    handed = self.hand_over(record)
                     if dist.get_rank() in record.behind_control:
                         return self._done(handed)
                 continue
             return self._done(result)
-        raise PeerLostError(f"A collective failed {self.survivors.world_size} times in a row; giving up.")
+        raise PeerLostError(
+            f"A collective between optimizer steps met {self.survivors.world_size} peer failures in a row (as many as "
+            "there were ranks); giving up."
+        )
 
     def _group(self) -> dist.ProcessGroup:
         group = self.survivors.control_group
-        assert group is not None, "the survivors' groups are formed at setup"
-        return group
+        return group if group is not None else dist.distributed_c10d._get_default_group()  # before they are formed
 
     def _done(self, result: T) -> T:
         self.completed += 1
         self._last = result
         return result
 
-    def _hand_over(self, record: Recovery) -> Any:
+    def hand_over(self, record: Recovery) -> Any:
         """The last result of the lowest survivor that completed one collective more than the others (every
-        survivor takes part)."""
+        survivor takes part, those in an optimizer step's recovery too)."""
         source = min(r for r in record.members if r not in record.behind_control)
         return broadcast_object(self._last, source, self._group(), None)
 

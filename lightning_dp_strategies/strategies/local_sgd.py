@@ -12,6 +12,7 @@ from typing_extensions import override
 
 from lightning_dp_strategies.core.fault_tolerance import FaultTolerance, Survivors, check_local_fault_tolerance
 from lightning_dp_strategies.core.local_sgd import LocalSGDInterface, check_single_optimizer, local_options
+from lightning_dp_strategies.core.membership import is_peer_failure
 from lightning_dp_strategies.core.options import BucketedConfig, ConfigOption
 from lightning_dp_strategies.core.registry import register_name
 from lightning_dp_strategies.local_sgd import local_checkpoint_record, restore_local_record
@@ -20,7 +21,11 @@ from lightning_dp_strategies.plan.formulas import LOCAL_SGD, local_sgd_cost_mode
 from lightning_dp_strategies.strategies.bucketed import BucketedDataParallel
 from lightning_dp_strategies.strategies.local_survival import LocalSurvival, check_local_survivable
 from lightning_dp_strategies.strategies.survival import TrainerSurvival
-from lightning_dp_strategies.strategies.surviving import SurvivingDataParallel, as_fault_tolerance
+from lightning_dp_strategies.strategies.surviving import (
+    SurvivingDataParallel,
+    as_fault_tolerance,
+    lost_checkpoint_error,
+)
 
 __all__ = ["LocalSGDStrategy"]
 
@@ -157,6 +162,8 @@ class LocalSGDStrategy(LocalSGDInterface, SurvivingDataParallel):
         state = super().lightning_module_state_dict()
         return state if self.local_sgd is None else self.local_sgd.averaged_state(state)
 
+    every_rank_holds_checkpoints = False  # each rank's own parameters and inner state are gathered to the leader
+
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         """Add the local SGD record (anchor, outer state, position, every rank's own state) to a resumable checkpoint;
@@ -168,7 +175,12 @@ class LocalSGDStrategy(LocalSGDInterface, SurvivingDataParallel):
                 record = local_checkpoint_record(self.local_sgd, module, states)
             else:  # the survivors', with the lost ranks' replicas, to the leader
                 replicas, group, leader = self.local_survival.records(), survivors.control_group, survivors.leader
-                record = local_checkpoint_record(self.local_sgd, module, states, replicas, group, leader)
+                try:
+                    record = local_checkpoint_record(self.local_sgd, module, states, replicas, group, leader)
+                except Exception as error:
+                    if not is_peer_failure(error):
+                        raise
+                    raise lost_checkpoint_error(filepath) from error
             checkpoint = {**checkpoint, "local_sgd": record} if record is not None else checkpoint
         super().save_checkpoint(checkpoint, filepath, storage_options)
 

@@ -88,7 +88,6 @@ class LocalSurvival(SurvivalHooks):
     def __init__(self, strategy: LocalSurvivingStrategy, survival: TrainerSurvival) -> None:
         self.strategy = strategy
         self.trains_lost_batches = False  # a lost rank's batches go to its replica, not into this rank's step
-        self.recovers_between_steps = False  # its replicas start at a synchronisation
         self.survival = survival
         self.replicas: Replicas | None = None
         """The lost ranks' replicas this rank trains, and the inner states handed to it (``keep_global_batch``)."""
@@ -188,6 +187,11 @@ class LocalSurvival(SurvivalHooks):
                 self.replicas.handed = handed
             return changes
         raise RuntimeError(f"Local SGD lost a rank in each of {survivors.world_size} tries of one synchronisation.")
+
+    def after_recovery_between_steps(self) -> None:
+        """A rank lost between steps: the replicas of the logical ranks this rank took over start from the states
+        handed over at the last synchronisation and replay their micro-batches since."""
+        self._adopt(self.replicas.handed if self.replicas is not None else {}, replay=True)
 
     def on_regroup(self) -> None:
         """Average over the survivors' new group, with a fresh reducer (the old one may still wait on the old group)."""

@@ -28,8 +28,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
-from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -38,7 +37,6 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
 
 from lightning_dp_strategies.core.elastic import DistributedStrategy, init_strategy_process_group, running_attempt_store
-from lightning_dp_strategies.core.engine import BucketedEngine
 from lightning_dp_strategies.core.fault_tolerance import (
     JOIN_ENV,
     Admission,
@@ -49,9 +47,8 @@ from lightning_dp_strategies.core.fault_tolerance import (
 )
 from lightning_dp_strategies.core.membership import is_peer_failure
 from lightning_dp_strategies.core.module_state import broadcast_module_buffers, sync_module_states
-from lightning_dp_strategies.reducers import Reducer
 from lightning_dp_strategies.strategies.control import ControlCollectives
-from lightning_dp_strategies.strategies.survival_hooks import SurvivalHooks
+from lightning_dp_strategies.strategies.survival_hooks import SurvivalHooks, SurvivingStrategy
 
 __all__ = ["TrainerSurvival", "check_survivable"]
 
@@ -88,34 +85,6 @@ def _before_batch(trainer: pl.Trainer, survival: TrainerSurvival) -> None:
         raise SIGTERMException()
 
 
-class SurvivingStrategy(Protocol):
-    """What :class:`TrainerSurvival` uses of its strategy (a :class:`~lightning_dp_strategies.strategies.bucketed.
-    BucketedDataParallel`)."""
-
-    engine: BucketedEngine
-    _timeout: timedelta | None
-
-    @property
-    def global_rank(self) -> int: ...
-    @property
-    def world_size(self) -> int: ...
-    @property
-    def root_device(self) -> torch.device: ...
-    @property
-    def lightning_module(self) -> pl.LightningModule | None: ...
-    @property
-    def precision_plugin(self) -> Any: ...
-    @property
-    def optimizers(self) -> list[Any]: ...
-    def _get_process_group_backend(self) -> str: ...
-    def configure_reducer(self) -> Reducer: ...
-    def arrange_reducer(self, reducer: Reducer) -> Reducer: ...
-    def _build_buckets(self) -> None: ...
-    def _check_ranks_agree(self) -> None: ...
-    def batch_to_device(self, batch: Any) -> Any: ...
-    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any: ...
-
-
 class TrainerSurvival:
     """What a Trainer strategy does with ``fault_tolerant`` (see the module docstring)."""
 
@@ -130,7 +99,7 @@ class TrainerSurvival:
         """``(global_step, ranks)`` of each admission of replacements this rank took part in."""
         self.hooks = SurvivalHooks()
         """What the strategy adds at fixed points (local SGD: its replicas)."""
-        self.control = ControlCollectives(survivors, self.recover, lambda record: self.catch_up(record, None))
+        self.control = ControlCollectives(survivors, self._recover_between_steps, self._catch_up_between_steps)
         """Lightning's collectives over the survivors, redone after a peer failure between steps."""
         self._store: dist.Store | None = None  # the job's store, under this attempt's prefix
         self._loop: Any = None  # the fit loop whose SIGTERM broadcast is replaced
@@ -195,7 +164,6 @@ class TrainerSurvival:
         self.survivors.use_loader(trainer.train_dataloader)
         self.survivors.watch_metrics(module.modules(), _is_metric)
         self.control.watch_metrics(m for m in module.modules() if _is_metric(m))
-        self.control.active = self.hooks.recovers_between_steps
         self._loop = trainer.fit_loop.epoch_loop
         self._loop._broadcast_sigterm_tensor = functools.partial(_before_batch, trainer, self)
         self.joining = False  # a replacement's setup is over: Lightning's collectives meet the others again
@@ -260,6 +228,14 @@ class TrainerSurvival:
         connector.restore_datamodule()
         connector.restore_callbacks()
 
+    def _recover_between_steps(self, error: BaseException) -> Recovery:
+        record = self.recover(error)
+        self.hooks.after_recovery_between_steps()
+        return record
+
+    def _catch_up_between_steps(self, record: Recovery) -> None:
+        self.catch_up(record, None)  # a rank between steps hands over, never receives
+
     def _regroup(self) -> None:
         strategy, survivors = self.strategy, self.survivors
         assert survivors.group is not None
@@ -282,6 +258,8 @@ class TrainerSurvival:
                     if not is_peer_failure(error):
                         raise
                     record = self.recover(error)
+                    if record.behind_control and not record.behind:  # a rank between steps is one collective behind
+                        self.control.hand_over(record)
                     self.control.completed = record.control  # the step is redone: its collectives again, by all
                     if record.behind and self.catch_up(record, closure):
                         return None

@@ -1,4 +1,5 @@
-"""What a strategy adds to :class:`~lightning_dp_strategies.strategies.survival.TrainerSurvival` at fixed points.
+"""What a strategy adds to :class:`~lightning_dp_strategies.strategies.survival.TrainerSurvival` at fixed points
+(:class:`SurvivalHooks`), and what the survival uses of its strategy (:class:`SurvivingStrategy`).
 
 The ring needs none of it (:class:`SurvivalHooks` itself: every hook does nothing); local SGD's
 :class:`~lightning_dp_strategies.strategies.local_survival.LocalSurvival` overrides them to train the lost ranks'
@@ -7,9 +8,16 @@ replicas and to hand their state to replacements.
 
 from __future__ import annotations
 
-from typing import Any
+from datetime import timedelta
+from typing import Any, Protocol
 
-__all__ = ["SurvivalHooks"]
+import lightning.pytorch as pl
+import torch
+
+from lightning_dp_strategies.core.engine import BucketedEngine
+from lightning_dp_strategies.reducers import Reducer
+
+__all__ = ["SurvivalHooks", "SurvivingStrategy"]
 
 
 class SurvivalHooks:
@@ -17,12 +25,13 @@ class SurvivalHooks:
 
     trains_lost_batches: bool = True
     """Whether backward adds the lost ranks' micro-batches to this rank's step (local SGD trains replicas instead)."""
-    recovers_between_steps: bool = True
-    """Whether a rank lost between optimizer steps (validation, a checkpoint's save) is survived there (local SGD
-    meets it at its next synchronisation only, so a loss there fails the run)."""
 
     def after_own_step(self) -> None:
         """After each optimizer step of this rank that completed."""
+
+    def after_recovery_between_steps(self) -> None:
+        """On every survivor of a rank lost between optimizer steps (validation, a checkpoint's save), once the
+        groups are re-formed, before the collective is redone."""
 
     def on_regroup(self) -> None:
         """On every survivor, once the gradient sync averages over new groups (after a failure, an admission)."""
@@ -38,3 +47,31 @@ class SurvivalHooks:
 
     def after_admit(self, joining: list[int]) -> None:
         """On every rank of the re-formed world, once the replacements have their state."""
+
+
+class SurvivingStrategy(Protocol):
+    """What :class:`TrainerSurvival` uses of its strategy (a :class:`~lightning_dp_strategies.strategies.bucketed.
+    BucketedDataParallel`)."""
+
+    engine: BucketedEngine
+    _timeout: timedelta | None
+
+    @property
+    def global_rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def root_device(self) -> torch.device: ...
+    @property
+    def lightning_module(self) -> pl.LightningModule | None: ...
+    @property
+    def precision_plugin(self) -> Any: ...
+    @property
+    def optimizers(self) -> list[Any]: ...
+    def _get_process_group_backend(self) -> str: ...
+    def configure_reducer(self) -> Reducer: ...
+    def arrange_reducer(self, reducer: Reducer) -> Reducer: ...
+    def _build_buckets(self) -> None: ...
+    def _check_ranks_agree(self) -> None: ...
+    def batch_to_device(self, batch: Any) -> Any: ...
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any: ...

@@ -19,7 +19,7 @@ from typing_extensions import override
 from lightning_dp_strategies.core.fault_tolerance import FaultTolerance, Survivors
 from lightning_dp_strategies.strategies.bucketed import BucketedDataParallel
 
-__all__ = ["SurvivingDataParallel", "as_fault_tolerance"]
+__all__ = ["SurvivingDataParallel", "as_fault_tolerance", "lost_checkpoint_error"]
 
 
 def as_fault_tolerance(fault_tolerant: bool | FaultTolerance) -> FaultTolerance | None:
@@ -34,6 +34,15 @@ def as_fault_tolerance(fault_tolerant: bool | FaultTolerance) -> FaultTolerance 
     if not isinstance(fault_tolerant, bool):
         raise TypeError(f"`fault_tolerant` must be True, False or a FaultTolerance, got {fault_tolerant!r}.")
     return FaultTolerance() if fault_tolerant else None
+
+
+def lost_checkpoint_error(filepath: object) -> RuntimeError:
+    """What stops a run whose checkpoint cannot be completed over the survivors."""
+    return RuntimeError(
+        f"A rank was lost while the checkpoint {str(filepath)!r} was saved, and this strategy's checkpoint holds every "
+        "rank's own state, gathered to one writer: it cannot be completed over the survivors, so the run stops here. "
+        "Resume from the last complete checkpoint with `trainer.fit(..., ckpt_path='last')`."
+    )
 
 
 class SurvivingDataParallel(BucketedDataParallel):
@@ -88,16 +97,24 @@ class SurvivingDataParallel(BucketedDataParallel):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Lightning's save (the leader writes); with ``fault_tolerant``, followed by a barrier over the survivors,
-        and if the leader was lost before every rank passed it, the new leader writes the same checkpoint (every rank
-        holds it: the ranks train the same parameters)."""
+        """Lightning's save (the leader writes); with ``fault_tolerant``, followed by a barrier over the survivors.
+        If the leader was lost before every rank passed it, the new leader writes the same checkpoint where every
+        rank holds it (:attr:`every_rank_holds_checkpoints`), else the run fails naming the file."""
         writer = self.survivors.leader if self.survivors is not None else None
         super().save_checkpoint(checkpoint, filepath, storage_options)
         if self.survival is None or self.survivors is None or self.survival.joining:
             return
         self.survival.barrier()
-        if self.survivors.leader != writer and self.is_global_zero:
+        if self.survivors.leader == writer:
+            return
+        if not self.every_rank_holds_checkpoints:
+            raise lost_checkpoint_error(filepath)
+        if self.is_global_zero:
             super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    every_rank_holds_checkpoints: bool = True
+    """Whether each rank's ``checkpoint`` in :meth:`save_checkpoint` is the whole one (the ranks train the same
+    parameters), so that another rank can write it when its writer is lost."""
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:

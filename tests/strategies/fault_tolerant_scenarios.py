@@ -141,26 +141,38 @@ class DieBetweenSteps(L.Callback):
         self._maybe_die(trainer, "save")
 
 
-class ReductionStumbles(L.Callback):
-    """In epoch ``epoch``'s validation, ``rank``'s first reduction completes (the others get its result) and then
-    raises a peer failure there: the others go on to the next collective, one ahead of it."""
+def _stumble_once() -> None:
+    """This process's next control reduction completes (the others get its result), then raises a peer failure."""
+    from lightning_dp_strategies.strategies import control
 
-    def __init__(self, rank: int, epoch: int) -> None:
-        self.rank, self.epoch = rank, epoch
+    reduce = control.all_reduce
+
+    def flaky(*args: Any, **kwargs: Any) -> torch.Tensor:
+        reduce(*args, **kwargs)
+        control.all_reduce = reduce
+        raise PeerLostError("injected: the reduction completed elsewhere, then failed on this rank only")
+
+    control.all_reduce = flaky
+
+
+class ReductionStumbles(L.Callback):
+    """``where = ("validation", epoch)``: in that epoch's validation, ``rank``'s first reduction completes and then
+    fails there, so the others go on to the next collective, one ahead of it. ``("before_step", step)``: every rank
+    reduces a value before optimizer step ``step`` (a callback's collective between steps) and ``rank``'s fails so,
+    so the others go on into the step's gradient reduction."""
+
+    def __init__(self, rank: int, where: tuple[str, int]) -> None:
+        self.rank, self.where = rank, where
 
     def on_validation_start(self, trainer: L.Trainer, *args: Any) -> None:
-        from lightning_dp_strategies.strategies import control
+        if (trainer.global_rank, ("validation", trainer.current_epoch)) == (self.rank, self.where):
+            _stumble_once()
 
-        if (trainer.global_rank, trainer.current_epoch) != (self.rank, self.epoch):
-            return
-        reduce = control.all_reduce
-
-        def flaky(*args: Any, **kwargs: Any) -> torch.Tensor:
-            reduce(*args, **kwargs)
-            control.all_reduce = reduce
-            raise PeerLostError("injected: the reduction completed elsewhere, then failed on this rank only")
-
-        control.all_reduce = flaky
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if self.where == ("before_step", trainer.global_step):
+            if trainer.global_rank == self.rank:
+                _stumble_once()
+            trainer.strategy.reduce(torch.tensor(float(trainer.global_rank)), reduce_op="sum")
 
 
 @dataclass(frozen=True)
@@ -181,8 +193,8 @@ class Run:
     average_fails: tuple[int, int] | None = None
     """Local SGD, ``(rank, syncs)``: that rank's average at that synchronisation completes, then raises a peer
     failure there (the others got the average)."""
-    reduction_stumbles: tuple[int, int] | None = None
-    """``(rank, epoch)``: :class:`ReductionStumbles`."""
+    reduction_stumbles: tuple[int, tuple[str, int]] | None = None
+    """``(rank, where)``: :class:`ReductionStumbles`."""
     dies_between_steps: tuple[str, int, int] | None = None
     """``(during, rank, epoch)``: that rank is killed in validation or a save (:class:`DieBetweenSteps`)."""
 

@@ -135,11 +135,25 @@ def test_a_rank_whose_reduction_failed_while_the_others_completed_takes_their_re
 ) -> None:
     """In the second validation rank 2's first reduction completes everywhere, then fails on rank 2; ranks 0 and 1
     fail in the next collective. All three are alive: rank 2 is one collective behind and takes rank 0's result."""
-    outcomes, codes, _ = launch(Run(reduction_stumbles=(2, 1)), tmp_path)
+    outcomes, codes, _ = launch(Run(reduction_stumbles=(2, ("validation", 1))), tmp_path)
     assert codes == [0] * WORLD, outcomes
     for rank in range(WORLD):
         assert _result(outcomes, rank)["behind_control"] == [[2]]
         assert _result(outcomes, rank)["behind"] == [[]]
+        assert (_params(outcomes, rank) - uninterrupted).abs().max().item() <= TOLERANCE
+
+
+@pytest.mark.timeout(240)
+def test_a_rank_one_collective_behind_gets_its_result_from_ranks_already_in_the_next_step(
+    uninterrupted: torch.Tensor, tmp_path: Path
+) -> None:
+    """Before step 7 every rank reduces a value (a callback's collective); rank 2's reduction completes everywhere,
+    then fails on rank 2, while ranks 0 and 1 go on into step 7's gradient reduction. Those two take part in handing
+    rank 2 the result from their step's recovery, and every rank redoes step 7."""
+    outcomes, codes, _ = launch(Run(reduction_stumbles=(2, ("before_step", 7))), tmp_path)
+    assert codes == [0] * WORLD, outcomes
+    for rank in range(WORLD):
+        assert _result(outcomes, rank)["behind_control"] == [[2]]
         assert (_params(outcomes, rank) - uninterrupted).abs().max().item() <= TOLERANCE
 
 

@@ -70,6 +70,38 @@ def test_a_rank_whose_average_failed_after_the_others_got_it_takes_theirs(
         assert (ft.final_params(outcomes, rank) - uninterrupted).abs().max().item() <= TOLERANCE
 
 
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_rank_lost_in_validation_is_replaced_by_its_replica(
+    uninterrupted: torch.Tensor, tmp_path: Path, victim: int
+) -> None:
+    """Killed at its first validation batch of the second epoch (the ranks in sync after the synchronisation before
+    validation): the survivors redo the collective they were in, the taker starts the lost rank's replica from the
+    state handed over at that synchronisation, and the run ends on the uninterrupted run's parameters."""
+    outcomes, codes, _ = ft.launch(
+        ft.Run(sync_every=SYNC_EVERY, dies_between_steps=("validation", victim, 1)), tmp_path
+    )
+    survivors = [r for r in range(ft.WORLD) if r != victim]
+    assert codes == [-9 if r == victim else 0 for r in range(ft.WORLD)], outcomes
+    for rank in survivors:
+        result = ft.result(outcomes, rank)
+        assert [(lost, members) for _, lost, members in result["recoveries"]] == [([victim], survivors)]
+        assert (ft.final_params(outcomes, rank) - uninterrupted).abs().max().item() <= TOLERANCE
+    assert ft.result(outcomes, survivors[0])["best_params"] is not None
+
+
+@pytest.mark.timeout(240)
+def test_a_lost_checkpoint_writer_fails_the_run_naming_the_file(tmp_path: Path) -> None:
+    """Only the leader holds local SGD's whole checkpoint (every rank's own state gathered to it): when it is lost
+    while the checkpoint is saved, the survivors stop with an error that names the file and the resume."""
+    run = ft.Run(sync_every=SYNC_EVERY, dies_between_steps=("save", 0, 1))
+    outcomes, codes, _ = ft.launch(run, tmp_path)
+    assert codes[0] == -9, outcomes
+    for rank in (1, 2):
+        assert "was lost while the checkpoint" in str(outcomes[rank]), outcomes[rank]
+        assert "ckpt_path='last'" in str(outcomes[rank])
+
+
 def test_the_hand_over_goes_to_the_rank_that_would_take_over() -> None:
     assert handover_plan([0, 1, 2], 3) == {0: {1: [0]}, 1: {0: [1]}, 2: {0: [2]}}
     assert handover_plan([0, 2], 3) == {0: {2: [0, 1]}, 2: {0: [2]}}
