@@ -1,0 +1,60 @@
+"""The interruptible collectives that ``fault_tolerant`` runs between optimizer steps, on three gloo ranks.
+
+``gather`` must return what torchmetrics' own ``gather_all_tensors`` returns (it replaces it in a metric's sync),
+shapes differing between ranks included; a wait whose interrupt gives a reason must end at once with that reason.
+The strategies' recovery around them is tested end to end in ``test_fault_tolerant.py``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torchmetrics.utilities.distributed import gather_all_tensors
+
+from lightning_dp_strategies.comm.failures import PeerLostError
+from lightning_dp_strategies.strategies.control import all_reduce, barrier, broadcast_object, gather
+from tests.helpers.distributed import run_distributed
+
+
+def _collectives(rank: int, world_size: int) -> None:
+    group = dist.distributed_c10d._get_default_group()
+    never = lambda: None  # noqa: E731  # an interrupt that never fires: the collectives are polled to completion
+    for local in (
+        torch.full((rank + 1, 2), float(rank)),  # a different first dimension on every rank
+        torch.tensor(float(rank) + 0.5),  # a scalar
+        torch.arange(3.0) * (rank + 1),  # the same shape everywhere
+    ):
+        ours = gather(local, group, never)
+        theirs = gather_all_tensors(local.clone(), group)
+        assert len(ours) == len(theirs) == world_size
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True)), (ours, theirs)
+
+    value = torch.tensor([float(rank), 1.0])
+    total = all_reduce(value, dist.ReduceOp.SUM, group, never)
+    assert torch.equal(value, torch.tensor([float(rank), 1.0]))  # the input is left as it was, for a redo
+    assert torch.equal(total, torch.tensor([float(sum(range(world_size))), float(world_size)]))
+
+    sent = {"path": "/tmp/epoch=1.ckpt", "tensor": torch.ones(2), "rank": rank}
+    received = broadcast_object(sent, 1, group, never)
+    assert received["path"] == sent["path"] and received["rank"] == 1 and torch.equal(received["tensor"], torch.ones(2))
+
+    # rank 2 is late to a barrier: the others' waits give up as soon as their interrupt names a reason
+    if rank < 2:
+        start = time.monotonic()
+        give_up_at = start + 0.3
+        reason = lambda: "rank 2 is gone" if time.monotonic() > give_up_at else None  # noqa: E731
+        with pytest.raises(PeerLostError, match="A barrier was given up: rank 2 is gone"):
+            barrier(group, reason)
+        assert time.monotonic() - start < 1.0  # given up before rank 2 arrives
+    else:
+        time.sleep(1.5)
+        dist.barrier()  # late: it meets the barrier the others left in flight
+    dist.barrier()
+
+
+@pytest.mark.timeout(120)
+def test_the_collectives_between_steps_match_torchmetrics_and_give_up_on_an_interrupt() -> None:
+    run_distributed(_collectives, 3)
