@@ -162,11 +162,16 @@ class TrainerSurvival:
         module = trainer.lightning_module
         assert module is not None
         self.survivors.use_loader(trainer.train_dataloader)
-        self.survivors.watch_metrics(module.modules(), _is_metric)
-        self.control.watch_metrics(m for m in module.modules() if _is_metric(m))
+        self.watch_metrics(module)
         self._loop = trainer.fit_loop.epoch_loop
         self._loop._broadcast_sigterm_tensor = functools.partial(_before_batch, trainer, self)
         self.joining = False  # a replacement's setup is over: Lightning's collectives meet the others again
+
+    def watch_metrics(self, module: pl.LightningModule) -> None:
+        """The module's torchmetrics metrics sync over the survivors, through :attr:`control` (at the start of
+        training, validation and testing; each metric once)."""
+        self.survivors.watch_metrics(module.modules(), _is_metric)
+        self.control.watch_metrics(m for m in module.modules() if _is_metric(m))
 
     # ------------------------------------------------------------------ replacements
     def admit_replacements(self, trainer: pl.Trainer) -> None:

@@ -60,6 +60,18 @@ class SurvivingDataParallel(BucketedDataParallel):
         if self.survival is not None and self.lightning_module is not None:
             self.survival.on_train_start(self.lightning_module.trainer)
 
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        if self.survival is not None and self.lightning_module is not None:
+            self.survival.watch_metrics(self.lightning_module)
+
+    @override
+    def on_test_start(self) -> None:
+        super().on_test_start()
+        if self.survival is not None and self.lightning_module is not None:
+            self.survival.watch_metrics(self.lightning_module)
+
     @property
     @override
     def is_global_zero(self) -> bool:

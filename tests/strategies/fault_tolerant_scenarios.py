@@ -193,6 +193,8 @@ class Run:
     average_fails: tuple[int, int] | None = None
     """Local SGD, ``(rank, syncs)``: that rank's average at that synchronisation completes, then raises a peer
     failure there (the others got the average)."""
+    validate_only: bool = False
+    """``trainer.validate`` instead of ``fit``."""
     reduction_stumbles: tuple[int, tuple[str, int]] | None = None
     """``(rank, where)``: :class:`ReductionStumbles`."""
     dies_between_steps: tuple[str, int, int] | None = None
@@ -238,7 +240,10 @@ def train(rank: int, run: Run, root: str) -> dict[str, Any]:
     )
     train_loader = DataLoader(data(WORLD * BATCH * STEPS_PER_EPOCH, 1), batch_size=BATCH, shuffle=True)
     val_loader = DataLoader(data(WORLD * BATCH * 2, 2), batch_size=BATCH)
-    trainer.fit(model, train_loader, val_loader)
+    if run.validate_only:
+        trainer.validate(model, val_loader)
+    else:
+        trainer.fit(model, train_loader, val_loader)
     survivors, survival = strategy.survivors, strategy.survival
     assert survivors is not None and survival is not None
     return {
