@@ -27,7 +27,7 @@ from lightning_dp_strategies.comm.failures import PeerLostError, wait_work
 from lightning_dp_strategies.core.fault_tolerance import Recovery, Survivors
 from lightning_dp_strategies.core.membership import is_peer_failure
 
-__all__ = ["ControlCollectives", "all_reduce", "barrier", "broadcast_object", "gather"]
+__all__ = ["ControlCollectives", "all_reduce", "barrier", "broadcast_object", "copied", "gather"]
 
 T = TypeVar("T")
 Interrupt = Callable[[], str | None] | None
@@ -179,7 +179,7 @@ class ControlCollectives:
         def sync(dist_sync_fn: Any = None, process_group: Any = None) -> None:
             def attempt(group: dist.ProcessGroup, interrupt: Interrupt) -> dict[str, Any]:
                 own(metric, lambda tensor, group: gather(tensor, group, interrupt), process_group=group)
-                return {attr: _copied(getattr(metric, attr)) for attr in metric._reductions}
+                return {attr: copied(getattr(metric, attr)) for attr in metric._reductions}
 
             for attr, value in self.run(attempt).items():
                 setattr(metric, attr, value)
@@ -193,7 +193,12 @@ class ControlCollectives:
         self._metrics = []
 
 
-def _copied(value: Any) -> Any:
+def copied(value: Any) -> Any:
+    """``value`` with every tensor in it (in dicts and lists, at any depth) detached and cloned."""
     if isinstance(value, Tensor):
-        return value.clone()
-    return [_copied(v) for v in value] if isinstance(value, list) else value
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: copied(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [copied(v) for v in value]
+    return value

@@ -44,6 +44,7 @@ from lightning_dp_strategies.core.membership import handover_plan, is_peer_failu
 from lightning_dp_strategies.local_sgd import LocalSGD, local_checkpoint_record
 from lightning_dp_strategies.local_sgd.averaging import averageable, outer_reducer
 from lightning_dp_strategies.local_sgd.replicas import InnerStates, Replicas, exchange
+from lightning_dp_strategies.strategies.control import copied
 from lightning_dp_strategies.strategies.survival import SurvivingStrategy, TrainerSurvival
 from lightning_dp_strategies.strategies.survival_hooks import SurvivalHooks
 
@@ -310,16 +311,6 @@ class LocalSurvival(SurvivalHooks):
         for logical in sorted(replicas.shadows) if replicas is not None else []:
             with replicas.swapped(logical):  # type: ignore[union-attr]
                 own = None if self.local.in_sync else {k: v.detach().clone() for k, v in module.state_dict().items()}
-                optimizers = [_copied(o.state_dict()) for o in self.strategy.optimizers]
+                optimizers = [copied(o.state_dict()) for o in self.strategy.optimizers]
             records[logical] = {"module": own, "optimizer": optimizers}
         return records
-
-
-def _copied(value: Any) -> Any:
-    if isinstance(value, Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: _copied(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_copied(v) for v in value]
-    return value
