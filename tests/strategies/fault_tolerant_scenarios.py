@@ -45,6 +45,7 @@ class Regression(L.LightningModule):
         super().__init__()
         self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
         self.val_mse = torchmetrics.MeanSquaredError()
+        self.test_mse = torchmetrics.MeanSquaredError()
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -58,6 +59,13 @@ class Regression(L.LightningModule):
         self.val_mse(prediction, y)
         self.log("val_loss", nn.functional.mse_loss(prediction, y), sync_dist=True)
         self.log("val_mse", self.val_mse)
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        prediction = self.net(x)
+        self.test_mse(prediction, y)
+        self.log("test_loss", nn.functional.mse_loss(prediction, y), sync_dist=True)
+        self.log("test_mse", self.test_mse)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
@@ -124,8 +132,8 @@ class Fail(L.Callback):
 
 
 class DieBetweenSteps(L.Callback):
-    """``rank`` is SIGKILLed in epoch ``epoch`` between optimizer steps: at its first validation batch
-    (``during="validation"``), or while a checkpoint is being saved, before it is written (``"save"``)."""
+    """``rank`` is SIGKILLed in epoch ``epoch`` between optimizer steps: at its first validation or test batch
+    (``during="validation"`` or ``"test"``), or while a checkpoint is being saved, before it is written (``"save"``)."""
 
     def __init__(self, during: str, rank: int, epoch: int) -> None:
         self.during, self.rank, self.epoch = during, rank, epoch
@@ -136,6 +144,9 @@ class DieBetweenSteps(L.Callback):
 
     def on_validation_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         self._maybe_die(trainer, "validation")
+
+    def on_test_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self._maybe_die(trainer, "test")
 
     def on_save_checkpoint(self, trainer: L.Trainer, *args: Any) -> None:
         self._maybe_die(trainer, "save")
@@ -193,8 +204,8 @@ class Run:
     average_fails: tuple[int, int] | None = None
     """Local SGD, ``(rank, syncs)``: that rank's average at that synchronisation completes, then raises a peer
     failure there (the others got the average)."""
-    validate_only: bool = False
-    """``trainer.validate`` instead of ``fit``."""
+    evaluate_only: str | None = None
+    """``"validate"`` or ``"test"``: that Trainer method alone, instead of ``fit``."""
     reduction_stumbles: tuple[int, tuple[str, int]] | None = None
     """``(rank, where)``: :class:`ReductionStumbles`."""
     dies_between_steps: tuple[str, int, int] | None = None
@@ -240,8 +251,10 @@ def train(rank: int, run: Run, root: str) -> dict[str, Any]:
     )
     train_loader = DataLoader(data(WORLD * BATCH * STEPS_PER_EPOCH, 1), batch_size=BATCH, shuffle=True)
     val_loader = DataLoader(data(WORLD * BATCH * 2, 2), batch_size=BATCH)
-    if run.validate_only:
+    if run.evaluate_only == "validate":
         trainer.validate(model, val_loader)
+    elif run.evaluate_only == "test":
+        trainer.test(model, val_loader)
     else:
         trainer.fit(model, train_loader, val_loader)
     survivors, survival = strategy.survivors, strategy.survival
@@ -254,7 +267,11 @@ def train(rank: int, run: Run, root: str) -> dict[str, Any]:
         "behind_control": [r.behind_control for r in survivors.recoveries],
         "best": trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else None,
         "is_global_zero": trainer.is_global_zero,
-        "val_mse": float(trainer.callback_metrics["val_mse"]),
+        **{
+            name: float(trainer.callback_metrics[name])
+            for name in ("val_mse", "test_mse")
+            if name in trainer.callback_metrics
+        },
         "step_bytes": strategy.comm_stats.bytes_sent,
         "joins": survival.joins,
         "admitted_at": None if survival.admission is None else survival.admission.epoch,

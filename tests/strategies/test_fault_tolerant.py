@@ -130,15 +130,17 @@ def test_a_rank_lost_in_validation_is_survived(uninterrupted: torch.Tensor, tmp_
 
 
 @pytest.mark.timeout(240)
-def test_a_rank_lost_in_trainer_validate_is_survived(tmp_path: Path) -> None:
-    """``trainer.validate`` alone (no fit): rank 1 killed at its first batch; the survivors finish the validation
-    over themselves and log the metric."""
-    outcomes, codes, _ = launch(Run(validate_only=True, dies_between_steps=("validation", 1, 0)), tmp_path)
+@pytest.mark.parametrize("method", ["validate", "test"])
+def test_a_rank_lost_in_trainer_validate_or_test_is_survived(method: str, tmp_path: Path) -> None:
+    """``trainer.validate`` or ``trainer.test`` alone (no fit): rank 1 killed at its first batch; the survivors
+    finish the loop over themselves and log the metric."""
+    during = "validation" if method == "validate" else "test"
+    outcomes, codes, _ = launch(Run(evaluate_only=method, dies_between_steps=(during, 1, 0)), tmp_path)
     assert codes == [0, -9, 0], outcomes
     for rank in (0, 2):
         result = _result(outcomes, rank)
         assert [(lost, members) for _, lost, members in result["recoveries"]] == [([1], [0, 2])]
-        assert math.isfinite(result["val_mse"])
+        assert math.isfinite(result["val_mse" if method == "validate" else "test_mse"])
 
 
 @pytest.mark.timeout(240)
