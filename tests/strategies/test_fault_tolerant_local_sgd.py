@@ -9,6 +9,7 @@ is the uninterrupted run's final parameters, to 1e-6 (a replica's sums run in an
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -88,6 +89,21 @@ def test_a_rank_lost_in_validation_is_replaced_by_its_replica(
         assert [(lost, members) for _, lost, members in result["recoveries"]] == [([victim], survivors)]
         assert (ft.final_params(outcomes, rank) - uninterrupted).abs().max().item() <= TOLERANCE
     assert ft.result(outcomes, survivors[0])["best_params"] is not None
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("method", ["validate", "test"])
+def test_a_rank_lost_in_trainer_validate_or_test_is_survived(method: str, tmp_path: Path) -> None:
+    """``trainer.validate`` or ``trainer.test`` alone (no fit, the ranks in sync): rank 1 killed at its first batch;
+    the survivors finish the loop over themselves and log the metric."""
+    during = "validation" if method == "validate" else "test"
+    run = ft.Run(sync_every=SYNC_EVERY, evaluate_only=method, dies_between_steps=(during, 1, 0))
+    outcomes, codes, _ = ft.launch(run, tmp_path)
+    assert codes == [0, -9, 0], outcomes
+    for rank in (0, 2):
+        result = ft.result(outcomes, rank)
+        assert [(lost, members) for _, lost, members in result["recoveries"]] == [([1], [0, 2])]
+        assert math.isfinite(result["val_mse" if method == "validate" else "test_mse"])
 
 
 @pytest.mark.timeout(240)
