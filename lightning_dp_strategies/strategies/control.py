@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from lightning_dp_strategies.comm.failures import PeerLostError, wait_work
@@ -170,6 +171,7 @@ class ControlCollectives:
         removes it, so the class's own is used again)."""
         for metric in metrics:
             if "_sync_dist" not in vars(metric):
+                _warn_own_sync_unused(metric)
                 metric._sync_dist = self._metric_sync(metric)
                 self._metrics.append(metric)
 
@@ -191,6 +193,18 @@ class ControlCollectives:
         for metric in self._metrics:
             del metric._sync_dist
         self._metrics = []
+
+
+def _warn_own_sync_unused(metric: Any) -> None:
+    """Say (on global rank 0) that a metric's own ``dist_sync_fn`` or ``process_group`` is set aside: its states are
+    gathered over the survivors' control group instead."""
+    own = [f"`{name}`" for name in ("dist_sync_fn", "process_group") if getattr(metric, name, None) is not None]
+    if own:
+        rank_zero_warn(
+            f"{type(metric).__name__}'s {' and '.join(own)} is not used under `fault_tolerant=True`: the strategy "
+            "gathers the metric's states over the survivors, with a wait that notices a lost rank. Construct the "
+            "metric without it to silence this warning."
+        )
 
 
 def copied(value: Any) -> Any:

@@ -170,8 +170,8 @@ class TrainerSurvival:
     def watch_metrics(self, module: pl.LightningModule) -> None:
         """The module's torchmetrics metrics sync over the survivors, through :attr:`control` (at the start of
         training, validation and testing; each metric once)."""
+        self.control.watch_metrics(m for m in module.modules() if _is_metric(m))  # first: it reads their own group
         self.survivors.watch_metrics(module.modules(), _is_metric)
-        self.control.watch_metrics(m for m in module.modules() if _is_metric(m))
 
     # ------------------------------------------------------------------ replacements
     def admit_replacements(self, trainer: pl.Trainer) -> None:

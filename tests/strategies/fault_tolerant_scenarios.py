@@ -11,6 +11,7 @@ import os
 import signal
 import time
 import traceback
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -251,12 +252,14 @@ def train(rank: int, run: Run, root: str) -> dict[str, Any]:
     )
     train_loader = DataLoader(data(WORLD * BATCH * STEPS_PER_EPOCH, 1), batch_size=BATCH, shuffle=True)
     val_loader = DataLoader(data(WORLD * BATCH * 2, 2), batch_size=BATCH)
-    if run.evaluate_only == "validate":
-        trainer.validate(model, val_loader)
-    elif run.evaluate_only == "test":
-        trainer.test(model, val_loader)
-    else:
-        trainer.fit(model, train_loader, val_loader)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if run.evaluate_only == "validate":
+            trainer.validate(model, val_loader)
+        elif run.evaluate_only == "test":
+            trainer.test(model, val_loader)
+        else:
+            trainer.fit(model, train_loader, val_loader)
     survivors, survival = strategy.survivors, strategy.survival
     assert survivors is not None and survival is not None
     return {
@@ -276,6 +279,7 @@ def train(rank: int, run: Run, root: str) -> dict[str, Any]:
         "joins": survival.joins,
         "admitted_at": None if survival.admission is None else survival.admission.epoch,
         "best_params": _checkpoint_params(trainer),
+        "warnings": [str(w.message) for w in caught],
     }
 
 

@@ -8,14 +8,17 @@ The strategies' recovery around them is tested end to end in ``test_fault_tolera
 from __future__ import annotations
 
 import time
+import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
+from pytest_mock import MockerFixture
+from torchmetrics import MeanSquaredError
 from torchmetrics.utilities.distributed import gather_all_tensors
 
 from lightning_dp_strategies.comm.failures import PeerLostError
-from lightning_dp_strategies.strategies.control import all_reduce, barrier, broadcast_object, gather
+from lightning_dp_strategies.strategies.control import ControlCollectives, all_reduce, barrier, broadcast_object, gather
 from tests.helpers.distributed import run_distributed
 
 
@@ -58,3 +61,21 @@ def _collectives(rank: int, world_size: int) -> None:
 @pytest.mark.timeout(120)
 def test_the_collectives_between_steps_match_torchmetrics_and_give_up_on_an_interrupt() -> None:
     run_distributed(_collectives, 3, timeout=60)
+
+
+def test_a_metrics_own_sync_function_set_aside_is_said(mocker: MockerFixture) -> None:
+    """A metric constructed with its own ``dist_sync_fn`` or ``process_group`` syncs through the survivors' gather
+    under ``fault_tolerant``: a warning says so, naming the metric and the argument; a plain metric gets none."""
+    control = ControlCollectives(mocker.Mock(), mocker.Mock(), mocker.Mock())
+    plain, own = MeanSquaredError(), MeanSquaredError(dist_sync_fn=gather_all_tensors)
+    grouped = MeanSquaredError(process_group=object())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        control.watch_metrics([plain])
+    with pytest.warns(UserWarning, match=r"MeanSquaredError's `dist_sync_fn` is not used under `fault_tolerant=True`"):
+        control.watch_metrics([own])
+    with pytest.warns(UserWarning, match=r"MeanSquaredError's `process_group` is not used"):
+        control.watch_metrics([grouped])
+    assert "_sync_dist" in vars(plain) and "_sync_dist" in vars(own)
+    control.close()
+    assert "_sync_dist" not in vars(own)
