@@ -28,7 +28,7 @@ from lightning_dp_strategies.comm.failures import PeerLostError, wait_work
 from lightning_dp_strategies.core.fault_tolerance import Recovery, Survivors
 from lightning_dp_strategies.core.membership import is_peer_failure
 
-__all__ = ["ControlCollectives", "all_reduce", "barrier", "broadcast_object", "copied", "gather"]
+__all__ = ["ControlCollectives", "all_reduce", "barrier", "broadcast_object", "copied", "gather", "gather_object"]
 
 T = TypeVar("T")
 Interrupt = Callable[[], str | None] | None
@@ -56,6 +56,17 @@ def broadcast_object(obj: Any, src: int, group: dist.ProcessGroup, interrupt: In
         payload = torch.empty(int(size.item()), dtype=torch.uint8)
     wait_work(dist.broadcast(payload, src, group=group, async_op=True), interrupt, "A broadcast")
     return obj if mine else pickle.loads(payload.numpy().tobytes())
+
+
+def gather_object(obj: Any, dst: int, group: dist.ProcessGroup, interrupt: Interrupt) -> list[Any] | None:
+    """Every rank's ``obj`` of ``group`` (pickled), in rank order, on global rank ``dst``; ``None`` on the others."""
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    largest = all_reduce(torch.tensor([payload.numel()]), dist.ReduceOp.MAX, group, interrupt)
+    padded = torch.zeros(int(largest.item()), dtype=torch.uint8)  # pickle.loads ignores the bytes past its end
+    padded[: payload.numel()] = payload
+    out = [torch.empty_like(padded) for _ in range(dist.get_world_size(group))] if dist.get_rank() == dst else None
+    wait_work(dist.gather(padded, out, dst=dst, group=group, async_op=True), interrupt, "A gather")
+    return None if out is None else [pickle.loads(t.numpy().tobytes()) for t in out]
 
 
 def gather(tensor: Tensor, group: dist.ProcessGroup, interrupt: Interrupt = None) -> list[Tensor]:

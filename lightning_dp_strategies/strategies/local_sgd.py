@@ -6,13 +6,11 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import lightning.pytorch as pl
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_dp_strategies.core.fault_tolerance import FaultTolerance, Survivors, check_local_fault_tolerance
 from lightning_dp_strategies.core.local_sgd import LocalSGDInterface, check_single_optimizer, local_options
-from lightning_dp_strategies.core.membership import is_peer_failure
 from lightning_dp_strategies.core.options import BucketedConfig, ConfigOption
 from lightning_dp_strategies.core.registry import register_name
 from lightning_dp_strategies.local_sgd import local_checkpoint_record, restore_local_record
@@ -24,7 +22,6 @@ from lightning_dp_strategies.strategies.survival import TrainerSurvival
 from lightning_dp_strategies.strategies.surviving import (
     SurvivingDataParallel,
     as_fault_tolerance,
-    lost_checkpoint_error,
 )
 
 __all__ = ["LocalSGDStrategy"]
@@ -162,27 +159,19 @@ class LocalSGDStrategy(LocalSGDInterface, SurvivingDataParallel):
         state = super().lightning_module_state_dict()
         return state if self.local_sgd is None else self.local_sgd.averaged_state(state)
 
-    every_rank_holds_checkpoints = False  # each rank's own parameters and inner state are gathered to the leader
-
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        """Add the local SGD record (anchor, outer state, position, every rank's own state) to a resumable checkpoint;
-        rank 0 writes it. Called on every rank."""
+    def checkpoint_to_write(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """A resumable checkpoint with the local SGD record (anchor, outer state, position, every rank's own state)
+        gathered to the leader, which writes it (collective)."""
         module = self.lightning_module
-        if self.local_sgd is not None and module is not None and "optimizer_states" in checkpoint:
-            states, survivors = checkpoint["optimizer_states"], self.survivors
-            if survivors is None or self.local_survival is None:
-                record = local_checkpoint_record(self.local_sgd, module, states)
-            else:  # the survivors', with the lost ranks' replicas, to the leader
-                replicas, group, leader = self.local_survival.records(), survivors.control_group, survivors.leader
-                try:
-                    record = local_checkpoint_record(self.local_sgd, module, states, replicas, group, leader)
-                except Exception as error:
-                    if not is_peer_failure(error):
-                        raise
-                    raise lost_checkpoint_error(filepath) from error
-            checkpoint = {**checkpoint, "local_sgd": record} if record is not None else checkpoint
-        super().save_checkpoint(checkpoint, filepath, storage_options)
+        if self.local_sgd is None or module is None or "optimizer_states" not in checkpoint:
+            return checkpoint
+        states = checkpoint["optimizer_states"]
+        if self.local_survival is not None:
+            record = self.local_survival.checkpoint_record(states)
+        else:
+            record = local_checkpoint_record(self.local_sgd, module, states)
+        return {**checkpoint, "local_sgd": record} if record is not None else checkpoint
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

@@ -44,7 +44,7 @@ from lightning_dp_strategies.core.membership import handover_plan, is_peer_failu
 from lightning_dp_strategies.local_sgd import LocalSGD, local_checkpoint_record
 from lightning_dp_strategies.local_sgd.averaging import averageable, outer_reducer
 from lightning_dp_strategies.local_sgd.replicas import InnerStates, Replicas, exchange
-from lightning_dp_strategies.strategies.control import copied
+from lightning_dp_strategies.strategies.control import Interrupt, barrier, copied, gather_object
 from lightning_dp_strategies.strategies.survival import SurvivingStrategy, TrainerSurvival
 from lightning_dp_strategies.strategies.survival_hooks import SurvivalHooks
 
@@ -286,6 +286,30 @@ class LocalSurvival(SurvivalHooks):
             self.replicas.handed = self._hand_over()
 
     # ------------------------------------------------------------------ checkpoints
+    def checkpoint_record(self, states: list[dict[str, Any]]) -> dict[str, Any] | None:
+        """The checkpoint's ``"local_sgd"`` entry on the leader (``None`` on the others): every survivor's own state
+        and its replicas' gathered to the leader through the control collectives. A rank lost meanwhile is
+        survived: the gather is redone over the survivors, to the leader of then, the lost rank's state now from the
+        replica its taker trains. No rank completes the gather before the leader holds every part (a barrier ends
+        it), so a rank one collective behind already holds what it gathered."""
+        module, survival = self.strategy.lightning_module, self.survival
+        assert module is not None
+        own = None if self.local.in_sync else {k: v.detach().clone() for k, v in module.state_dict().items()}
+        mine = {"module": own, "optimizer": states}
+        box: dict[str, Any] = {}
+
+        def attempt(group: dist.ProcessGroup, interrupt: Interrupt) -> None:
+            box.clear()
+            parts = {self.strategy.global_rank: mine, **self.records()}
+            box["gathered"] = gather_object(parts, survival.survivors.leader, group, interrupt)
+            barrier(group, interrupt)
+
+        survival.control.run(attempt)
+        if box.get("gathered") is None:
+            return None
+        held = {r: record for part in box["gathered"] for r, record in part.items()}
+        return {**self.local.state_dict(), "ranks": [held.get(r) for r in range(survival.survivors.world_size)]}
+
     def averaged_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """``state`` averaged over the original world's replicas: this rank's plus its replicas', over the survivors
         (collective over the survivors; a failure during it is not survived)."""

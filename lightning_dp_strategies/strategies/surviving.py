@@ -37,11 +37,10 @@ def as_fault_tolerance(fault_tolerant: bool | FaultTolerance) -> FaultTolerance 
 
 
 def lost_checkpoint_error(filepath: object) -> RuntimeError:
-    """What stops a run whose checkpoint cannot be completed over the survivors."""
+    """What stops a run whose checkpoint's writer was lost as many times as there were ranks."""
     return RuntimeError(
-        f"A rank was lost while the checkpoint {str(filepath)!r} was saved, and this strategy's checkpoint holds every "
-        "rank's own state, gathered to one writer: it cannot be completed over the survivors, so the run stops here. "
-        "Resume from the last complete checkpoint with `trainer.fit(..., ckpt_path='last')`."
+        f"The checkpoint {str(filepath)!r} lost its writer in each try of its save, so the run stops here. Resume "
+        "from the last complete checkpoint with `trainer.fit(..., ckpt_path='last')`."
     )
 
 
@@ -109,24 +108,25 @@ class SurvivingDataParallel(BucketedDataParallel):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Lightning's save (the leader writes); with ``fault_tolerant``, followed by a barrier over the survivors.
-        If the leader was lost before every rank passed it, the new leader writes the same checkpoint where every
-        rank holds it (:attr:`every_rank_holds_checkpoints`), else the run fails naming the file."""
-        writer = self.survivors.leader if self.survivors is not None else None
-        super().save_checkpoint(checkpoint, filepath, storage_options)
-        if self.survival is None or self.survivors is None or self.survival.joining:
+        """Lightning's save (the leader writes) of :meth:`checkpoint_to_write`; with ``fault_tolerant``, followed by a
+        barrier over the survivors. If the leader was lost before every rank passed it, the new leader writes the
+        checkpoint again."""
+        survival, survivors = self.survival, self.survivors
+        if survival is None or survivors is None or survival.joining:
+            super().save_checkpoint(self.checkpoint_to_write(checkpoint), filepath, storage_options)
             return
-        self.survival.barrier()
-        if self.survivors.leader == writer:
-            return
-        if not self.every_rank_holds_checkpoints:
-            raise lost_checkpoint_error(filepath)
-        if self.is_global_zero:
-            super().save_checkpoint(checkpoint, filepath, storage_options)
+        for _ in range(survivors.world_size):
+            writer = survivors.leader
+            super().save_checkpoint(self.checkpoint_to_write(checkpoint), filepath, storage_options)
+            survival.barrier()
+            if survivors.leader == writer:
+                return
+        raise lost_checkpoint_error(filepath)
 
-    every_rank_holds_checkpoints: bool = True
-    """Whether each rank's ``checkpoint`` in :meth:`save_checkpoint` is the whole one (the ranks train the same
-    parameters), so that another rank can write it when its writer is lost."""
+    def checkpoint_to_write(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """What the leader writes for Lightning's ``checkpoint`` (called on every rank before each write, so it may
+        be collective): ``checkpoint`` itself, which every rank holds whole."""
+        return checkpoint
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:

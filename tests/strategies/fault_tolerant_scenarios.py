@@ -134,7 +134,9 @@ class Fail(L.Callback):
 
 class DieBetweenSteps(L.Callback):
     """``rank`` is SIGKILLed in epoch ``epoch`` between optimizer steps: at its first validation or test batch
-    (``during="validation"`` or ``"test"``), or while a checkpoint is being saved, before it is written (``"save"``)."""
+    (``during="validation"`` or ``"test"``), or while a checkpoint is being saved, before it is written: before the
+    strategy's save began (``"save"``), or once the strategy made what the leader writes, collectively, and before
+    the write (``"gathered"``: wraps the strategy's ``checkpoint_to_write``)."""
 
     def __init__(self, during: str, rank: int, epoch: int) -> None:
         self.during, self.rank, self.epoch = during, rank, epoch
@@ -142,6 +144,17 @@ class DieBetweenSteps(L.Callback):
     def _maybe_die(self, trainer: L.Trainer, during: str) -> None:
         if (during, trainer.global_rank, trainer.current_epoch) == (self.during, self.rank, self.epoch):
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        strategy = trainer.strategy
+        own = strategy.checkpoint_to_write  # type: ignore[attr-defined]
+
+        def then_die(checkpoint: dict[str, Any]) -> dict[str, Any]:
+            written = own(checkpoint)
+            self._maybe_die(trainer, "gathered")
+            return written
+
+        strategy.checkpoint_to_write = then_die  # type: ignore[attr-defined]
 
     def on_validation_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         self._maybe_die(trainer, "validation")
@@ -210,7 +223,7 @@ class Run:
     reduction_stumbles: tuple[int, tuple[str, int]] | None = None
     """``(rank, where)``: :class:`ReductionStumbles`."""
     dies_between_steps: tuple[str, int, int] | None = None
-    """``(during, rank, epoch)``: that rank is killed in validation or a save (:class:`DieBetweenSteps`)."""
+    """``(during, rank, epoch)``: that rank is killed in validation, testing or a save (:class:`DieBetweenSteps`)."""
 
 
 def train(rank: int, run: Run, root: str) -> dict[str, Any]:

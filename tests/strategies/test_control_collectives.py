@@ -1,7 +1,8 @@
 """The interruptible collectives that ``fault_tolerant`` runs between optimizer steps, on three gloo ranks.
 
 ``gather`` must return what torchmetrics' own ``gather_all_tensors`` returns (it replaces it in a metric's sync),
-shapes differing between ranks included; a wait whose interrupt gives a reason must end at once with that reason.
+shapes differing between ranks included; ``gather_object`` hands every rank's object, in rank order, to one rank
+(local SGD's checkpoint record); a wait whose interrupt gives a reason must end at once with that reason.
 The strategies' recovery around them is tested end to end in ``test_fault_tolerant.py``.
 """
 
@@ -18,7 +19,14 @@ from torchmetrics import MeanSquaredError
 from torchmetrics.utilities.distributed import gather_all_tensors
 
 from lightning_dp_strategies.comm.failures import PeerLostError
-from lightning_dp_strategies.strategies.control import ControlCollectives, all_reduce, barrier, broadcast_object, gather
+from lightning_dp_strategies.strategies.control import (
+    ControlCollectives,
+    all_reduce,
+    barrier,
+    broadcast_object,
+    gather,
+    gather_object,
+)
 from tests.helpers.distributed import run_distributed
 
 
@@ -43,6 +51,13 @@ def _collectives(rank: int, world_size: int) -> None:
     sent = {"path": "/tmp/epoch=1.ckpt", "tensor": torch.ones(2), "rank": rank}
     received = broadcast_object(sent, 1, group, never)
     assert received["path"] == sent["path"] and received["rank"] == 1 and torch.equal(received["tensor"], torch.ones(2))
+
+    parts = gather_object({"rank": rank, "tensor": torch.ones(rank + 1)}, 1, group, never)  # sizes differ
+    if rank == 1:
+        assert parts is not None and [part["rank"] for part in parts] == list(range(world_size))
+        assert all(torch.equal(part["tensor"], torch.ones(r + 1)) for r, part in enumerate(parts))
+    else:
+        assert parts is None
 
     # rank 2 joins a barrier only once the others have given theirs up: a wait that ignored its interrupt would hang
     # here until the test's timeout

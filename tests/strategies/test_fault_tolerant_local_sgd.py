@@ -107,15 +107,40 @@ def test_a_rank_lost_in_trainer_validate_or_test_is_survived(method: str, tmp_pa
 
 
 @pytest.mark.timeout(240)
-def test_a_lost_checkpoint_writer_fails_the_run_naming_the_file(tmp_path: Path) -> None:
-    """Only the leader holds local SGD's whole checkpoint (every rank's own state gathered to it): when it is lost
-    while the checkpoint is saved, the survivors stop with an error that names the file and the resume."""
-    run = ft.Run(sync_every=SYNC_EVERY, dies_between_steps=("save", 0, 1))
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_rank_lost_while_a_checkpoint_is_saved_is_survived(
+    uninterrupted: torch.Tensor, tmp_path: Path, victim: int
+) -> None:
+    """Killed while the second epoch's checkpoint is saved (rank 0: the writer, before it gathered every rank's
+    state): the survivors redo the gather of every rank's own state to the leader of then, the lost rank's from the
+    replica its taker now trains, and the run ends on the uninterrupted run's parameters; the leader's last
+    checkpoint holds a record for every rank of the world."""
+    outcomes, codes, _ = ft.launch(ft.Run(sync_every=SYNC_EVERY, dies_between_steps=("save", victim, 1)), tmp_path)
+    survivors = [r for r in range(ft.WORLD) if r != victim]
+    assert codes == [-9 if r == victim else 0 for r in range(ft.WORLD)], outcomes
+    for rank in survivors:
+        result = ft.result(outcomes, rank)
+        assert [(lost, members) for _, lost, members in result["recoveries"]] == [([victim], survivors)]
+        assert (ft.final_params(outcomes, rank) - uninterrupted).abs().max().item() <= TOLERANCE
+    leader = ft.result(outcomes, survivors[0])
+    saved = torch.load(leader["best"], weights_only=False)["local_sgd"]["ranks"]
+    assert len(saved) == ft.WORLD and all(record is not None for record in saved)
+
+
+@pytest.mark.timeout(240)
+def test_a_checkpoint_whose_writer_was_lost_after_the_gather_is_written_by_the_new_leader(tmp_path: Path) -> None:
+    """Rank 0 (the leader) is killed once it gathered every rank's state for the last checkpoint, before it wrote
+    it: the survivors gather again to rank 1, the new leader, which writes it; the file holds the parameters the
+    survivors ended on and a record for every rank of the world."""
+    run = ft.Run(steps=2 * ft.STEPS_PER_EPOCH, sync_every=SYNC_EVERY, dies_between_steps=("gathered", 0, 1))
     outcomes, codes, _ = ft.launch(run, tmp_path)
-    assert codes[0] == -9, outcomes
-    for rank in (1, 2):
-        assert "was lost while the checkpoint" in str(outcomes[rank]), outcomes[rank]
-        assert "ckpt_path='last'" in str(outcomes[rank])
+    assert codes == [-9, 0, 0], outcomes
+    leader = ft.result(outcomes, 1)
+    assert [(lost, members) for _, lost, members in leader["recoveries"]] == [([0], [1, 2])]
+    assert leader["best_params"] is not None and Path(leader["best"]).is_file()
+    assert torch.equal(torch.tensor(leader["best_params"]), ft.final_params(outcomes, 1))
+    saved = torch.load(leader["best"], weights_only=False)["local_sgd"]["ranks"]
+    assert len(saved) == ft.WORLD and all(record is not None for record in saved)
 
 
 def test_the_hand_over_goes_to_the_rank_that_would_take_over() -> None:
