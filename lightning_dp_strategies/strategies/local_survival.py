@@ -44,7 +44,7 @@ from lightning_dp_strategies.core.membership import handover_plan, is_peer_failu
 from lightning_dp_strategies.local_sgd import LocalSGD, local_checkpoint_record
 from lightning_dp_strategies.local_sgd.averaging import averageable, outer_reducer
 from lightning_dp_strategies.local_sgd.replicas import InnerStates, Replicas, exchange
-from lightning_dp_strategies.strategies.control import Interrupt, barrier, copied, gather_object
+from lightning_dp_strategies.strategies.control import Interrupt, all_reduce, barrier, copied, gather_object
 from lightning_dp_strategies.strategies.survival import SurvivingStrategy, TrainerSurvival
 from lightning_dp_strategies.strategies.survival_hooks import SurvivalHooks
 
@@ -311,19 +311,27 @@ class LocalSurvival(SurvivalHooks):
         return {**self.local.state_dict(), "ranks": [held.get(r) for r in range(survival.survivors.world_size)]}
 
     def averaged_state(self, state: dict[str, Any]) -> dict[str, Any]:
-        """``state`` averaged over the original world's replicas: this rank's plus its replicas', over the survivors
-        (collective over the survivors; a failure during it is not survived)."""
+        """``state`` averaged over the original world's replicas: this rank's plus its replicas', summed over the
+        survivors in one reduction through the control collectives, so a rank lost meanwhile is survived (the sum is
+        redone over the survivors, the lost rank's part from the replica its taker now trains)."""
         keys = [k for k, v in state.items() if isinstance(v, Tensor) and averageable(v)]
-        averaged = {**state, **{k: state[k].detach().clone() for k in keys}}
-        for logical in sorted(self.replicas.shadows) if self.replicas is not None else []:
-            with self.replicas.swapped(logical):  # type: ignore[union-attr]
-                theirs = self.strategy.lightning_module.state_dict()  # type: ignore[union-attr]
-                for k in keys:
-                    averaged[k] += theirs[k]
-        tensors = [averaged[k] for k in keys]
-        self.local._average(tensors, 0)
-        if self.survival.survivors.grad_scale != 1.0:
-            torch._foreach_mul_(tensors, self.survival.survivors.grad_scale)
+        module, survivors = self.strategy.lightning_module, self.survival.survivors
+        assert module is not None
+
+        def attempt(group: dist.ProcessGroup, interrupt: Interrupt) -> Tensor:
+            parts = [state[k].detach().reshape(-1).to(torch.float32) for k in keys]
+            total = torch.cat(parts) if parts else torch.zeros(0)
+            for logical in sorted(self.replicas.shadows) if self.replicas is not None else []:
+                with self.replicas.swapped(logical):  # type: ignore[union-attr]
+                    theirs = module.state_dict()
+                    total += torch.cat([theirs[k].detach().reshape(-1).to(torch.float32) for k in keys])
+            summed = all_reduce(total, dist.ReduceOp.SUM, group, interrupt)
+            return summed * (survivors.grad_scale / dist.get_world_size(group))
+
+        flat = self.survival.control.run(attempt)
+        averaged = dict(state)
+        for k, piece in zip(keys, flat.split([state[k].numel() for k in keys]), strict=True):
+            averaged[k] = piece.view_as(state[k]).to(state[k].dtype)
         return averaged
 
     def records(self) -> dict[int, dict[str, Any]]:

@@ -136,7 +136,8 @@ class DieBetweenSteps(L.Callback):
     """``rank`` is SIGKILLed in epoch ``epoch`` between optimizer steps: at its first validation or test batch
     (``during="validation"`` or ``"test"``), or while a checkpoint is being saved, before it is written: before the
     strategy's save began (``"save"``), or once the strategy made what the leader writes, collectively, and before
-    the write (``"gathered"``: wraps the strategy's ``checkpoint_to_write``)."""
+    the write (``"gathered"``: wraps the strategy's ``checkpoint_to_write``); or as a checkpoint's model state is
+    made, before the strategy's collective for it (``"state"``: wraps ``lightning_module_state_dict``)."""
 
     def __init__(self, during: str, rank: int, epoch: int) -> None:
         self.during, self.rank, self.epoch = during, rank, epoch
@@ -155,6 +156,13 @@ class DieBetweenSteps(L.Callback):
             return written
 
         strategy.checkpoint_to_write = then_die  # type: ignore[attr-defined]
+        state_dict = strategy.lightning_module_state_dict
+
+        def die_first() -> dict[str, Any]:
+            self._maybe_die(trainer, "state")
+            return state_dict()
+
+        strategy.lightning_module_state_dict = die_first  # type: ignore[method-assign]
 
     def on_validation_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         self._maybe_die(trainer, "validation")
@@ -222,6 +230,8 @@ class Run:
     """``"validate"`` or ``"test"``: that Trainer method alone, instead of ``fit``."""
     reduction_stumbles: tuple[int, tuple[str, int]] | None = None
     """``(rank, where)``: :class:`ReductionStumbles`."""
+    checkpoint_every: int | None = None
+    """Also a checkpoint every that many steps (``ModelCheckpoint(every_n_train_steps=...)``, into ``steps/``)."""
     dies_between_steps: tuple[str, int, int] | None = None
     """``(during, rank, epoch)``: that rank is killed in validation, testing or a save (:class:`DieBetweenSteps`)."""
 
@@ -251,6 +261,11 @@ def train(rank: int, run: Run, root: str) -> dict[str, Any]:
         callbacks.append(ReductionStumbles(*run.reduction_stumbles))
     if run.dies_between_steps is not None:
         callbacks.append(DieBetweenSteps(*run.dies_between_steps))
+    if run.checkpoint_every is not None:
+        every = run.checkpoint_every
+        callbacks.append(
+            ModelCheckpoint(dirpath=f"{root}/steps", filename="{step}", every_n_train_steps=every, save_top_k=-1)
+        )
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",

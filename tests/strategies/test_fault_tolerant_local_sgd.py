@@ -128,6 +128,33 @@ def test_a_rank_lost_while_a_checkpoint_is_saved_is_survived(
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_rank_lost_while_a_mid_period_checkpoints_model_is_averaged_is_survived(
+    uninterrupted: torch.Tensor, tmp_path: Path, victim: int
+) -> None:
+    """A checkpoint every 3 steps: those at steps 6 and 12 are taken mid-period, their model the ranks' average (a
+    collective). Killed as step 6's is made: the survivors redo the average over themselves, the lost rank's part
+    from the replica its taker now trains; the run ends on the uninterrupted run's parameters, and the checkpoints of
+    steps 6 and 12 hold the models the uninterrupted run's hold."""
+    reference, codes, _ = ft.launch(ft.Run(sync_every=SYNC_EVERY, checkpoint_every=3), tmp_path / "reference")
+    assert codes == [0] * ft.WORLD, reference
+    run = ft.Run(sync_every=SYNC_EVERY, checkpoint_every=3, dies_between_steps=("state", victim, 1))
+    outcomes, codes, _ = ft.launch(run, tmp_path / "lost")
+    survivors = [r for r in range(ft.WORLD) if r != victim]
+    assert codes == [-9 if r == victim else 0 for r in range(ft.WORLD)], outcomes
+    for rank in survivors:
+        result = ft.result(outcomes, rank)
+        assert [(lost, members) for step, lost, members in result["recoveries"]] == [([victim], survivors)]
+        assert (ft.final_params(outcomes, rank) - uninterrupted).abs().max().item() <= TOLERANCE
+    for step in (6, 12):
+        ours = torch.load(tmp_path / "lost" / "steps" / f"step={step}.ckpt", weights_only=False)
+        theirs = torch.load(tmp_path / "reference" / "steps" / f"step={step}.ckpt", weights_only=False)
+        for key, value in theirs["state_dict"].items():
+            assert (ours["state_dict"][key] - value).abs().max().item() <= TOLERANCE, (step, key)
+        assert all(record is not None for record in ours["local_sgd"]["ranks"])
+
+
+@pytest.mark.timeout(240)
 def test_a_checkpoint_whose_writer_was_lost_after_the_gather_is_written_by_the_new_leader(tmp_path: Path) -> None:
     """Rank 0 (the leader) is killed once it gathered every rank's state for the last checkpoint, before it wrote
     it: the survivors gather again to rank 1, the new leader, which writes it; the file holds the parameters the
