@@ -186,6 +186,26 @@ def test_a_checkpoint_whose_writer_was_lost_is_written_by_the_new_leader(tmp_pat
     assert torch.equal(torch.tensor(saved), _params(outcomes, 1))
 
 
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_rank_lost_in_a_checkpoint_saved_within_the_epoch_is_survived(
+    uninterrupted: torch.Tensor, tmp_path: Path, victim: int
+) -> None:
+    """A checkpoint every 3 steps, saved from the training loop (``on_train_batch_end``) rather than after
+    validation: killed in step 6's save, before it was written, the survivors go on to the uninterrupted run's
+    parameters, and the step-6 file is written (by rank 1 when rank 0 was lost)."""
+    run = Run(checkpoint_every=3, dies_between_steps=("save", victim, 1))
+    outcomes, codes, _ = launch(run, tmp_path)
+    survivors = [r for r in range(WORLD) if r != victim]
+    assert codes == [-9 if r == victim else 0 for r in range(WORLD)], outcomes
+    for rank in survivors:
+        assert [(lost, members) for _, lost, members in _result(outcomes, rank)["recoveries"]] == [
+            ([victim], survivors)
+        ]
+        assert (_params(outcomes, rank) - uninterrupted).abs().max().item() <= TOLERANCE
+    assert (tmp_path / "steps" / "step=6.ckpt").is_file()
+
+
 # ---------------------------------------------------------------------------------------------- one process
 
 
