@@ -399,6 +399,20 @@ def final_params(outcomes: dict[int, Any], rank: int) -> torch.Tensor:
     return torch.tensor(result(outcomes, rank)["params"])
 
 
+def assert_survived(
+    outcomes: dict[int, Any], codes: list[int | None], victim: int, reference: torch.Tensor, tolerance: float
+) -> list[int]:
+    """``victim`` was SIGKILLed and every other rank finished, after one recovery that lost it, within ``tolerance``
+    of the ``reference`` parameters; the survivors."""
+    survivors = [r for r in range(WORLD) if r != victim]
+    assert codes == [-9 if r == victim else 0 for r in range(WORLD)], outcomes
+    for rank in survivors:
+        recoveries = result(outcomes, rank)["recoveries"]
+        assert [(lost, members) for _, lost, members in recoveries] == [([victim], survivors)], recoveries
+        assert (final_params(outcomes, rank) - reference).abs().max().item() <= tolerance
+    return survivors
+
+
 def uninterrupted_params(run: Run, root: Path) -> torch.Tensor:
     """The final parameters of ``run`` without a failure, checked equal on every rank."""
     outcomes, codes, _ = launch(run, root)

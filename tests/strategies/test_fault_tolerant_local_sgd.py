@@ -82,12 +82,7 @@ def test_a_rank_lost_in_validation_is_replaced_by_its_replica(
     outcomes, codes, _ = ft.launch(
         ft.Run(sync_every=SYNC_EVERY, dies_between_steps=("validation", victim, 1)), tmp_path
     )
-    survivors = [r for r in range(ft.WORLD) if r != victim]
-    assert codes == [-9 if r == victim else 0 for r in range(ft.WORLD)], outcomes
-    for rank in survivors:
-        result = ft.result(outcomes, rank)
-        assert [(lost, members) for _, lost, members in result["recoveries"]] == [([victim], survivors)]
-        assert (ft.final_params(outcomes, rank) - uninterrupted).abs().max().item() <= TOLERANCE
+    survivors = ft.assert_survived(outcomes, codes, victim, uninterrupted, TOLERANCE)
     assert ft.result(outcomes, survivors[0])["best_params"] is not None
 
 
@@ -116,12 +111,7 @@ def test_a_rank_lost_while_a_checkpoint_is_saved_is_survived(
     replica its taker now trains, and the run ends on the uninterrupted run's parameters; the leader's last
     checkpoint holds a record for every rank of the world."""
     outcomes, codes, _ = ft.launch(ft.Run(sync_every=SYNC_EVERY, dies_between_steps=("save", victim, 1)), tmp_path)
-    survivors = [r for r in range(ft.WORLD) if r != victim]
-    assert codes == [-9 if r == victim else 0 for r in range(ft.WORLD)], outcomes
-    for rank in survivors:
-        result = ft.result(outcomes, rank)
-        assert [(lost, members) for _, lost, members in result["recoveries"]] == [([victim], survivors)]
-        assert (ft.final_params(outcomes, rank) - uninterrupted).abs().max().item() <= TOLERANCE
+    survivors = ft.assert_survived(outcomes, codes, victim, uninterrupted, TOLERANCE)
     leader = ft.result(outcomes, survivors[0])
     saved = torch.load(leader["best"], weights_only=False)["local_sgd"]["ranks"]
     assert len(saved) == ft.WORLD and all(record is not None for record in saved)
@@ -140,12 +130,7 @@ def test_a_rank_lost_while_a_mid_period_checkpoints_model_is_averaged_is_survive
     assert codes == [0] * ft.WORLD, reference
     run = ft.Run(sync_every=SYNC_EVERY, checkpoint_every=3, dies_between_steps=("state", victim, 1))
     outcomes, codes, _ = ft.launch(run, tmp_path / "lost")
-    survivors = [r for r in range(ft.WORLD) if r != victim]
-    assert codes == [-9 if r == victim else 0 for r in range(ft.WORLD)], outcomes
-    for rank in survivors:
-        result = ft.result(outcomes, rank)
-        assert [(lost, members) for step, lost, members in result["recoveries"]] == [([victim], survivors)]
-        assert (ft.final_params(outcomes, rank) - uninterrupted).abs().max().item() <= TOLERANCE
+    ft.assert_survived(outcomes, codes, victim, uninterrupted, TOLERANCE)
     for step in (6, 12):
         ours = torch.load(tmp_path / "lost" / "steps" / f"step={step}.ckpt", weights_only=False)
         theirs = torch.load(tmp_path / "reference" / "steps" / f"step={step}.ckpt", weights_only=False)
