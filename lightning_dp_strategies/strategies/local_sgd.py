@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -184,10 +185,18 @@ class LocalSGDStrategy(LocalSGDInterface, SurvivingDataParallel):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        """This rank's own inner optimizer state where the checkpoint holds one per rank."""
+        """This rank's own inner optimizer state where the checkpoint holds one per rank; where it holds none for this
+        rank (lost while the run went on with ``keep_global_batch=False``), the leader's, with a warning."""
         record = checkpoint.get("local_sgd")
         if record is not None and record["ranks"][self.global_rank] is not None:
             checkpoint = {**checkpoint, "optimizer_states": record["ranks"][self.global_rank]["optimizer"]}
+        elif record is not None:
+            warnings.warn(
+                f"This local SGD checkpoint holds no state of rank {self.global_rank}: that rank was lost while the "
+                "run went on without its share of the batch (`fault_tolerant` with `keep_global_batch=False`). It "
+                "resumes from the averaged model with the writer's inner optimizer state.",
+                stacklevel=2,
+            )
         super().load_optimizer_state_dict(checkpoint)
 
     # ------------------------------------------------------------------ options (read-only; the rest shared)

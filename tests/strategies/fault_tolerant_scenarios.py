@@ -230,6 +230,8 @@ class Run:
     """``"validate"`` or ``"test"``: that Trainer method alone, instead of ``fit``."""
     reduction_stumbles: tuple[int, tuple[str, int]] | None = None
     """``(rank, where)``: :class:`ReductionStumbles`."""
+    resume_from: str | None = None
+    """``fit(..., ckpt_path=...)``: resume from this checkpoint."""
     checkpoint_every: int | None = None
     """Also a checkpoint every that many steps (``ModelCheckpoint(every_n_train_steps=...)``, into ``steps/``)."""
     dies_between_steps: tuple[str, int, int] | None = None
@@ -287,7 +289,7 @@ def train(rank: int, run: Run, root: str) -> dict[str, Any]:
         elif run.evaluate_only == "test":
             trainer.test(model, val_loader)
         else:
-            trainer.fit(model, train_loader, val_loader)
+            trainer.fit(model, train_loader, val_loader, ckpt_path=run.resume_from)
     survivors, survival = strategy.survivors, strategy.survival
     assert survivors is not None and survival is not None
     return {

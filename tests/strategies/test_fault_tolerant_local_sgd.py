@@ -140,6 +140,47 @@ def test_a_rank_lost_while_a_mid_period_checkpoints_model_is_averaged_is_survive
 
 
 @pytest.mark.timeout(240)
+def test_a_checkpoint_saved_over_the_survivors_resumes_as_the_uninterrupted_runs_does(tmp_path: Path) -> None:
+    """The checkpoint rank 1 wrote after rank 0 was killed in its save (rank 0's record from its replica) resumes on
+    three ranks to the parameters the uninterrupted run's own checkpoint resumes to."""
+    ends = {}
+    for name, during in (("lost", ("save", 0, 1)), ("reference", None)):
+        short = ft.Run(steps=2 * ft.STEPS_PER_EPOCH, sync_every=SYNC_EVERY, dies_between_steps=during)
+        outcomes, codes, _ = ft.launch(short, tmp_path / name)
+        assert codes == ([-9, 0, 0] if during else [0] * ft.WORLD), outcomes
+        best = ft.result(outcomes, 1 if during else 0)["best"]
+        assert Path(best).name == f"epoch=1-step={2 * ft.STEPS_PER_EPOCH}.ckpt", best
+        resumed, codes, _ = ft.launch(ft.Run(sync_every=SYNC_EVERY, resume_from=best), tmp_path / f"{name}-resumed")
+        assert codes == [0] * ft.WORLD, resumed
+        ends[name] = ft.final_params(resumed, 0)
+    assert (ends["lost"] - ends["reference"]).abs().max().item() <= TOLERANCE
+
+
+@pytest.mark.timeout(240)
+def test_resuming_a_rank_the_checkpoint_holds_no_state_of_is_said(tmp_path: Path) -> None:
+    """With ``keep_global_batch=False`` nobody trains a lost rank's replica, so the survivors' checkpoints hold no
+    state of it; resumed on three ranks, that rank (and only it) warns that it starts from the averaged model and
+    the writer's inner optimizer state."""
+    short = ft.Run(
+        steps=2 * ft.STEPS_PER_EPOCH,
+        sync_every=SYNC_EVERY,
+        victim=1,
+        fail_at=7,
+        keep_global_batch=False,
+        checkpoint_every=3,
+    )
+    lost, codes, _ = ft.launch(short, tmp_path / "lost")
+    assert codes == [0, -9, 0], lost
+    after = str(tmp_path / "lost" / "steps" / "step=9.ckpt")  # the first checkpoint after the loss
+    assert torch.load(after, weights_only=False)["local_sgd"]["ranks"][1] is None
+    resumed, codes, _ = ft.launch(ft.Run(sync_every=SYNC_EVERY, resume_from=after), tmp_path / "resumed")
+    assert codes == [0] * ft.WORLD, resumed
+    said = [[w for w in ft.result(resumed, r)["warnings"] if "holds no state of rank" in w] for r in range(ft.WORLD)]
+    assert [len(s) for s in said] == [0, 1, 0], said
+    assert "holds no state of rank 1" in said[1][0]
+
+
+@pytest.mark.timeout(240)
 def test_a_checkpoint_whose_writer_was_lost_after_the_gather_is_written_by_the_new_leader(tmp_path: Path) -> None:
     """Rank 0 (the leader) is killed once it gathered every rank's state for the last checkpoint, before it wrote
     it: the survivors gather again to rank 1, the new leader, which writes it; the file holds the parameters the
