@@ -75,12 +75,15 @@ def make_strategy(variant: str) -> Any:
 
 
 def strategy_from(expression: str) -> Any:
-    """``expression`` (a variant's line) evaluated over the package's exported names and
-    ``diloco_outer_optimizer``."""
+    """``expression`` (a variant's line) evaluated over the package's exported names, ``diloco_outer_optimizer``
+    and ``torch``."""
+    import torch
+
     import lightning_dp_strategies as ldp
     from lightning_dp_strategies.core.local_sgd import diloco_outer_optimizer
 
-    names = {"diloco_outer_optimizer": diloco_outer_optimizer, **{n: getattr(ldp, n) for n in ldp.__all__}}
+    names = {"torch": torch, "diloco_outer_optimizer": diloco_outer_optimizer}
+    names.update({n: getattr(ldp, n) for n in ldp.__all__})
     return eval(expression, {"__builtins__": {}}, names)
 
 

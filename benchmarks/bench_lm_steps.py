@@ -22,9 +22,16 @@ Variants (one line each in :data:`VARIANTS`):
     streaming_mixing_half  the same with mixing=0.5 (the streaming DiLoCo paper's)
     local_sgd              LocalSGDStrategy(sync_every=8), as in bench_lm.py
 
+and, named with ``--variants`` (:data:`DEFAULT_VARIANTS`), one knob of ``streaming_diloco`` turned:
+
+    streaming_outer_lr_1.2  the averaged change applied with an outer learning rate of 1.2 (SGD, no momentum)
+    streaming_every_2       two fragments, each synchronised every 2 steps (twice the bytes)
+
 Usage::
 
     python benchmarks/bench_lm_steps.py --seeds 0 1 2 3 --json benchmarks/results/lm_steps.json
+    python benchmarks/bench_lm_steps.py --seeds 0 1 2 3 --variants ddp streaming_diloco streaming_outer_lr_1.2 \
+        streaming_every_2 --json benchmarks/results/lm_steps_knobs.json
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 STREAMING = 'sync_every="auto", fragments=4, delay=1, outer_precision='
+OUTER_SGD = "lambda p: torch.optim.SGD(p, lr="
 
 VARIANTS: dict[str, str] = {
     "ddp": '"ddp"',
@@ -47,8 +55,16 @@ VARIANTS: dict[str, str] = {
     "streaming_fp32": f'LocalSGDStrategy({STREAMING}"fp32")',
     "streaming_mixing_half": f'LocalSGDStrategy({STREAMING}"int4", mixing=0.5)',
     "local_sgd": "LocalSGDStrategy(sync_every=8)",
+    "streaming_outer_lr_1.2": f'LocalSGDStrategy({STREAMING}"int4", outer_optimizer={OUTER_SGD}1.2))',
+    "streaming_every_2": 'LocalSGDStrategy(sync_every=2, fragments=2, delay=1, outer_precision="int4")',
 }
-"""Each variant's ``Trainer(strategy=...)``, as Python evaluated over the package's names."""
+"""Each variant's ``Trainer(strategy=...)``, as Python evaluated over the package's names and ``torch``."""
+
+DEFAULT_VARIANTS = ["ddp", "streaming_diloco", "streaming_fp32", "streaming_mixing_half", "local_sgd"]
+"""What runs without ``--variants``. The others turn one knob of ``streaming_diloco`` (``--variants ddp
+streaming_diloco streaming_outer_lr_1.2 streaming_every_2``): its averaged change applied with an outer learning rate
+of 1.2 instead of 1 (plain SGD, no momentum), and two fragments synchronised every 2 steps instead of four every 4
+(the same delay of one step, twice the bytes)."""
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -171,7 +187,7 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3])
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS))
     parser.add_argument("--steps", type=int, default=50, help="optimizer steps each variant trains")
     parser.add_argument("--eval-from", type=int, default=28, help="the first step after which the model is scored")
     parser.add_argument("--target-step", type=int, default=39, help="ddp's step whose loss is a seed's target")
