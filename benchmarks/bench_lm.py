@@ -84,7 +84,7 @@ def strategy_from(expression: str) -> Any:
 
     names = {"torch": torch, "diloco_outer_optimizer": diloco_outer_optimizer}
     names.update({n: getattr(ldp, n) for n in ldp.__all__})
-    return eval(expression, {"__builtins__": {}}, names)
+    return eval(expression, {"__builtins__": {}, **names})  # as globals: a lambda in the line looks its names up there
 
 
 def available(variant: str) -> bool:
