@@ -66,6 +66,10 @@ COMMANDS = {
     "lm": "python benchmarks/bench_lm.py --links 200mbit 1gbit --nodes 2 4",
     "lm_amd": "python benchmarks/bench_lm.py --links 200mbit --nodes 2",
     "lm_steps": "python benchmarks/bench_lm_steps.py --seeds 0 1 2 3",
+    "lm_steps_knobs": (
+        "python benchmarks/bench_lm_steps.py --seeds 0 1 2 3 --variants ddp streaming_diloco streaming_outer_lr_1.2 "
+        "streaming_every_2"
+    ),
     "restart": "python benchmarks/bench_restart.py --tries 4",
     "survive_local_sgd": "python benchmarks/bench_survive.py --strategy local_sgd",
     "compare": "python benchmarks/store_compare.py --figure docs/figures/comparison.png",
