@@ -10,7 +10,7 @@ from torch import nn
 
 from lightning_dp_strategies.local_sgd.algorithm import LocalSGD
 
-__all__ = ["gather_to_zero", "local_checkpoint_record", "restore_local_record"]
+__all__ = ["gather_to_zero", "local_checkpoint_record", "merged_record", "rank_record", "restore_local_record"]
 
 
 def gather_to_zero(obj: object, group: dist.ProcessGroup | None = None, dst: int = 0) -> list[Any] | None:
@@ -38,12 +38,22 @@ def local_checkpoint_record(
     ranks are in sync), "optimizer": its inner optimizer states}``; ``replicas`` adds the records of lost ranks this
     rank trains replicas of (fault-tolerant local SGD), and a rank nobody holds is ``None``.
     """
-    own = None if local.in_sync else {k: v.detach().clone() for k, v in module.state_dict().items()}
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    gathered = gather_to_zero({rank: {"module": own, "optimizer": optimizer_states}, **(replicas or {})}, group, dst)
-    if gathered is None:
-        return None
+    gathered = gather_to_zero({rank: rank_record(local, module, optimizer_states), **(replicas or {})}, group, dst)
+    return None if gathered is None else merged_record(local, gathered, world)
+
+
+def rank_record(local: LocalSGD, module: nn.Module, optimizer_states: list[dict[str, Any]]) -> dict[str, Any]:
+    """One rank's part of the record: its module state (``None`` when the ranks are in sync) and its inner optimizer
+    states."""
+    own = None if local.in_sync else {k: v.detach().clone() for k, v in module.state_dict().items()}
+    return {"module": own, "optimizer": optimizer_states}
+
+
+def merged_record(local: LocalSGD, gathered: list[Mapping[int, Any]], world: int) -> dict[str, Any]:
+    """The ``"local_sgd"`` entry from the gathered ``{rank: its part}`` maps: :meth:`LocalSGD.state_dict` and the
+    part of every rank of the world (``None`` for a rank nobody held)."""
     held = {r: record for part in gathered for r, record in part.items()}
     return {**local.state_dict(), "ranks": [held.get(r) for r in range(world)]}
 

@@ -20,10 +20,7 @@ from lightning_dp_strategies.plan.formulas import LOCAL_SGD, local_sgd_cost_mode
 from lightning_dp_strategies.strategies.bucketed import BucketedDataParallel
 from lightning_dp_strategies.strategies.local_survival import LocalSurvival, check_local_survivable
 from lightning_dp_strategies.strategies.survival import TrainerSurvival
-from lightning_dp_strategies.strategies.surviving import (
-    SurvivingDataParallel,
-    as_fault_tolerance,
-)
+from lightning_dp_strategies.strategies.surviving import SurvivingDataParallel, as_fault_tolerance
 
 __all__ = ["LocalSGDStrategy"]
 

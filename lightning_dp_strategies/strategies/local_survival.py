@@ -43,6 +43,7 @@ from lightning_dp_strategies.core.fault_tolerance import PREFIX
 from lightning_dp_strategies.core.membership import handover_plan, is_peer_failure, logical_shares
 from lightning_dp_strategies.local_sgd import LocalSGD, local_checkpoint_record
 from lightning_dp_strategies.local_sgd.averaging import averageable, outer_reducer
+from lightning_dp_strategies.local_sgd.checkpoint import merged_record, rank_record
 from lightning_dp_strategies.local_sgd.replicas import InnerStates, Replicas, exchange
 from lightning_dp_strategies.strategies.control import Interrupt, all_reduce, barrier, copied, gather_object
 from lightning_dp_strategies.strategies.survival import SurvivingStrategy, TrainerSurvival
@@ -294,8 +295,7 @@ class LocalSurvival(SurvivalHooks):
         it), so a rank one collective behind already holds what it gathered."""
         module, survival = self.strategy.lightning_module, self.survival
         assert module is not None
-        own = None if self.local.in_sync else {k: v.detach().clone() for k, v in module.state_dict().items()}
-        mine = {"module": own, "optimizer": states}
+        mine = rank_record(self.local, module, states)
         box: dict[str, Any] = {}
 
         def attempt(group: dist.ProcessGroup, interrupt: Interrupt) -> None:
@@ -305,10 +305,8 @@ class LocalSurvival(SurvivalHooks):
             barrier(group, interrupt)
 
         survival.control.run(attempt)
-        if box.get("gathered") is None:
-            return None
-        held = {r: record for part in box["gathered"] for r, record in part.items()}
-        return {**self.local.state_dict(), "ranks": [held.get(r) for r in range(survival.survivors.world_size)]}
+        gathered = box.get("gathered")
+        return None if gathered is None else merged_record(self.local, gathered, survival.survivors.world_size)
 
     def averaged_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """``state`` averaged over the original world's replicas: this rank's plus its replicas', summed over the
@@ -318,19 +316,21 @@ class LocalSurvival(SurvivalHooks):
         module, survivors = self.strategy.lightning_module, self.survival.survivors
         assert module is not None
 
+        def flat(values: dict[str, Any]) -> Tensor:
+            pieces = [values[k].detach().reshape(-1).to(torch.float32) for k in keys]
+            return torch.cat(pieces) if pieces else torch.zeros(0)
+
         def attempt(group: dist.ProcessGroup, interrupt: Interrupt) -> Tensor:
-            parts = [state[k].detach().reshape(-1).to(torch.float32) for k in keys]
-            total = torch.cat(parts) if parts else torch.zeros(0)
+            total = flat(state)
             for logical in sorted(self.replicas.shadows) if self.replicas is not None else []:
                 with self.replicas.swapped(logical):  # type: ignore[union-attr]
-                    theirs = module.state_dict()
-                    total += torch.cat([theirs[k].detach().reshape(-1).to(torch.float32) for k in keys])
+                    total += flat(module.state_dict())
             summed = all_reduce(total, dist.ReduceOp.SUM, group, interrupt)
             return summed * (survivors.grad_scale / dist.get_world_size(group))
 
-        flat = self.survival.control.run(attempt)
+        averages = self.survival.control.run(attempt)
         averaged = dict(state)
-        for k, piece in zip(keys, flat.split([state[k].numel() for k in keys]), strict=True):
+        for k, piece in zip(keys, averages.split([state[k].numel() for k in keys]), strict=True):
             averaged[k] = piece.view_as(state[k]).to(state[k].dtype)
         return averaged
 
@@ -342,7 +342,6 @@ class LocalSurvival(SurvivalHooks):
         records: dict[int, dict[str, Any]] = {}
         for logical in sorted(replicas.shadows) if replicas is not None else []:
             with replicas.swapped(logical):  # type: ignore[union-attr]
-                own = None if self.local.in_sync else {k: v.detach().clone() for k, v in module.state_dict().items()}
                 optimizers = [copied(o.state_dict()) for o in self.strategy.optimizers]
-            records[logical] = {"module": own, "optimizer": optimizers}
+                records[logical] = rank_record(self.local, module, optimizers)
         return records

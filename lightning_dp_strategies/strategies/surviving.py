@@ -19,7 +19,7 @@ from typing_extensions import override
 from lightning_dp_strategies.core.fault_tolerance import FaultTolerance, Survivors
 from lightning_dp_strategies.strategies.bucketed import BucketedDataParallel
 
-__all__ = ["SurvivingDataParallel", "as_fault_tolerance", "lost_checkpoint_error"]
+__all__ = ["SurvivingDataParallel", "as_fault_tolerance"]
 
 
 def as_fault_tolerance(fault_tolerant: bool | FaultTolerance) -> FaultTolerance | None:
@@ -34,14 +34,6 @@ def as_fault_tolerance(fault_tolerant: bool | FaultTolerance) -> FaultTolerance 
     if not isinstance(fault_tolerant, bool):
         raise TypeError(f"`fault_tolerant` must be True, False or a FaultTolerance, got {fault_tolerant!r}.")
     return FaultTolerance() if fault_tolerant else None
-
-
-def lost_checkpoint_error(filepath: object) -> RuntimeError:
-    """What stops a run whose checkpoint's writer was lost as many times as there were ranks."""
-    return RuntimeError(
-        f"The checkpoint {str(filepath)!r} lost its writer in each try of its save, so the run stops here. Resume "
-        "from the last complete checkpoint with `trainer.fit(..., ckpt_path='last')`."
-    )
 
 
 class SurvivingDataParallel(BucketedDataParallel):
@@ -121,7 +113,10 @@ class SurvivingDataParallel(BucketedDataParallel):
             survival.barrier()
             if survivors.leader == writer:
                 return
-        raise lost_checkpoint_error(filepath)
+        raise RuntimeError(
+            f"The checkpoint {str(filepath)!r} lost its writer in each try of its save, so the run stops here. Resume "
+            "from the last complete checkpoint with `trainer.fit(..., ckpt_path='last')`."
+        )
 
     def checkpoint_to_write(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
         """What the leader writes for Lightning's ``checkpoint`` (called on every rank before each write, so it may
