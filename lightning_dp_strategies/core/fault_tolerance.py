@@ -22,7 +22,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -30,6 +30,11 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
+from lightning_dp_strategies.core.fault_tolerance_options import (
+    FaultTolerance,
+    check_fault_tolerance,
+    check_local_fault_tolerance,
+)
 from lightning_dp_strategies.core.lost_batches import LostBatches
 from lightning_dp_strategies.core.membership import ExcludedError, Membership, MembershipConfig
 
@@ -50,122 +55,6 @@ _log = logging.getLogger("lightning_dp_strategies")
 
 PREFIX = "lightning_dp_strategies/survivors"
 """Where the membership's keys live in the job's store."""
-
-
-@dataclass(frozen=True)
-class FaultTolerance:
-    """The options of ``fault_tolerant=True`` (pass an instance to change them).
-
-    Args:
-        timeout_s: the gradient group's collective timeout: the bound on noticing a rank that hangs (a killed rank
-            or a cut link is noticed sooner, by a failed connection or a stopped heartbeat).
-        keep_global_batch: the survivors also train the lost ranks' micro-batches, so every step averages the
-            uninterrupted run's global batch (``False``: the batch shrinks with the world, as torchft does).
-        heartbeat_s: how often each rank's heartbeat thread beats in the job's store.
-        stale_s: a rank whose heartbeat stopped this long is taken for gone.
-
-    Examples:
-        >>> FaultTolerance().timeout_s
-        10.0
-        >>> FaultTolerance(stale_s=0.5)
-        Traceback (most recent call last):
-        ...
-        ValueError: `stale_s` must exceed twice `heartbeat_s` (0.5 s), got stale_s=0.5: ...
-    """
-
-    timeout_s: float = 10.0
-    keep_global_batch: bool = True
-    heartbeat_s: float = 0.5
-    stale_s: float = 5.0
-
-    def __post_init__(self) -> None:
-        for name in ("timeout_s", "heartbeat_s", "stale_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"`{name}` must be a positive number of seconds, got {value!r}.")
-        if not isinstance(self.keep_global_batch, bool):
-            raise TypeError(f"`keep_global_batch` must be True or False, got {self.keep_global_batch!r}.")
-        if self.stale_s <= 2 * self.heartbeat_s:
-            raise ValueError(
-                f"`stale_s` must exceed twice `heartbeat_s` ({self.heartbeat_s:g} s), got stale_s={self.stale_s:g}: a "
-                "rank that beats on time would be taken for gone. Raise `stale_s` or lower `heartbeat_s`."
-            )
-
-
-def check_fault_tolerance(
-    options: FaultTolerance | None,
-    shard_optimizer_state: bool,
-    two_level: bool | None,
-    reducer: object,
-    comm_hook: object,
-    model_averaging_period: int | None,
-) -> None:
-    """A clear error, at construction, when ``fault_tolerant`` meets an option it cannot honour.
-
-    Examples:
-        >>> check_fault_tolerance(FaultTolerance(), False, None, "ring", None, None)
-        >>> check_fault_tolerance(FaultTolerance(), True, None, None, None, None)  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        ValueError: `fault_tolerant=True` cannot be combined with `shard_optimizer_state=True`: ...
-    """
-    if options is None:
-        return
-    fix = "Leave that option out, or pass `fault_tolerant=False`."
-    if shard_optimizer_state:
-        raise ValueError(
-            "`fault_tolerant=True` cannot be combined with `shard_optimizer_state=True`: a lost rank takes its shard "
-            f"of the optimizer state with it, so the survivors could not step its parameters. {fix}"
-        )
-    if two_level:
-        raise ValueError(
-            "`fault_tolerant=True` cannot be combined with `two_level=True`: the survivors average over one flat "
-            f"group, rebuilt after each failure, and a lost rank breaks the node layout the two levels follow. {fix}"
-        )
-    if reducer not in (None, "ring", "native") or comm_hook is not None or model_averaging_period is not None:
-        chosen = f"reducer={reducer!r}" if comm_hook is None and model_averaging_period is None else "a comm hook"
-        raise ValueError(
-            f"`fault_tolerant=True` cannot be combined with `{chosen}`: the survivors rebuild the reducer over their "
-            "new group, which only the built-in lossless reducers (`reducer='ring'`, the default, or 'native') can "
-            f"do; a reducer's or hook's state would describe the failed group. {fix}"
-        )
-
-
-def check_local_fault_tolerance(options: FaultTolerance | None, local: Mapping[str, Any], reducer: object) -> None:
-    """A clear error, at construction, when ``fault_tolerant`` meets a local SGD option it cannot honour (``local``:
-    the local SGD options by name).
-
-    Examples:
-        >>> check_local_fault_tolerance(FaultTolerance(), {"fragments": 4, "delay": 1}, None)  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        ValueError: `fault_tolerant=True` runs local SGD and DiLoCo, one synchronisation of the whole model at a time...
-    """
-    if options is None:
-        return
-    check_fault_tolerance(options, False, None, reducer, None, None)
-    fix = "Leave that option at its default, or pass `fault_tolerant=False`."
-    if local.get("fragments", 1) != 1 or local.get("delay", 0) != 0:
-        raise ValueError(
-            "`fault_tolerant=True` runs local SGD and DiLoCo, one synchronisation of the whole model at a time "
-            f"(`fragments=1, delay=0`), got fragments={local.get('fragments')}, delay={local.get('delay')}: streaming "
-            f"DiLoCo's fragments in flight are not redone after a failure. {fix}"
-        )
-    if (
-        local.get("sync_every") == "auto"
-        or local.get("warmup_steps", 0)
-        or local.get("outer_precision")
-        in (
-            "int8",
-            "int4",
-        )
-    ):
-        raise ValueError(
-            "`fault_tolerant=True` with local SGD needs a fixed `sync_every`, no `warmup_steps` and `outer_precision` "
-            f"'fp32' or 'bf16', got sync_every={local.get('sync_every')!r}, warmup_steps={local.get('warmup_steps')}, "
-            f"outer_precision={local.get('outer_precision')!r}: a failure is redone only at a synchronisation of "
-            f"the whole model through the lossless ring. {fix}"
-        )
 
 
 @dataclass(frozen=True)

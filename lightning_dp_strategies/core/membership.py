@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -55,7 +54,6 @@ __all__ = [
     "PeerFailure",
     "PeerLostError",
     "detect",
-    "handover_plan",
     "is_peer_failure",
     "logical_shares",
 ]
@@ -94,29 +92,6 @@ def logical_shares(live: list[int], world_size: int) -> dict[int, list[int]]:
         taker = min(shares, key=lambda rank: (len(shares[rank]), rank))
         shares[taker].append(lost)
     return {rank: sorted(held) for rank, held in shares.items()}
-
-
-def handover_plan(members: Sequence[int], world_size: int) -> dict[int, dict[int, list[int]]]:
-    """Who sends whom which logical ranks' inner states: ``plan[src][dst]`` are the logical ranks ``src`` trains
-    that ``dst`` would take over if ``src`` were lost (:func:`logical_shares` without ``src``). Empty with one member.
-
-    Examples:
-        >>> handover_plan([0, 1, 2], 3)
-        {0: {1: [0]}, 1: {0: [1]}, 2: {0: [2]}}
-        >>> handover_plan([0, 2], 3)
-        {0: {2: [0, 1]}, 2: {0: [2]}}
-    """
-    members = sorted(members)
-    if len(members) < 2:
-        return {}
-    held = logical_shares(members, world_size)
-    plan: dict[int, dict[int, list[int]]] = {}
-    for src in members:
-        takers = logical_shares([m for m in members if m != src], world_size)
-        for logical in held[src]:
-            dst = next(m for m, shares in takers.items() if logical in shares)
-            plan.setdefault(src, {}).setdefault(dst, []).append(logical)
-    return plan
 
 
 @dataclass(frozen=True)

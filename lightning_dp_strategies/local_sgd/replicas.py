@@ -2,11 +2,13 @@
 
 Between synchronisations each rank's parameters and inner optimizer state are its own, so a lost rank's share of a
 period cannot be averaged from what the survivors hold. At every synchronisation each rank therefore hands the inner
-optimizer state of every logical rank it trains to the survivor that would take that logical rank over if this rank
-were lost (:func:`handover_plan`). When a rank is lost, its taker rebuilds the lost replica from that state and the
-anchor (the parameters every rank held at the synchronisation), replays the lost rank's micro-batches since, and from
-then on steps it beside its own replica: a :class:`Replicas` swaps a replica's parameters, gradients, buffers and
-optimizer state into the module and the optimizer for its step and back out after it.
+optimizer state of every logical rank it trains to the next member in rank order
+(:func:`~lightning_dp_strategies.core.handover.handover_plan`). When ranks are lost, the members that kept their states
+send them to the lost ranks' takers (:func:`~lightning_dp_strategies.core.handover.takeover_plan`), and each
+taker rebuilds the lost replica from that state and the anchor (the parameters every rank held at the
+synchronisation), replays the lost rank's micro-batches since, and from then on steps it beside its own replica: a
+:class:`Replicas` swaps a replica's parameters, gradients, buffers and optimizer state into the module and the
+optimizer for its step and back out after it.
 """
 
 from __future__ import annotations
@@ -121,6 +123,17 @@ class Replicas:
         values = [v.detach().to(p.dtype, copy=True) for v, p in zip(params, self.params, strict=True)]
         buffers = [b.clone() for b in self.buffers_at_sync]
         self.shadows[logical_rank] = Replica(values, buffers, _clone(state), [None] * len(values))
+
+    def give(self, logical_rank: int) -> dict[str, Any]:
+        """The replica of ``logical_rank`` taken out, as :meth:`take` installs it on another rank."""
+        replica = self.shadows.pop(logical_rank)
+        return {"params": replica.params, "buffers": replica.buffers, "state": replica.state}
+
+    def take(self, logical_rank: int, given: Mapping[str, Any]) -> None:
+        """Install the replica of ``logical_rank`` another rank trained until now (:meth:`give`)."""
+        params = [v.to(p.dtype) for v, p in zip(given["params"], self.params, strict=True)]
+        state = dict(given["state"])
+        self.shadows[logical_rank] = Replica(params, list(given["buffers"]), state, [None] * len(params))
 
     def reset(self, indices: Sequence[int], values: Sequence[Tensor]) -> None:
         """Every replica's parameters ``indices`` set to ``values`` and its buffers to this rank's (after an outer

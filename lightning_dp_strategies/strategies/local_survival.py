@@ -5,7 +5,7 @@ beside its :class:`~lightning_dp_strategies.strategies.survival.TrainerSurvival`
 moves Lightning's collectives onto them and notices a lost rank). Inner steps send nothing, so a lost rank is met at
 the next synchronisation, which runs as one transaction::
 
-    hand over     each rank's inner optimizer states go to the survivor that would take its logical ranks over
+    hand over     each rank's inner optimizer states go to the next member in rank order, which keeps them
     average       the changes (this rank's, plus its replicas'), times members / world size
     commit        every member says in the store that it has the average; only then the outer step
 
@@ -13,8 +13,10 @@ A peer failure before the commit: the survivors agree, re-form their groups and 
 average. If one did, it was complete (every rank had handed over and sent its change): it goes to the others, and the
 lost ranks' takers start their replicas from the states handed over in this attempt. If none did, the takers start
 the replicas from the states handed over at the last synchronisation, replay the lost ranks' micro-batches since
-(rebuilt from their samplers) and the synchronisation is redone. Either way the run goes on on the uninterrupted
-run's parameters (``keep_global_batch``); without it nothing is handed over and the survivors average alone.
+(rebuilt from their samplers) and the synchronisation is redone. Either way a lost rank's state first goes from the
+member that kept it to its taker; where that member was lost too, the run stops with an error naming it. So the run
+goes on on the uninterrupted run's parameters (``keep_global_batch``); without it nothing is handed over and the
+survivors average alone.
 
 A replica's step swaps its parameters, gradients, buffers and optimizer state into the module and the optimizer
 (:class:`~lightning_dp_strategies.local_sgd.replicas.Replicas`) and runs ``training_step`` on the lost rank's
@@ -40,7 +42,8 @@ from torch import Tensor
 
 from lightning_dp_strategies.comm.failures import PeerLostError
 from lightning_dp_strategies.core.fault_tolerance import PREFIX
-from lightning_dp_strategies.core.membership import handover_plan, is_peer_failure, logical_shares
+from lightning_dp_strategies.core.handover import handover_plan, takeover_plan
+from lightning_dp_strategies.core.membership import is_peer_failure, logical_shares
 from lightning_dp_strategies.local_sgd import LocalSGD, local_checkpoint_record
 from lightning_dp_strategies.local_sgd.averaging import averageable, outer_reducer
 from lightning_dp_strategies.local_sgd.checkpoint import merged_record, rank_record
@@ -212,11 +215,11 @@ class LocalSurvival(SurvivalHooks):
         return changes
 
     def _hand_over(self) -> InnerStates:
-        """Every logical rank's inner state to the member that would take it over (:func:`handover_plan`); the
-        states handed to this rank (collective over the survivors)."""
+        """Every logical rank's inner state to the member that keeps it (:func:`handover_plan`); the states handed to
+        this rank (collective over the survivors)."""
         survivors, replicas = self.survival.survivors, self.replicas
         assert replicas is not None and survivors.group is not None
-        plan = handover_plan(survivors.members, survivors.world_size)
+        plan = handover_plan(survivors.members, survivors.world_size, survivors.options.state_copies)
         states = replicas.states(self.rank)
         outgoing = {dst: {r: states[r] for r in held} for dst, held in plan.get(self.rank, {}).items()}
         sources = [src for src, targets in plan.items() if self.rank in targets]
@@ -244,16 +247,54 @@ class LocalSurvival(SurvivalHooks):
         if replicas is None:
             return
         mine = logical_shares(survivors.members, survivors.world_size)[self.rank]
-        for logical in (r for r in mine if r != self.rank and r not in replicas.shadows):
-            if logical not in handed:
-                raise RuntimeError(
-                    f"Rank {self.rank} took over logical rank {logical}, whose inner optimizer state was not handed "
-                    "to it: more ranks were lost at once than one synchronisation's hand-over covers. Resume from "
-                    "the last checkpoint, or pass `fault_tolerant=FaultTolerance(keep_global_batch=False)`."
-                )
+        needed = [r for r in mine if r != self.rank and r not in replicas.shadows]
+        kept, moved = self._take_over(handed, needed)
+        handed = {**handed, **kept}
+        for logical in needed:
+            if logical in moved:  # trained by another survivor until now: it is where this rank's replicas are
+                replicas.take(logical, moved[logical])
+                continue
             replicas.adopt(logical, handed[logical], self.local.anchor)
             for position in self.positions if replay else []:
                 self._replica_step(logical, *position)
+
+    def _take_over(self, handed: InnerStates, needed: list[int]) -> tuple[InnerStates, dict[int, Any]]:
+        """What this rank needs to train the ``needed`` logical ranks (those it now trains and did not before): the
+        states kept by other survivors, and the replicas other survivors trained until now, which this rank's
+        replicas of them replace (:func:`takeover_plan`; collective over the survivors: who trains, keeps and needs
+        which, then the states and replicas). A replica this rank gives away is dropped here.
+
+        Raises:
+            RuntimeError: on every survivor, where a logical rank needed was trained and kept by lost ranks only.
+        """
+        survivors, replicas = self.survival.survivors, self.replicas
+        assert survivors.group is not None and replicas is not None
+        others = [m for m in survivors.members if m != self.rank]
+        mine = (sorted(handed), sorted(replicas.shadows), needed)
+        told = {**exchange({m: mine for m in others}, others, survivors.group, survivors.interrupted), self.rank: mine}
+        moves, sends, missing = takeover_plan(
+            {m: t for m, (_, t, _) in told.items()},
+            {m: k for m, (k, _, _) in told.items()},
+            {m: n for m, (_, _, n) in told.items()},
+        )
+        if missing:
+            copies = survivors.options.state_copies
+            raise RuntimeError(
+                f"Logical rank(s) {missing} cannot be rebuilt: the rank that trained it and the next {copies} "
+                "member(s) in rank order, which kept its inner optimizer state at the last synchronisation, were all "
+                "lost. "
+                "Resume from the last checkpoint; to survive more ranks lost at once, pass "
+                f"`fault_tolerant=FaultTolerance(state_copies={copies + 1})` (or `keep_global_batch=False`)."
+            )
+        outgoing: dict[int, dict[str, dict[int, Any]]] = {}
+        for dst, logicals in sends.get(self.rank, {}).items():
+            outgoing.setdefault(dst, {"kept": {}, "moved": {}})["kept"].update({r: handed[r] for r in logicals})
+        for dst, logicals in moves.get(self.rank, {}).items():
+            outgoing.setdefault(dst, {"kept": {}, "moved": {}})["moved"].update({r: replicas.give(r) for r in logicals})
+        sources = sorted({src for plan in (moves, sends) for src, targets in plan.items() if self.rank in targets})
+        received = exchange(outgoing, sources, survivors.group, survivors.interrupted)
+        kept = {r: state for part in received.values() for r, state in part["kept"].items()}
+        return kept, {r: replica for part in received.values() for r, replica in part["moved"].items()}
 
     def after_outer_step(self, indices: list[int]) -> None:
         """The replicas take the new global values; the period's positions start again."""

@@ -1,4 +1,4 @@
-"""Trainer runs of ``fault_tolerant`` strategies on three gloo ranks launched as torchrun launches them.
+"""Trainer runs of ``fault_tolerant`` strategies on gloo ranks (three unless said) launched as torchrun launches them.
 
 The job's store is hosted by the test process, as torchrun's agent hosts it (``TORCHELASTIC_USE_AGENT_STORE``), so it
 outlives any worker; each rank sees the environment a torchrun worker sees on its own node (one process a node).
@@ -213,6 +213,10 @@ class Run:
     steps: int = 3 * STEPS_PER_EPOCH
     victim: int | None = None
     fail_at: int = 3
+    also: tuple[int, int] | None = None
+    """``(rank, step)``: another rank that fails as ``victim`` does, at the start of that step."""
+    world: int = WORLD
+    state_copies: int = 1
     kind: FailureKind = "kill"
     keep_global_batch: bool = True
     replace: bool = False
@@ -244,7 +248,8 @@ def train(rank: int, run: Run, root: str) -> dict[str, Any]:
 
     L.seed_everything(0, verbose=False)
     model = Regression()
-    tolerance = FaultTolerance(**{**TOLERANCE.__dict__, "keep_global_batch": run.keep_global_batch})
+    options = {"keep_global_batch": run.keep_global_batch, "state_copies": run.state_copies}
+    tolerance = FaultTolerance(**{**TOLERANCE.__dict__, **options})
     strategy: RingAllReduceStrategy | LocalSGDStrategy
     if run.sync_every is None:
         strategy = RingAllReduceStrategy(fault_tolerant=tolerance, timeout=timedelta(seconds=60))
@@ -253,6 +258,8 @@ def train(rank: int, run: Run, root: str) -> dict[str, Any]:
     callbacks: list[L.Callback] = [ModelCheckpoint(dirpath=f"{root}/ckpt", monitor="val_loss", save_top_k=1)]
     if run.victim is not None and os.environ.get(JOIN_ENV) != "1":
         callbacks.append(Fail(run.victim, run.fail_at, run.kind))
+    if run.also is not None:
+        callbacks.append(Fail(*run.also, run.kind))
     if run.stumble is not None:
         callbacks.append(Stumble(*run.stumble))
     if run.pace_s:
@@ -272,7 +279,7 @@ def train(rank: int, run: Run, root: str) -> dict[str, Any]:
         strategy=strategy,
         accelerator="cpu",
         devices=1,
-        num_nodes=WORLD,
+        num_nodes=run.world,
         max_steps=run.steps,
         logger=CSVLogger(root, name="logs"),
         callbacks=callbacks,
@@ -280,8 +287,8 @@ def train(rank: int, run: Run, root: str) -> dict[str, Any]:
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
-    train_loader = DataLoader(data(WORLD * BATCH * STEPS_PER_EPOCH, 1), batch_size=BATCH, shuffle=True)
-    val_loader = DataLoader(data(WORLD * BATCH * 2, 2), batch_size=BATCH)
+    train_loader = DataLoader(data(run.world * BATCH * STEPS_PER_EPOCH, 1), batch_size=BATCH, shuffle=True)
+    val_loader = DataLoader(data(run.world * BATCH * 2, 2), batch_size=BATCH)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if run.evaluate_only == "validate":
@@ -333,7 +340,7 @@ def _rank(rank: int, port: int, run: Run, root: str, results: Any, join: bool = 
         RANK=str(rank),
         GROUP_RANK=str(rank),
         LOCAL_RANK="0",
-        WORLD_SIZE=str(WORLD),
+        WORLD_SIZE=str(run.world),
         LOCAL_WORLD_SIZE="1",
     )
     try:
@@ -343,17 +350,18 @@ def _rank(rank: int, port: int, run: Run, root: str, results: Any, join: bool = 
 
 
 def launch(
-    run: Run, root: Path, timeout: float = 120.0, expected: int = WORLD
+    run: Run, root: Path, timeout: float = 120.0, expected: int | None = None
 ) -> tuple[dict[int, Any], list[int | None], float]:
-    """Run ``train`` on ``WORLD`` ranks forked from the suite's fork server, the store hosted here; each rank's
+    """Run ``train`` on ``run.world`` ranks forked from the suite's fork server, the store hosted here; each rank's
     result (or error), the exit codes, and the wall time until ``expected`` ranks reported. Ranks alive after that,
-    or after ``timeout`` s, are killed (exit -9)."""
+    or after ``timeout`` s, are killed (exit -9); ``expected`` defaults to every rank."""
+    expected = run.world if expected is None else expected
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
-    server = dist.TCPStore("127.0.0.1", 0, WORLD, is_master=True, wait_for_workers=False)
+    server = dist.TCPStore("127.0.0.1", 0, run.world, is_master=True, wait_for_workers=False)
     results = ctx.SimpleQueue()
     procs = [
-        ctx.Process(target=_rank, args=(r, server.port, run, str(root), results), daemon=True) for r in range(WORLD)
+        ctx.Process(target=_rank, args=(r, server.port, run, str(root), results), daemon=True) for r in range(run.world)
     ]
     start = time.monotonic()
     for p in procs:
@@ -402,15 +410,21 @@ def final_params(outcomes: dict[int, Any], rank: int) -> torch.Tensor:
 
 
 def assert_survived(
-    outcomes: dict[int, Any], codes: list[int | None], victim: int, reference: torch.Tensor, tolerance: float
+    outcomes: dict[int, Any],
+    codes: list[int | None],
+    victim: int | list[int],
+    reference: torch.Tensor,
+    tolerance: float,
+    world: int = WORLD,
 ) -> list[int]:
-    """``victim`` was SIGKILLed and every other rank finished, after one recovery that lost it, within ``tolerance``
-    of the ``reference`` parameters; the survivors."""
-    survivors = [r for r in range(WORLD) if r != victim]
-    assert codes == [-9 if r == victim else 0 for r in range(WORLD)], outcomes
+    """``victim`` (one rank or several) was SIGKILLed and every other rank finished, after one recovery that lost
+    it, within ``tolerance`` of the ``reference`` parameters; the survivors."""
+    lost = [victim] if isinstance(victim, int) else sorted(victim)
+    survivors = [r for r in range(world) if r not in lost]
+    assert codes == [-9 if r in lost else 0 for r in range(world)], outcomes
     for rank in survivors:
         recoveries = result(outcomes, rank)["recoveries"]
-        assert [(lost, members) for _, lost, members in recoveries] == [([victim], survivors)], recoveries
+        assert [(lost, members) for _, lost, members in recoveries] == [(lost, survivors)], recoveries
         assert (final_params(outcomes, rank) - reference).abs().max().item() <= tolerance
     return survivors
 
@@ -418,8 +432,8 @@ def assert_survived(
 def uninterrupted_params(run: Run, root: Path) -> torch.Tensor:
     """The final parameters of ``run`` without a failure, checked equal on every rank."""
     outcomes, codes, _ = launch(run, root)
-    assert codes == [0] * WORLD, outcomes
-    final = [final_params(outcomes, r) for r in range(WORLD)]
+    assert codes == [0] * run.world, outcomes
+    final = [final_params(outcomes, r) for r in range(run.world)]
     assert all(torch.equal(final[0], f) for f in final[1:])
     return final[0]
 

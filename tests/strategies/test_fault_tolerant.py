@@ -59,6 +59,16 @@ def test_survivors_of_a_killed_rank_end_on_the_uninterrupted_parameters(
 
 
 @pytest.mark.timeout(240)
+def test_two_ranks_killed_in_one_step_leave_one_survivor_on_the_uninterrupted_parameters(
+    uninterrupted: torch.Tensor, tmp_path: Path
+) -> None:
+    """Ranks 1 and 2 killed at the start of step 3: rank 0 alone trains all three micro-batches of every step."""
+    outcomes, codes, _ = launch(Run(victim=1, fail_at=3, also=(2, 3)), tmp_path)
+    assert_survived(outcomes, codes, [1, 2], uninterrupted, TOLERANCE)
+    assert _result(outcomes, 0)["global_step"] == Run().steps
+
+
+@pytest.mark.timeout(240)
 def test_when_rank_zero_is_lost_the_lowest_survivor_leads(uninterrupted: torch.Tensor, tmp_path: Path) -> None:
     outcomes, codes, _ = launch(Run(victim=0, fail_at=2), tmp_path)
     assert codes == [-9, 0, 0], outcomes
@@ -304,6 +314,7 @@ def test_a_rank_cut_from_the_store_knows_without_waiting_on_it_and_leaves() -> N
         ({"two_level": True}, "two_level=True"),
         ({"reducer": "auto"}, "reducer='auto'"),
         ({"fault_tolerant": "yes"}, "True, False or a FaultTolerance"),
+        ({"fault_tolerant": FaultTolerance(state_copies=2)}, "has nothing to copy: only local SGD"),
     ],
 )
 def test_impossible_combinations_are_refused_at_construction(options: dict[str, object], message: str) -> None:
@@ -317,6 +328,9 @@ def test_fault_tolerance_options_are_checked() -> None:
         FaultTolerance(timeout_s=0)
     with pytest.raises(ValueError, match="stale_s"):
         FaultTolerance(heartbeat_s=1.0, stale_s=1.5)
+    for copies in (0, 1.5, True):
+        with pytest.raises(ValueError, match="state_copies"):
+            FaultTolerance(state_copies=copies)  # type: ignore[arg-type]
     assert math.isclose(Survivors(FaultTolerance()).grad_scale, 1.0)
 
 

@@ -17,7 +17,7 @@ import torch
 
 from lightning_dp_strategies import LocalSGDStrategy
 from lightning_dp_strategies.core.fault_tolerance import FaultTolerance
-from lightning_dp_strategies.core.membership import handover_plan
+from lightning_dp_strategies.core.handover import handover_plan, takeover_plan
 from lightning_dp_strategies.local_sgd.replicas import Replicas
 from tests.strategies import fault_tolerant_scenarios as ft
 
@@ -196,10 +196,22 @@ def test_a_checkpoint_whose_writer_was_lost_after_the_gather_is_written_by_the_n
     assert len(saved) == ft.WORLD and all(record is not None for record in saved)
 
 
-def test_the_hand_over_goes_to_the_rank_that_would_take_over() -> None:
-    assert handover_plan([0, 1, 2], 3) == {0: {1: [0]}, 1: {0: [1]}, 2: {0: [2]}}
-    assert handover_plan([0, 2], 3) == {0: {2: [0, 1]}, 2: {0: [2]}}
+def test_the_hand_over_goes_to_the_next_member_so_each_keeps_one_others_states() -> None:
+    assert handover_plan([0, 1, 2], 3) == {0: {1: [0]}, 1: {2: [1]}, 2: {0: [2]}}
+    assert handover_plan([0, 2], 3) == {0: {2: [0, 1]}, 2: {0: [2]}}  # 0 trains logical rank 1 too
     assert handover_plan([1], 3) == {}
+    plan = handover_plan(range(8), 8)
+    receivers = [dst for targets in plan.values() for dst in targets]
+    assert sorted(receivers) == list(range(8))  # no member receives more than one member's states
+
+
+def test_after_a_loss_replicas_move_whole_and_kept_states_go_to_the_takers() -> None:
+    # 4 ranks, 1 and 3 lost in one period (the ring kept: 0 -> 1, 1 -> 2, 2 -> 3, 3 -> 0): the keepers send
+    assert takeover_plan({}, {0: [3], 2: [1]}, {0: [1], 2: [3]}) == ({}, {2: {0: [1]}, 0: {2: [3]}}, [])
+    # 1 and 2 lost: 2 kept 1's state; 3 kept 2's and takes 2 over itself
+    assert takeover_plan({}, {0: [3], 3: [2]}, {0: [1], 3: [2]}) == ({}, {}, [1])
+    # 2 lost first (0 took it over); later 1: logical rank 2 goes to 3, and 0's replica of it moves there whole
+    assert takeover_plan({0: [2]}, {0: [3], 3: [1]}, {0: [1], 3: [2]}) == ({0: {3: [2]}}, {3: {0: [1]}}, [])
 
 
 def test_a_replica_swaps_its_parameters_gradients_and_optimizer_state_in_and_out() -> None:
@@ -242,6 +254,12 @@ def test_impossible_combinations_are_refused_at_construction(options: dict[str, 
     LocalSGDStrategy(**options)  # type: ignore[arg-type]  # accepted without fault_tolerant
 
 
+def test_state_copies_without_a_hand_over_are_refused_at_construction() -> None:
+    LocalSGDStrategy(fault_tolerant=FaultTolerance(state_copies=2))
+    with pytest.raises(ValueError, match="has nothing to copy"):
+        LocalSGDStrategy(fault_tolerant=FaultTolerance(state_copies=2, keep_global_batch=False))
+
+
 @pytest.mark.timeout(300)
 def test_a_replacement_takes_its_replicas_state_and_the_run_ends_on_the_uninterrupted_parameters(
     tmp_path: Path,
@@ -257,3 +275,59 @@ def test_a_replacement_takes_its_replicas_state_and_the_run_ends_on_the_uninterr
     for rank in range(ft.WORLD):
         assert (ft.final_params(outcomes, rank) - reference).abs().max().item() <= TOLERANCE
         assert ft.result(outcomes, rank)["global_step"] == 40
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_of_four(tmp_path_factory: pytest.TempPathFactory) -> torch.Tensor:
+    return ft.uninterrupted_params(ft.Run(sync_every=SYNC_EVERY, world=4), tmp_path_factory.mktemp("four"))
+
+
+@pytest.mark.timeout(300)
+def test_two_ranks_lost_in_one_period_are_rebuilt_from_the_states_the_others_kept(
+    uninterrupted_of_four: torch.Tensor, tmp_path: Path
+) -> None:
+    """Four ranks, 1 and 3 killed at the start of step 7 and met at step 9's synchronisation: rank 2 kept rank 1's
+    inner state and rank 0 rank 3's, but rank 0 takes logical rank 1 over and rank 2 logical rank 3. The keepers send
+    the states to the takers, which replay steps 5-8, and the run ends on the uninterrupted run's parameters."""
+    run = ft.Run(sync_every=SYNC_EVERY, world=4, victim=1, fail_at=7, also=(3, 7))
+    outcomes, codes, _ = ft.launch(run, tmp_path)
+    ft.assert_survived(outcomes, codes, [1, 3], uninterrupted_of_four, TOLERANCE, world=4)
+
+
+@pytest.mark.timeout(300)
+def test_a_replica_moves_whole_when_a_later_loss_gives_its_logical_rank_to_another_survivor(
+    uninterrupted_of_four: torch.Tensor, tmp_path: Path
+) -> None:
+    """Four ranks: 2 killed in the first epoch (rank 0 takes logical rank 2 over), 1 in the second. The survivors 0
+    and 3 then share the logical ranks as {0: [0, 1], 3: [2, 3]}: rank 0's replica of logical rank 2 moves to rank 3
+    (trained by one rank only, not two) and the run ends on the uninterrupted run's parameters."""
+    run = ft.Run(sync_every=SYNC_EVERY, world=4, victim=2, fail_at=3, also=(1, 8))
+    outcomes, codes, _ = ft.launch(run, tmp_path)
+    assert codes == [0, -9, -9, 0], outcomes
+    for rank in (0, 3):
+        result = ft.result(outcomes, rank)
+        assert [(lost, members) for _, lost, members in result["recoveries"]] == [([2], [0, 1, 3]), ([1], [0, 3])]
+        assert (ft.final_params(outcomes, rank) - uninterrupted_of_four).abs().max().item() <= TOLERANCE
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_lost_with_the_member_that_kept_its_state_stops_every_survivor_naming_it(tmp_path: Path) -> None:
+    """Four ranks, 1 and 2 killed at the start of step 7: rank 2 kept rank 1's inner state, so logical rank 1
+    cannot be rebuilt; both survivors stop with the error (neither waits for the other)."""
+    run = ft.Run(sync_every=SYNC_EVERY, world=4, victim=1, fail_at=7, also=(2, 7))
+    outcomes, codes, _ = ft.launch(run, tmp_path)
+    assert codes == [0, -9, -9, 0], outcomes
+    for rank in (0, 3):
+        assert isinstance(outcomes[rank], RuntimeError), outcomes[rank]
+        assert "Logical rank(s) [1] cannot be rebuilt" in str(outcomes[rank])
+        assert "FaultTolerance(state_copies=2)" in str(outcomes[rank])
+
+
+@pytest.mark.timeout(300)
+def test_with_two_copies_a_rank_lost_with_its_first_keeper_is_rebuilt_from_the_second(
+    uninterrupted_of_four: torch.Tensor, tmp_path: Path
+) -> None:
+    """As above with ``state_copies=2``: rank 3 kept rank 1's state too, and sends it to rank 0, its taker."""
+    run = ft.Run(sync_every=SYNC_EVERY, world=4, victim=1, fail_at=7, also=(2, 7), state_copies=2)
+    outcomes, codes, _ = ft.launch(run, tmp_path)
+    ft.assert_survived(outcomes, codes, [1, 2], uninterrupted_of_four, TOLERANCE, world=4)
