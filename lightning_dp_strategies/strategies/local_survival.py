@@ -44,7 +44,7 @@ from lightning_dp_strategies.comm.failures import PeerLostError
 from lightning_dp_strategies.core.fault_tolerance import PREFIX
 from lightning_dp_strategies.core.handover import handover_plan, takeover_plan
 from lightning_dp_strategies.core.membership import is_peer_failure, logical_shares
-from lightning_dp_strategies.local_sgd import LocalSGD, local_checkpoint_record
+from lightning_dp_strategies.local_sgd import LocalSGD
 from lightning_dp_strategies.local_sgd.averaging import averageable, outer_reducer
 from lightning_dp_strategies.local_sgd.checkpoint import merged_record, rank_record
 from lightning_dp_strategies.local_sgd.replicas import InnerStates, Replicas, exchange
@@ -311,12 +311,9 @@ class LocalSurvival(SurvivalHooks):
 
     def on_admit(self, joining: list[int]) -> dict[str, Any]:
         """Before the world is re-formed for ``joining`` (every survivor): the local SGD record, with the inner
-        optimizer states of the replicas the replacements take over, for the leader's training state."""
-        module, survivors = self.strategy.lightning_module, self.survival.survivors
-        assert module is not None
-        states = [o.state_dict() for o in self.strategy.optimizers]
-        group, leader = survivors.control_group, survivors.leader
-        record = local_checkpoint_record(self.local, module, states, self.records(), group, leader)
+        optimizer states of the replicas the replacements take over, for the leader's training state (gathered as a
+        checkpoint's, a rank lost meanwhile survived)."""
+        record = self.checkpoint_record([o.state_dict() for o in self.strategy.optimizers])
         return {} if record is None else {"local_sgd": record}
 
     def after_admit(self, joining: list[int]) -> None:

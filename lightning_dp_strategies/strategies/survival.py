@@ -47,7 +47,7 @@ from lightning_dp_strategies.core.fault_tolerance import (
 )
 from lightning_dp_strategies.core.membership import is_peer_failure
 from lightning_dp_strategies.core.module_state import broadcast_module_buffers, sync_module_states
-from lightning_dp_strategies.strategies.control import ControlCollectives
+from lightning_dp_strategies.strategies.control import ControlCollectives, Interrupt, broadcast_object
 from lightning_dp_strategies.strategies.survival_hooks import SurvivalHooks, SurvivingStrategy
 
 __all__ = ["TrainerSurvival", "check_survivable"]
@@ -176,22 +176,30 @@ class TrainerSurvival:
     # ------------------------------------------------------------------ replacements
     def admit_replacements(self, trainer: pl.Trainer) -> None:
         """At an epoch's start, where ranks are missing and a replacement waits for each: re-form the world with
-        them, then give them the leader's training state (the steps :meth:`receive_state` mirrors)."""
+        them, then give them the leader's training state (the steps :meth:`receive_state` mirrors). Until the leader
+        answers the replacements, a rank lost is survived through :attr:`control`, and the admission waits for a
+        later epoch's start."""
         survivors = self.survivors
         if not survivors.started or len(survivors.members) == survivors.world_size or not self.hooks.ready_to_admit():
             return
-        requests = survivors.join_requests() if self.is_leader() else {}
-        missing = survivors.world_size - len(survivors.members)
-        box: list[Any] = [requests if len(requests) == missing else {}]
-        dist.broadcast_object_list(box, survivors.leader, group=survivors.control_group)
-        if not box[0]:
+        members = list(survivors.members)
+
+        def attempt(group: dist.ProcessGroup, interrupt: Interrupt) -> dict[int, str]:
+            requests = survivors.join_requests() if self.is_leader() else {}
+            every = len(requests) == survivors.world_size - len(survivors.members)
+            return broadcast_object(requests if every else {}, survivors.leader, group, interrupt)
+
+        requests = self.control.run(attempt)
+        if not requests or survivors.members != members:
             return
         assert survivors.membership is not None
-        epoch, leader, joining = survivors.membership.state.epoch + 1, survivors.leader, sorted(box[0])
+        epoch, leader, joining = survivors.membership.state.epoch + 1, survivors.leader, sorted(requests)
         extra = self.hooks.on_admit(joining)
+        if survivors.members != members:
+            return
         state = {**self._training_state(trainer), **extra} if self.is_leader() else None
         if self.is_leader():
-            survivors.admit(box[0], epoch)
+            survivors.admit(requests, epoch)
         dist.destroy_process_group()  # every group: the world, the gradient and control groups over the lost ranks
         self._init_world(epoch)
         survivors.readmit(epoch)

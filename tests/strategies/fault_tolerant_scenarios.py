@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dp_strategies.comm.failures import PeerLostError
 from lightning_dp_strategies.core.failures import FailureInjector, FailureKind
-from lightning_dp_strategies.core.fault_tolerance import JOIN_ENV, FaultTolerance
+from lightning_dp_strategies.core.fault_tolerance import JOIN_ENV, PREFIX, FaultTolerance
 from tests.helpers.distributed import _PRELOAD
 
 WORLD = 3
@@ -174,6 +174,40 @@ class DieBetweenSteps(L.Callback):
         self._maybe_die(trainer, "save")
 
 
+class DieAdmitting(L.Callback):
+    """``rank`` is SIGKILLed while the survivors admit a replacement, before the leader answers it: at the first
+    epoch start with a rank missing, once a join request waits (``"request"``: it waits for one there, so the others
+    wait in the collective that shares the requests), or as the admission's strategy state is made (``"on_admit"``:
+    on entering the strategy's hook)."""
+
+    def __init__(self, where: str, rank: int) -> None:
+        self.where, self.rank = where, rank
+
+    def on_train_start(self, trainer: L.Trainer, *args: Any) -> None:
+        hooks = trainer.strategy.survival.hooks  # type: ignore[attr-defined]
+        membership = trainer.strategy.survivors.membership  # type: ignore[attr-defined]
+        if trainer.global_rank != self.rank:
+            return
+        ready, on_admit = hooks.ready_to_admit, hooks.on_admit
+
+        def ready_then_die() -> bool:
+            keys = [f"{PREFIX}/join/{r}" for r in range(trainer.world_size) if r != self.rank]
+            deadline = time.monotonic() + 60.0
+            while not any(membership.store.check([key]) for key in keys) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            os.kill(os.getpid(), signal.SIGKILL)
+            return ready()
+
+        def die_first(joining: list[int]) -> dict[str, Any]:
+            os.kill(os.getpid(), signal.SIGKILL)
+            return on_admit(joining)
+
+        if self.where == "request":
+            hooks.ready_to_admit = ready_then_die
+        else:
+            hooks.on_admit = die_first
+
+
 def _stumble_once() -> None:
     """This process's next control reduction completes (the others get its result), then raises a peer failure."""
     from lightning_dp_strategies.strategies import control
@@ -238,6 +272,8 @@ class Run:
     """``fit(..., ckpt_path=...)``: resume from this checkpoint."""
     checkpoint_every: int | None = None
     """Also a checkpoint every that many steps (``ModelCheckpoint(every_n_train_steps=...)``, into ``steps/``)."""
+    dies_admitting: tuple[str, int] | None = None
+    """``(where, rank)``: :class:`DieAdmitting` (with ``replace``: the victim's replacement is being admitted)."""
     dies_between_steps: tuple[str, int, int] | None = None
     """``(during, rank, epoch)``: that rank is killed in validation, testing or a save (:class:`DieBetweenSteps`)."""
 
@@ -268,6 +304,8 @@ def train(rank: int, run: Run, root: str) -> dict[str, Any]:
         callbacks.append(AverageFails(*run.average_fails))
     if run.reduction_stumbles is not None:
         callbacks.append(ReductionStumbles(*run.reduction_stumbles))
+    if run.dies_admitting is not None and os.environ.get(JOIN_ENV) != "1":
+        callbacks.append(DieAdmitting(*run.dies_admitting))
     if run.dies_between_steps is not None:
         callbacks.append(DieBetweenSteps(*run.dies_between_steps))
     if run.checkpoint_every is not None:
@@ -350,11 +388,11 @@ def _rank(rank: int, port: int, run: Run, root: str, results: Any, join: bool = 
 
 
 def launch(
-    run: Run, root: Path, timeout: float = 120.0, expected: int | None = None
+    run: Run, root: Path, timeout: float = 120.0, expected: int | None = None, linger: float = 10.0
 ) -> tuple[dict[int, Any], list[int | None], float]:
     """Run ``train`` on ``run.world`` ranks forked from the suite's fork server, the store hosted here; each rank's
-    result (or error), the exit codes, and the wall time until ``expected`` ranks reported. Ranks alive after that,
-    or after ``timeout`` s, are killed (exit -9); ``expected`` defaults to every rank."""
+    result (or error), the exit codes, and the wall time until ``expected`` ranks reported (default: every rank).
+    Ranks alive ``linger`` s after that, or after ``timeout`` s, are killed (exit -9)."""
     expected = run.world if expected is None else expected
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
@@ -385,7 +423,7 @@ def launch(
             time.sleep(0.05)
     elapsed = time.monotonic() - start
     for p in procs:
-        p.join(max(0.0, min(deadline - time.monotonic(), 10.0)))
+        p.join(max(0.0, min(deadline - time.monotonic(), linger)))
     for p in procs:
         if p.is_alive():
             p.kill()

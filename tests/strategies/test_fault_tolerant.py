@@ -334,6 +334,26 @@ def test_fault_tolerance_options_are_checked() -> None:
     assert math.isclose(Survivors(FaultTolerance()).grad_scale, 1.0)
 
 
+@pytest.mark.timeout(300)
+def test_a_rank_lost_while_a_replacement_is_being_admitted_is_survived_and_the_admission_waits(
+    tmp_path: Path,
+) -> None:
+    """Rank 1 killed at step 3 and its replacement started; at the next epoch start rank 2 waits for the join
+    request, then is killed, while rank 0 waits in the collective that shares the requests. Rank 0 notices the loss
+    there, recovers, leaves the admission for when every lost rank has a replacement, and ends alone on the
+    uninterrupted run's parameters."""
+    long = Run(steps=40, pace_s=0.15)
+    reference, codes, _ = launch(long, tmp_path / "reference")
+    assert codes == [0] * WORLD, reference
+    run = Run(steps=40, pace_s=0.15, victim=1, fail_at=3, replace=True, dies_admitting=("request", 2))
+    outcomes, codes, _ = launch(run, tmp_path / "lost", expected=1, linger=1.0)
+    assert codes[:WORLD] == [0, -9, -9], outcomes
+    survivor = _result(outcomes, 0)
+    assert [(lost, members) for _, lost, members in survivor["recoveries"]] == [([1], [0, 2]), ([2], [0])]
+    assert survivor["joins"] == [] and survivor["global_step"] == 40
+    assert (_params(outcomes, 0) - _params(reference, 0)).abs().max().item() <= TOLERANCE
+
+
 ACCUMULATING = """
 import lightning as L
 from torch.utils.data import DataLoader

@@ -277,6 +277,27 @@ def test_a_replacement_takes_its_replicas_state_and_the_run_ends_on_the_uninterr
         assert ft.result(outcomes, rank)["global_step"] == 40
 
 
+@pytest.mark.timeout(300)
+def test_a_rank_lost_while_a_replacement_is_being_admitted_is_survived_and_the_admission_waits(
+    tmp_path: Path,
+) -> None:
+    """Rank 1 killed at step 3 and its replacement started; rank 2 killed as the survivors make the admission's
+    local SGD record (rank 0 waits in its gather). Rank 0 recovers, rebuilds logical rank 2 from the state it kept,
+    leaves the admission for when every lost rank has a replacement, and ends alone on the uninterrupted run's
+    parameters."""
+    long = ft.Run(steps=40, pace_s=0.15, sync_every=SYNC_EVERY)
+    reference = ft.uninterrupted_params(long, tmp_path / "reference")
+    run = ft.Run(
+        steps=40, pace_s=0.15, sync_every=SYNC_EVERY, victim=1, fail_at=3, replace=True, dies_admitting=("on_admit", 2)
+    )
+    outcomes, codes, _ = ft.launch(run, tmp_path / "lost", expected=1, linger=1.0)
+    assert codes[: ft.WORLD] == [0, -9, -9], outcomes
+    survivor = ft.result(outcomes, 0)
+    assert [(lost, members) for _, lost, members in survivor["recoveries"]] == [([1], [0, 2]), ([2], [0])]
+    assert survivor["joins"] == [] and survivor["global_step"] == 40
+    assert (ft.final_params(outcomes, 0) - reference).abs().max().item() <= TOLERANCE
+
+
 @pytest.fixture(scope="module")
 def uninterrupted_of_four(tmp_path_factory: pytest.TempPathFactory) -> torch.Tensor:
     return ft.uninterrupted_params(ft.Run(sync_every=SYNC_EVERY, world=4), tmp_path_factory.mktemp("four"))
