@@ -10,6 +10,8 @@ disturbed) is scored on 2048 held-out samples; the time spent evaluating is left
     powersgd        RingAllReduceStrategy(reducer=PowerSGD("ring", rank=4)), gradients compressed every step
     local_sgd_H     LocalSGDStrategy(sync_every=H): plain averaging every H steps
     diloco_H        LocalSGDStrategy(sync_every=H, outer_optimizer=diloco_outer_optimizer())
+    NAME_ft         a local SGD or DiLoCo variant with ``fault_tolerant=True`` (opt-in: what the hand-over of Adam's
+                    state at every synchronisation costs)
 
 For each layout (nodes over one link, one process a node) every variant trains once, ``ddp`` for ``--ddp-steps``
 steps and the others for ``--steps``. The table gives ddp's final validation loss (the target), each variant's wall
@@ -49,9 +51,10 @@ def make_strategy(variant: str) -> Any:
         return "ddp"
     if variant == "powersgd":
         return RingAllReduceStrategy(two_level=False, reducer=PowerSGD("ring", rank=4))
-    kind, _, every = variant.rpartition("_")
+    tolerant = variant.endswith("_ft")
+    kind, _, every = variant.removesuffix("_ft").rpartition("_")
     outer = diloco_outer_optimizer() if kind == "diloco" else None
-    return LocalSGDStrategy(sync_every=int(every), outer_optimizer=outer)
+    return LocalSGDStrategy(sync_every=int(every), outer_optimizer=outer, fault_tolerant=tolerant)
 
 
 def make_task(width: int, samples: int) -> tuple[Any, Any, Any, Any]:

@@ -101,6 +101,19 @@ def test_cluster_benchmark_builds_every_variant_without_a_cluster() -> None:
     assert "--links" in _run("bench_cluster.py", "--help")
 
 
+def test_local_sgd_benchmark_variants_turn_fault_tolerance_on_by_suffix() -> None:
+    sys.path.insert(0, str(BENCHMARKS))
+    import bench_local_sgd
+
+    from lightning_dp_strategies import LocalSGDStrategy
+
+    plain, tolerant = bench_local_sgd.make_strategy("local_sgd_8"), bench_local_sgd.make_strategy("diloco_16_ft")
+    assert isinstance(plain, LocalSGDStrategy) and isinstance(tolerant, LocalSGDStrategy)
+    assert plain.survival is None and tolerant.survival is not None
+    assert plain.local_config.sync_every == 8 and tolerant.local_config.sync_every == 16
+    assert tolerant.local_config.outer_optimizer is not None and plain.local_config.outer_optimizer is None
+
+
 def test_zero_benchmark_builds_its_variants_and_tables_without_launching() -> None:
     """The ZeRO benchmark launches torchrun (and netsim) for minutes, so only its variants and its tables over a
     made-up cell are checked here."""
