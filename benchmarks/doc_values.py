@@ -15,9 +15,11 @@ writing its marker.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
+import statistics
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -313,6 +315,31 @@ LOCAL_SGD: dict[str, Value] = {
 }
 
 
+# ---- local_sgd_ft.json: bench_local_sgd.py, local SGD with and without fault_tolerant=True (Adam)
+
+
+def _share(data: Result, variant: str) -> str:
+    ratio = _variants(data, 2)[variant]["ratio_to_ddp"]
+    return "not reached" if ratio is None else f"{ratio:.2f}"
+
+
+def _period_s(data: Result, variant: str) -> float:
+    """The median wall time of one period of 8 steps after the first (evaluated every 8 steps, at the
+    synchronisations; the evaluations' own time left out)."""
+    cell = next(c for c in data["cells"] if c["nodes"] == 2)
+    seconds = [p["seconds"] for p in cell["curves"][variant][1:]]
+    return float(statistics.median(b - a for a, b in itertools.pairwise(seconds)))
+
+
+LOCAL_SGD_FT: dict[str, Value] = {
+    "period": lambda d: f"{_period_s(d, 'local_sgd_8_ft'):.1f} s",
+    "plain_period": lambda d: f"{_period_s(d, 'local_sgd_8'):.1f} s",
+    "per_sync": lambda d: f"{_period_s(d, 'local_sgd_8_ft') - _period_s(d, 'local_sgd_8'):.1f} s",
+    "share": lambda d: _share(d, "local_sgd_8_ft"),
+    "plain_share": lambda d: _share(d, "local_sgd_8"),
+}
+
+
 # ---- planning.json: bench_planning.py, the step planned from a nominal link against the simulated cluster
 
 PLANNING_ORDER = (("1gbit", 1), ("10gbit", 1), ("1gbit", 2), ("10gbit", 2))
@@ -543,6 +570,7 @@ VALUES: dict[str, dict[str, Value]] = {
     "cluster": CLUSTER,
     "zero": ZERO,
     "local_sgd": LOCAL_SGD,
+    "local_sgd_ft": LOCAL_SGD_FT,
     "planning": PLANNING,
     "restart": RESTART,
     "restart_outage": RESTART_OUTAGE,

@@ -61,6 +61,9 @@ COMMANDS = {
     "scatter_gather": "python benchmarks/bench_scatter_gather.py",
     "cluster": "python benchmarks/bench_cluster.py",
     "local_sgd": "python benchmarks/bench_local_sgd.py",
+    "local_sgd_ft": (
+        "python benchmarks/bench_local_sgd.py --layouts 2 --variants ddp local_sgd_8 local_sgd_8_ft --steps 160"
+    ),
     "network_guide": "python benchmarks/cluster_model.py --guide",
     "zero": "python benchmarks/bench_zero.py",
     "lm": "python benchmarks/bench_lm.py --links 200mbit 1gbit --nodes 2 4",
