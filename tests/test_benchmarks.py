@@ -79,8 +79,9 @@ def test_schedule_benchmark_prints_step_bubble_and_activations_per_schedule() ->
     assert re.search(r"^\s+zbv\s+2\s+\d+\.\d\d\s+\S+\s+\[3, 4\]$", out, re.M), out  # M, MiB, / 1f1b, model
     # (c): the stage's compute per M against M=1 (exactly 1.00 there) and its ceiling; one row per weight count
     # and the same pieces in 1F1B's order, and with one weight-gradient pass, each over GPipe's order
-    assert re.search(r"^\s+1\s+\d+\.\d\s+1\.00\s+1\.00\s+\d\.\d\d\s+\d\.\d\d$", out, re.M), out
-    assert re.search(r"^\s+2\s+\d+\.\d\s+\d+\.\d\d\s+\d+\.\d\d\s+\d\.\d\d\s+\d\.\d\d$", out, re.M), out
+    # (the last two are timing ratios of sub-millisecond work: a hiccup of the machine can make them 10 or more)
+    assert re.search(r"^\s+1\s+\d+\.\d\s+1\.00\s+1\.00\s+\d+\.\d\d\s+\d+\.\d\d$", out, re.M), out
+    assert re.search(r"^\s+2\s+\d+\.\d\s+\d+\.\d\d\s+\d+\.\d\d\s+\d+\.\d\d\s+\d+\.\d\d$", out, re.M), out
     assert len(re.findall(r"^  weights cycled through:\s+(1|4|8) \(.*\): \d+\.\d\d$", out, re.M)) == 3, out
 
 
