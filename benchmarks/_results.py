@@ -23,8 +23,17 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def cpu_model() -> str:
+    """The CPU's model name as ``/proc/cpuinfo`` gives it (``"unknown"`` where it gives none)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return "unknown"
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "unknown")
+
+
 def machine() -> dict[str, Any]:
-    """The machine and software a measurement ran on."""
+    """The machine and software a measurement ran on, the processor's model included (a result can depend on it)."""
     import torch
 
     try:
@@ -39,6 +48,7 @@ def machine() -> dict[str, Any]:
         "platform": platform.platform(),
         "machine": platform.machine(),
         "processor": platform.processor() or None,
+        "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "cores_usable": affinity,
         "load_average_at_start": load,

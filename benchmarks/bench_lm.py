@@ -578,7 +578,6 @@ def save(
 
     settings: dict[str, Any] = {k: getattr(args, k) for k in ("links", "nodes", "variants", *TRAINING)}
     report = Report("lm", settings, started)
-    report.data["machine"]["cpu"] = cpu_model()
     report.data["machine"]["lightning"] = lightning.__version__
     if args.add_to is not None:
         stored = json.loads(args.add_to.read_text())
@@ -825,15 +824,6 @@ def local_notes(cells: list[dict[str, Any]]) -> list[str]:
                 f"{seconds:.0f} s ({100 * waited / seconds:.0f}%)" + more
             )
     return lines
-
-
-def cpu_model() -> str:
-    """The CPU's model name as ``/proc/cpuinfo`` gives it."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return "unknown"
-    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "unknown")
 
 
 if __name__ == "__main__":

@@ -183,7 +183,6 @@ def main() -> None:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from _launch import parse_or_work
     from _results import Report, machine
-    from bench_lm import cpu_model
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3])
@@ -209,7 +208,6 @@ def main() -> None:
     seeds = summarize(runs, args.target_step)
     settings = {k: v for k, v in vars(args).items() if k not in ("worker", "out", "seed", "dry_run")}
     report = Report("lm_steps", settings, started)
-    report.data["machine"]["cpu"] = cpu_model()  # a trajectory can depend on the CPU's kernels
     chosen = {v: r["local_sgd"] for v, r in runs[args.seeds[0]].items() if r["local_sgd"] is not None}
     report.table(
         f"Optimizer steps to ddp's held-out loss after {args.target_step} steps (2 processes, loopback)",

@@ -418,3 +418,14 @@ def test_a_report_made_after_the_runs_states_the_load_average_taken_before_them(
     monkeypatch.setattr(os, "getloadavg", lambda: (3.5, 0.0, 0.0))  # the benchmark's own processes, at the end
     assert _results.Report("demo", {}, started).data["machine"]["load_average_at_start"] == 0.5
     assert _results.Report("demo", {}).data["machine"]["load_average_at_start"] == 3.5
+
+
+def test_every_report_names_the_processor(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    sys.path.insert(0, str(BENCHMARKS))
+    import _results
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nvendor_id\t: Made Up\nmodel name\t: Made Up CPU 9000\n")
+    real = _results.Path
+    monkeypatch.setattr(_results, "Path", lambda p: real(cpuinfo) if p == "/proc/cpuinfo" else real(p))
+    assert _results.Report("demo", {}).data["machine"]["cpu"] == "Made Up CPU 9000"
