@@ -24,23 +24,17 @@ def gather_to_zero(obj: object, group: dist.ProcessGroup | None = None, dst: int
 
 
 def local_checkpoint_record(
-    local: LocalSGD,
-    module: nn.Module,
-    optimizer_states: list[dict[str, Any]],
-    replicas: Mapping[int, dict[str, Any]] | None = None,
-    group: dist.ProcessGroup | None = None,
-    dst: int = 0,
+    local: LocalSGD, module: nn.Module, optimizer_states: list[dict[str, Any]]
 ) -> dict[str, Any] | None:
-    """The checkpoint's ``"local_sgd"`` entry on global rank ``dst`` (``None`` on the others); collective over
-    ``group`` (default: the world), every rank of it calls it.
+    """The checkpoint's ``"local_sgd"`` entry on rank 0 (``None`` on the others); collective over the world, every
+    rank calls it.
 
     It holds :meth:`LocalSGD.state_dict` and, per rank of the world, ``{"module": its module state (``None`` when the
-    ranks are in sync), "optimizer": its inner optimizer states}``; ``replicas`` adds the records of lost ranks this
-    rank trains replicas of (fault-tolerant local SGD), and a rank nobody holds is ``None``.
+    ranks are in sync), "optimizer": its inner optimizer states}`` (:func:`rank_record`).
     """
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    gathered = gather_to_zero({rank: rank_record(local, module, optimizer_states), **(replicas or {})}, group, dst)
+    gathered = gather_to_zero({rank: rank_record(local, module, optimizer_states)})
     return None if gathered is None else merged_record(local, gathered, world)
 
 

@@ -125,8 +125,9 @@ class Replicas:
         self.shadows[logical_rank] = Replica(values, buffers, _clone(state), [None] * len(values))
 
     def give(self, logical_rank: int) -> dict[str, Any]:
-        """The replica of ``logical_rank`` taken out, as :meth:`take` installs it on another rank."""
-        replica = self.shadows.pop(logical_rank)
+        """The replica of ``logical_rank``, as :meth:`take` installs it on another rank (it stays here until its
+        ``shadows`` entry is dropped)."""
+        replica = self.shadows[logical_rank]
         return {"params": replica.params, "buffers": replica.buffers, "state": replica.state}
 
     def take(self, logical_rank: int, given: Mapping[str, Any]) -> None:

@@ -251,7 +251,7 @@ class LocalSurvival(SurvivalHooks):
         kept, moved = self._take_over(handed, needed)
         handed = {**handed, **kept}
         for logical in needed:
-            if logical in moved:  # trained by another survivor until now: it is where this rank's replicas are
+            if logical in moved:  # another survivor trained it until now: its replica, moved whole, is not replayed
                 replicas.take(logical, moved[logical])
                 continue
             replicas.adopt(logical, handed[logical], self.local.anchor)
@@ -282,8 +282,7 @@ class LocalSurvival(SurvivalHooks):
             raise RuntimeError(
                 f"Logical rank(s) {missing} cannot be rebuilt: the rank that trained it and the next {copies} "
                 "member(s) in rank order, which kept its inner optimizer state at the last synchronisation, were all "
-                "lost. "
-                "Resume from the last checkpoint; to survive more ranks lost at once, pass "
+                "lost. Resume from the last checkpoint; to survive more ranks lost at once, pass "
                 f"`fault_tolerant=FaultTolerance(state_copies={copies + 1})` (or `keep_global_batch=False`)."
             )
         outgoing: dict[int, dict[str, dict[int, Any]]] = {}
@@ -293,6 +292,8 @@ class LocalSurvival(SurvivalHooks):
             outgoing.setdefault(dst, {"kept": {}, "moved": {}})["moved"].update({r: replicas.give(r) for r in logicals})
         sources = sorted({src for plan in (moves, sends) for src, targets in plan.items() if self.rank in targets})
         received = exchange(outgoing, sources, survivors.group, survivors.interrupted)
+        for logical in (r for targets in moves.get(self.rank, {}).values() for r in targets):
+            del replicas.shadows[logical]  # sent: its new taker trains it from now on
         kept = {r: state for part in received.values() for r, state in part["kept"].items()}
         return kept, {r: replica for part in received.values() for r, replica in part["moved"].items()}
 

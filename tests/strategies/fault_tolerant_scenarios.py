@@ -462,7 +462,7 @@ def assert_survived(
     assert codes == [-9 if r in lost else 0 for r in range(world)], outcomes
     for rank in survivors:
         recoveries = result(outcomes, rank)["recoveries"]
-        assert [(lost, members) for _, lost, members in recoveries] == [(lost, survivors)], recoveries
+        assert [(gone, members) for _, gone, members in recoveries] == [(lost, survivors)], recoveries
         assert (final_params(outcomes, rank) - reference).abs().max().item() <= tolerance
     return survivors
 
