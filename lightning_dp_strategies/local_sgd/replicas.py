@@ -3,17 +3,19 @@
 Between synchronisations each rank's parameters and inner optimizer state are its own, so a lost rank's share of a
 period cannot be averaged from what the survivors hold. At every synchronisation each rank therefore hands the inner
 optimizer state of every logical rank it trains to the next member in rank order
-(:func:`~lightning_dp_strategies.core.handover.handover_plan`). When ranks are lost, the members that kept their states
-send them to the lost ranks' takers (:func:`~lightning_dp_strategies.core.handover.takeover_plan`), and each
-taker rebuilds the lost replica from that state and the anchor (the parameters every rank held at the
-synchronisation), replays the lost rank's micro-batches since, and from then on steps it beside its own replica: a
-:class:`Replicas` swaps a replica's parameters, gradients, buffers and optimizer state into the module and the
-optimizer for its step and back out after it.
+(:func:`~lightning_dp_strategies.core.handover.handover_plan`; :func:`start_exchange` sends it while training goes
+on). When ranks are lost, the members that kept their states send them to the lost ranks' takers
+(:func:`~lightning_dp_strategies.core.handover.takeover_plan`), and each taker rebuilds the lost replica from that
+state and the anchor it belongs to (the parameters every rank held at that synchronisation), replays the lost rank's
+micro-batches since, and from then on steps it beside its own replica: a :class:`Replicas` swaps a replica's
+parameters, gradients, buffers and optimizer state into the module and the optimizer for its step and back out after
+it.
 """
 
 from __future__ import annotations
 
 import io
+import math
 from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -26,19 +28,118 @@ from torch.optim import Optimizer
 
 from lightning_dp_strategies.comm.failures import wait_work
 
-__all__ = ["InnerStates", "Replica", "Replicas", "exchange"]
+__all__ = ["InnerStates", "Pending", "Replica", "Replicas", "exchange", "start_exchange"]
 
 InnerStates = dict[int, dict[int, dict[str, Any]]]
 """Logical rank -> its inner optimizer state (``optimizer.state`` entries by parameter index)."""
 
 
-def _to_bytes(obj: object) -> Tensor:
+_TENSOR = "lightning_dp_strategies/tensor"
+
+
+def _packed(obj: object) -> list[Tensor]:
+    """``obj`` as byte tensors to be sent one after another: its tensors' bytes (views, not copies), then its outline
+    (``obj`` with each tensor replaced by its place, saved by ``torch.save``), then the outline's length (8 bytes).
+    A state's bytes are copied once, into the message, and no pickling runs over them."""
+    parts: list[Tensor] = []
+    offset = 0
+
+    def outline(value: Any) -> Any:
+        nonlocal offset
+        if isinstance(value, Tensor):
+            flat = value.detach().reshape(-1)
+            place = {_TENSOR: (offset, str(value.dtype).removeprefix("torch."), list(value.shape))}
+            parts.append(flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat)
+            offset += flat.numel() * flat.element_size()
+            return place
+        if isinstance(value, Mapping):
+            return {k: outline(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return type(value)(outline(v) for v in value)
+        return value
+
     buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+    torch.save(outline(obj), buffer)
+    head = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+    return [*parts, head, torch.tensor([head.numel()], dtype=torch.int64).view(torch.uint8)]
+
+
+def _unpacked(message: Tensor) -> Any:
+    """What :func:`_packed` packed, its tensors copied out of ``message``."""
+    size = int(message[-8:].clone().view(torch.int64).item())
+    outline = torch.load(io.BytesIO(message[-8 - size : -8].numpy().tobytes()), weights_only=True)
+
+    def build(value: Any) -> Any:
+        if isinstance(value, dict) and _TENSOR in value:
+            offset, dtype_name, shape = value[_TENSOR]
+            dtype = getattr(torch, dtype_name)
+            nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+            return message[offset : offset + nbytes].clone().view(dtype).reshape(shape)
+        if isinstance(value, dict):
+            return {k: build(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return type(value)(build(v) for v in value)
+        return value
+
+    return build(outline)
 
 
 HANDOVER = "A hand-over of inner optimizer states"
+
+
+class Pending:
+    """An :func:`start_exchange`'s bytes in flight: :meth:`wait` for the objects received, :meth:`arrived` to ask
+    without waiting."""
+
+    def __init__(
+        self, work: dist.Work, received: Tensor, splits: list[int], members: list[int], sources: Sequence[int]
+    ) -> None:
+        self.work, self.received, self.splits, self.members, self.sources = work, received, splits, members, sources
+
+    def arrived(self) -> bool:
+        """Whether the bytes arrived complete (never waits; ``False`` while in flight or where the exchange failed)."""
+        if not self.work.is_completed():
+            return False
+        try:
+            self.work.wait()
+        except RuntimeError:
+            return False
+        return True
+
+    def wait(self, interrupt: Callable[[], str | None] | None = None) -> dict[int, Any]:
+        """Wait for the bytes (polling ``interrupt``); the object received from each source.
+
+        Raises:
+            PeerLostError: if ``interrupt`` gave the exchange up.
+            RuntimeError: what the backend raises when a peer is lost (a failed connection or the group's timeout).
+        """
+        wait_work(self.work, interrupt, HANDOVER)
+        chunks = dict(zip(self.members, torch.split(self.received, self.splits), strict=True))
+        return {src: _unpacked(chunks[src]) for src in self.sources}
+
+
+def start_exchange(
+    outgoing: Mapping[int, object],
+    sources: Sequence[int],
+    group: dist.ProcessGroup,
+    interrupt: Callable[[], str | None] | None = None,
+) -> Pending:
+    """Start sending each ``outgoing[dst]`` to global rank ``dst`` of ``group`` and receiving one object from each of
+    ``sources``: two all-to-all collectives over ``group``, every rank of the group taking part. The sizes are
+    exchanged before this returns (``interrupt`` polled, as in :meth:`Pending.wait`); the bytes travel on the group's
+    threads until :meth:`Pending.wait`."""
+    members = dist.get_process_group_ranks(group)
+    payloads = {dst: _packed(obj) for dst, obj in outgoing.items()}
+    sizes = [sum(part.numel() for part in payloads.get(m, [])) for m in members]
+    send_sizes = torch.tensor(sizes, dtype=torch.int64)
+    recv_sizes = torch.empty_like(send_sizes)
+    sent = torch.cat([part for m in members for part in payloads.get(m, [])] or [torch.empty(0, dtype=torch.uint8)])
+    wait_work(dist.all_to_all_single(recv_sizes, send_sizes, group=group, async_op=True), interrupt, HANDOVER)
+    received = torch.empty(int(recv_sizes.sum()), dtype=torch.uint8)
+    splits_in, splits_out = send_sizes.tolist(), recv_sizes.tolist()
+    work = dist.all_to_all_single(received, sent, splits_out, splits_in, group=group, async_op=True)
+    assert work is not None
+    return Pending(work, received, splits_out, members, sources)
 
 
 def exchange(
@@ -47,27 +148,13 @@ def exchange(
     group: dist.ProcessGroup,
     interrupt: Callable[[], str | None] | None = None,
 ) -> dict[int, Any]:
-    """Send each ``outgoing[dst]`` to global rank ``dst`` of ``group`` and receive one object from each of
-    ``sources``: two all-to-all collectives over ``group`` (the sizes, then the bytes), every rank of the group
-    taking part. ``interrupt`` is polled while waiting: what it returns instead of ``None`` gives the exchange up.
+    """:func:`start_exchange`, then wait for what it receives.
 
     Raises:
         PeerLostError: if ``interrupt`` gave the exchange up.
         RuntimeError: what the backend raises when a peer is lost (a failed connection or the group's timeout).
     """
-    members = dist.get_process_group_ranks(group)
-    payloads = {dst: _to_bytes(obj) for dst, obj in outgoing.items()}
-    empty = torch.empty(0, dtype=torch.uint8)
-    send_sizes = torch.tensor([payloads[m].numel() if m in payloads else 0 for m in members], dtype=torch.int64)
-    recv_sizes = torch.empty_like(send_sizes)
-    wait_work(dist.all_to_all_single(recv_sizes, send_sizes, group=group, async_op=True), interrupt, HANDOVER)
-    sent = torch.cat([payloads.get(m, empty) for m in members])
-    received = torch.empty(int(recv_sizes.sum()), dtype=torch.uint8)
-    splits_in, splits_out = send_sizes.tolist(), recv_sizes.tolist()
-    work = dist.all_to_all_single(received, sent, splits_out, splits_in, group=group, async_op=True)
-    wait_work(work, interrupt, HANDOVER)
-    chunks = dict(zip(members, torch.split(received, splits_out), strict=True))
-    return {src: torch.load(io.BytesIO(chunks[src].numpy().tobytes()), weights_only=True) for src in sources}
+    return start_exchange(outgoing, sources, group, interrupt).wait(interrupt)
 
 
 @dataclass
@@ -82,12 +169,11 @@ class Replica:
 
 
 class Replicas:
-    """The replicas of lost logical ranks this rank trains beside its own, and the inner states handed to it.
+    """The replicas of lost logical ranks this rank trains beside its own.
 
     ``params`` and ``buffers`` are the module's trainable parameters and averaged buffers (local SGD's), ``optimizer``
-    the inner optimizer over them. Runtime state: ``shadows`` (logical rank -> :class:`Replica`), ``handed`` (the
-    inner states handed to this rank at the last synchronisation every rank completed, logical rank -> state) and
-    ``buffers_at_sync`` (the buffers' values then).
+    the inner optimizer over them. Runtime state: ``shadows`` (logical rank -> :class:`Replica`) and
+    ``buffers_at_sync`` (the buffers' values at the last synchronisation).
 
     Examples:
         >>> model = nn.Linear(2, 1)
@@ -106,22 +192,25 @@ class Replicas:
         self.buffers = buffers
         self.optimizer = optimizer
         self.shadows: dict[int, Replica] = {}
-        self.handed: InnerStates = {}
         self.buffers_at_sync: list[Tensor] = [b.detach().clone() for b in buffers]
 
-    def own_state(self) -> dict[int, dict[str, Any]]:
-        """This rank's inner optimizer state, copied, by parameter index."""
-        return {i: _clone(self.optimizer.state[p]) for i, p in enumerate(self.params) if p in self.optimizer.state}
-
     def states(self, own_rank: int) -> InnerStates:
-        """The inner states of every logical rank trained here: this rank's own and each replica's (copies)."""
-        return {own_rank: self.own_state(), **{r: _clone(s.state) for r, s in self.shadows.items()}}
+        """The inner states of every logical rank trained here: this rank's own and each replica's (the tensors
+        themselves, not copies: an inner step changes them)."""
+        own = {i: self.optimizer.state[p] for i, p in enumerate(self.params) if p in self.optimizer.state}
+        return {own_rank: own, **{r: s.state for r, s in self.shadows.items()}}
 
-    def adopt(self, logical_rank: int, state: dict[int, dict[str, Any]], params: Sequence[Tensor]) -> None:
-        """Start a replica of ``logical_rank`` from an inner ``state`` and parameter values ``params`` (the anchor),
-        with the buffers of the last synchronisation."""
+    def adopt(
+        self,
+        logical_rank: int,
+        state: dict[int, dict[str, Any]],
+        params: Sequence[Tensor],
+        buffers: Sequence[Tensor] | None = None,
+    ) -> None:
+        """Start a replica of ``logical_rank`` from an inner ``state`` and parameter values ``params`` (an anchor),
+        with ``buffers`` (default: those of the last synchronisation)."""
         values = [v.detach().to(p.dtype, copy=True) for v, p in zip(params, self.params, strict=True)]
-        buffers = [b.clone() for b in self.buffers_at_sync]
+        buffers = [b.clone() for b in (self.buffers_at_sync if buffers is None else buffers)]
         self.shadows[logical_rank] = Replica(values, buffers, _clone(state), [None] * len(values))
 
     def give(self, logical_rank: int) -> dict[str, Any]:

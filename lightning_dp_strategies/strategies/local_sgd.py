@@ -148,6 +148,8 @@ class LocalSGDStrategy(LocalSGDInterface, SurvivingDataParallel):
     @override
     def on_train_end(self) -> None:
         self.synchronize()
+        if self.local_survival is not None:
+            self.local_survival.close()
         super().on_train_end()
 
     # ------------------------------------------------------------------ checkpoints

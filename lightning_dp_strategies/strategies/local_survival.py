@@ -5,18 +5,20 @@ beside its :class:`~lightning_dp_strategies.strategies.survival.TrainerSurvival`
 moves Lightning's collectives onto them and notices a lost rank). Inner steps send nothing, so a lost rank is met at
 the next synchronisation, which runs as one transaction::
 
-    hand over     each rank's inner optimizer states go to the next member in rank order, which keeps them
+    wait          for the inner optimizer states handed over at the last synchronisation (they travel meanwhile)
     average       the changes (this rank's, plus its replicas'), times members / world size
-    commit        every member says in the store that it has the average; only then the outer step
+    commit        every member says in the store that it has the average; only then the outer step, and each rank
+                  starts sending its inner states to the next member in rank order, which keeps them
 
-A peer failure before the commit: the survivors agree, re-form their groups and compare whether any of them got the
-average. If one did, it was complete (every rank had handed over and sent its change): it goes to the others, and the
-lost ranks' takers start their replicas from the states handed over in this attempt. If none did, the takers start
-the replicas from the states handed over at the last synchronisation, replay the lost ranks' micro-batches since
-(rebuilt from their samplers) and the synchronisation is redone. Either way a lost rank's state first goes from the
-member that kept it to its taker; where that member was lost too, the run stops with an error naming it. So the run
-goes on on the uninterrupted run's parameters (``keep_global_batch``); without it nothing is handed over and the
-survivors average alone.
+(:class:`~lightning_dp_strategies.strategies.local_handover.HandOvers`). A peer failure before the commit: the
+survivors agree, re-form their groups and compare whether any of them got the average. If one did, it was complete
+(every rank had sent its change): it goes to the others. If none did, the synchronisation is redone. Either way the
+lost ranks' takers first rebuild their replicas: each from the last inner state every survivor received, which the
+member that kept it sends, and the anchor of then, replaying the lost rank's micro-batches since (rebuilt from their
+samplers) at the optimizer settings (learning rate, ...) each step had; where that member was lost too, the run stops
+with an error naming it. The states are then handed over at once among the survivors. So the run goes on on the
+uninterrupted run's parameters (``keep_global_batch``); without it nothing is handed over and the survivors average
+alone.
 
 A replica's step swaps its parameters, gradients, buffers and optimizer state into the module and the optimizer
 (:class:`~lightning_dp_strategies.local_sgd.replicas.Replicas`) and runs ``training_step`` on the lost rank's
@@ -42,13 +44,13 @@ from torch import Tensor
 
 from lightning_dp_strategies.comm.failures import PeerLostError
 from lightning_dp_strategies.core.fault_tolerance import PREFIX
-from lightning_dp_strategies.core.handover import handover_plan, takeover_plan
 from lightning_dp_strategies.core.membership import is_peer_failure, logical_shares
 from lightning_dp_strategies.local_sgd import LocalSGD
 from lightning_dp_strategies.local_sgd.averaging import averageable, outer_reducer
 from lightning_dp_strategies.local_sgd.checkpoint import merged_record, rank_record
-from lightning_dp_strategies.local_sgd.replicas import InnerStates, Replicas, exchange
+from lightning_dp_strategies.local_sgd.replicas import Replicas
 from lightning_dp_strategies.strategies.control import Interrupt, all_reduce, barrier, copied, gather_object
+from lightning_dp_strategies.strategies.local_handover import HandOvers, Period, Step
 from lightning_dp_strategies.strategies.survival import SurvivingStrategy, TrainerSurvival
 from lightning_dp_strategies.strategies.survival_hooks import SurvivalHooks
 
@@ -87,6 +89,33 @@ def _silenced(module: pl.LightningModule) -> Generator[None, None, None]:
         del module.log, module.log_dict
 
 
+@contextmanager
+def _settings(optimizer: torch.optim.Optimizer, settings: list[dict[str, Any]]) -> Generator[None, None, None]:
+    """The optimizer's parameter groups take ``settings`` inside (what they held is put back after)."""
+    held = [{k: group[k] for k in setting} for group, setting in zip(optimizer.param_groups, settings, strict=True)]
+    for group, setting in zip(optimizer.param_groups, settings, strict=True):
+        group.update(setting)
+    try:
+        yield
+    finally:
+        for group, setting in zip(optimizer.param_groups, held, strict=True):
+            group.update(setting)
+
+
+@contextmanager
+def _trainable(module: pl.LightningModule) -> Generator[None, None, None]:
+    """Inside: autograd on and ``module`` in training mode, as at a training step, also where a replay runs in
+    validation (under ``torch.inference_mode``, the module in eval mode); each submodule's mode is put back after."""
+    modes = [(m, m.training) for m in module.modules()]
+    module.train()
+    try:
+        with torch.inference_mode(False), torch.enable_grad():
+            yield
+    finally:
+        for submodule, training in modes:
+            submodule.training = training
+
+
 class LocalSurvival(SurvivalHooks):
     """Fault-tolerant local SGD under the Trainer (see the module docstring)."""
 
@@ -95,9 +124,13 @@ class LocalSurvival(SurvivalHooks):
         self.trains_lost_batches = False  # a lost rank's batches go to its replica, not into this rank's step
         self.survival = survival
         self.replicas: Replicas | None = None
-        """The lost ranks' replicas this rank trains, and the inner states handed to it (``keep_global_batch``)."""
-        self.positions: list[tuple[int, int]] = []
-        """``(sampler epoch, batch_idx)`` of each inner step since the last synchronisation: what a replay trains."""
+        """The lost ranks' replicas this rank trains (``keep_global_batch``)."""
+        self.handovers: HandOvers | None = None
+        """The inner states handed to this rank and what a replay from them trains (``keep_global_batch``)."""
+        self.positions: list[Step] = []
+        """Each inner step since the last synchronisation: what a replay trains."""
+        self.replayed: list[int] = []
+        """How many periods each replica started in a recovery replayed (the current one included)."""
         survival.hooks = self
 
     @property
@@ -120,7 +153,8 @@ class LocalSurvival(SurvivalHooks):
         if self.survival.survivors.options.keep_global_batch:
             optimizer = self.strategy.optimizers[0]
             self.replicas = Replicas(local.params, local.buffers, optimizer)
-            self.replicas.handed = self._hand_over()
+            self.handovers = HandOvers(self.survival.survivors, self.replicas, self.rank)
+            self.handovers.hand_over()
 
     # ------------------------------------------------------------------ each inner step
     def after_own_step(self) -> None:
@@ -129,26 +163,28 @@ class LocalSurvival(SurvivalHooks):
         survivors = self.survival.survivors
         if module is None or self.local.averages_gradients or survivors.batches is None:
             return
-        position = (int(survivors.batches.sampler.epoch), module.trainer.fit_loop.epoch_loop.batch_idx)
-        self.positions.append(position)
+        groups = self.strategy.optimizers[0].param_groups
+        settings = [{k: v for k, v in group.items() if k != "params"} for group in groups]
+        step = Step(int(survivors.batches.sampler.epoch), module.trainer.fit_loop.epoch_loop.batch_idx, settings)
+        self.positions.append(step)
         if self.replicas is not None:
             for logical in sorted(self.replicas.shadows):
-                self._replica_step(logical, *position)
+                self._replica_step(logical, step)
 
-    def _replica_step(self, logical: int, epoch: int, batch_idx: int) -> None:
-        """One inner step of ``logical``'s replica on that rank's micro-batch ``batch_idx`` of sampler epoch
-        ``epoch``, as Lightning's automatic optimization takes it (gradients zeroed, clipped as configured)."""
+    def _replica_step(self, logical: int, step: Step) -> None:
+        """One inner step of ``logical``'s replica on that rank's micro-batch at ``step``, as Lightning's automatic
+        optimization takes it (gradients zeroed, clipped as configured), with the optimizer's settings of ``step``."""
         strategy, replicas, batches = self.strategy, self.replicas, self.survival.survivors.batches
         module = strategy.lightning_module
         assert module is not None and replicas is not None and batches is not None
-        batch = batches.batch(logical, batch_idx, epoch)
+        batch = batches.batch(logical, step.batch_idx, step.epoch)
         if batch is None:
             return
         batch = strategy.batch_to_device(batch)
         trainer, optimizer = module.trainer, replicas.optimizer
-        with replicas.swapped(logical), _silenced(module):
+        with replicas.swapped(logical), _silenced(module), _settings(optimizer, step.settings), _trainable(module):
             optimizer.zero_grad(set_to_none=True)
-            loss = self.survival.lost_loss(batch, batch_idx)
+            loss = self.survival.lost_loss(batch, step.batch_idx)
             with strategy.engine.grad_sync.no_sync():
                 loss.backward()
             if trainer.gradient_clip_val:
@@ -161,12 +197,15 @@ class LocalSurvival(SurvivalHooks):
 
     # ------------------------------------------------------------------ a synchronisation (LocalSGD's survivor)
     def averaged_changes(self, indices: list[int]) -> list[Tensor]:
-        """Hand over, average, commit; after a peer failure, recover and finish or redo (see the module docstring)."""
-        local, survivors = self.local, self.survival.survivors
+        """Wait for the states in flight, average, commit, send this synchronisation's states; after a peer failure,
+        recover and finish or redo (see the module docstring)."""
+        local, survivors, handovers = self.local, self.survival.survivors, self.handovers
+        recovered = False
         for _ in range(survivors.world_size):
-            done, handed = False, None
+            done = False
             try:
-                handed = self._hand_over() if self.replicas is not None else None
+                if handovers is not None:
+                    handovers.finish()
                 with torch.no_grad():
                     changes = self._changes(indices)
                     local.averager.average(changes, len(indices))  # the caller counts the wait (_collective)
@@ -174,29 +213,34 @@ class LocalSurvival(SurvivalHooks):
                         torch._foreach_mul_(changes, survivors.grad_scale)
                 done = True
                 self._commit()
+                if handovers is not None:
+                    anchor = [a.detach().clone() for a in local.anchor]
+                    handovers.commit(Period(anchor, handovers.replicas.buffers_at_sync, self.positions))
+                    if recovered:  # the lost ranks' keepers were lost: the new ones hold their states before going on
+                        handovers.finish()
             except Exception as error:
                 if not is_peer_failure(error):
                     raise
+                recovered = True
                 record = self.survival.recover(error, progress=int(done))
                 if not (record.behind or done):  # nobody has the average: the lost ranks' replicas replay, redo
-                    self._adopt(self.replicas.handed if self.replicas is not None else {}, replay=True)
+                    self._adopt()
                     continue
                 if record.behind:  # the average was complete somewhere: from the lowest rank that has it
                     source = min(r for r in record.members if r not in record.behind)
                     box = [changes if self.rank == source else None]
                     dist.broadcast_object_list(box, source, group=survivors.control_group)
                     changes = box[0]  # type: ignore[assignment]
-                self._adopt(handed or {}, replay=False)
-                handed = self._hand_over() if self.replicas is not None else None
-            if self.replicas is not None and handed is not None:
-                self.replicas.handed = handed
+                self._adopt()
+                if handovers is not None:
+                    handovers.hand_over()
             return changes
         raise RuntimeError(f"Local SGD lost a rank in each of {survivors.world_size} tries of one synchronisation.")
 
     def after_recovery_between_steps(self) -> None:
         """A rank lost between steps: the replicas of the logical ranks this rank took over start from the states
-        handed over at the last synchronisation and replay their micro-batches since."""
-        self._adopt(self.replicas.handed if self.replicas is not None else {}, replay=True)
+        handed over and replay their micro-batches since."""
+        self._adopt()
 
     def on_regroup(self) -> None:
         """Average over the survivors' new group, with a fresh reducer (the old one may still wait on the old group)."""
@@ -214,18 +258,6 @@ class LocalSurvival(SurvivalHooks):
                 total += more
         return changes
 
-    def _hand_over(self) -> InnerStates:
-        """Every logical rank's inner state to the member that keeps it (:func:`handover_plan`); the states handed to
-        this rank (collective over the survivors)."""
-        survivors, replicas = self.survival.survivors, self.replicas
-        assert replicas is not None and survivors.group is not None
-        plan = handover_plan(survivors.members, survivors.world_size, survivors.options.state_copies)
-        states = replicas.states(self.rank)
-        outgoing = {dst: {r: states[r] for r in held} for dst, held in plan.get(self.rank, {}).items()}
-        sources = [src for src, targets in plan.items() if self.rank in targets]
-        received = exchange(outgoing, sources, survivors.group, survivors.interrupted)
-        return {r: state for part in received.values() for r, state in part.items()}
-
     def _commit(self) -> None:
         """Say in the store that this rank has the average; wait until every member has said so (or one is lost)."""
         survivors = self.survival.survivors
@@ -240,62 +272,30 @@ class LocalSurvival(SurvivalHooks):
                 raise PeerLostError(f"a synchronisation could not commit: {reason}")
             time.sleep(0.002)
 
-    def _adopt(self, handed: InnerStates, replay: bool) -> None:
-        """Start the replicas of the logical ranks this rank took over in the last recovery, from ``handed`` and
-        the anchor; with ``replay``, train them on their micro-batches since the last synchronisation."""
-        replicas, survivors = self.replicas, self.survival.survivors
-        if replicas is None:
+    def _adopt(self) -> None:
+        """In a recovery: start the replicas of the logical ranks this rank took over, from the states handed over
+        (:meth:`HandOvers.settle` chose which) and the anchor they belong to, then replay the periods since; or take
+        them whole from the survivors that trained them until now."""
+        replicas, handovers, survivors = self.replicas, self.handovers, self.survival.survivors
+        if replicas is None or handovers is None:
             return
+        handovers.settle()
         mine = logical_shares(survivors.members, survivors.world_size)[self.rank]
         needed = [r for r in mine if r != self.rank and r not in replicas.shadows]
-        kept, moved = self._take_over(handed, needed)
-        handed = {**handed, **kept}
+        kept, moved = handovers.take_over(needed)
+        handed = {**handovers.handed, **kept}
+        periods = [*handovers.periods, Period(self.local.anchor, replicas.buffers_at_sync, self.positions)]
         for logical in needed:
             if logical in moved:  # another survivor trained it until now: its replica, moved whole, is not replayed
                 replicas.take(logical, moved[logical])
                 continue
-            replicas.adopt(logical, handed[logical], self.local.anchor)
-            for position in self.positions if replay else []:
-                self._replica_step(logical, *position)
-
-    def _take_over(self, handed: InnerStates, needed: list[int]) -> tuple[InnerStates, dict[int, Any]]:
-        """What this rank needs to train the ``needed`` logical ranks (those it now trains and did not before): the
-        states kept by other survivors, and the replicas other survivors trained until now, which this rank's
-        replicas of them replace (:func:`takeover_plan`; collective over the survivors: who trains, keeps and needs
-        which, then the states and replicas). A replica this rank gives away is dropped here.
-
-        Raises:
-            RuntimeError: on every survivor, where a logical rank needed was trained and kept by lost ranks only.
-        """
-        survivors, replicas = self.survival.survivors, self.replicas
-        assert survivors.group is not None and replicas is not None
-        others = [m for m in survivors.members if m != self.rank]
-        mine = (sorted(handed), sorted(replicas.shadows), needed)
-        told = {**exchange({m: mine for m in others}, others, survivors.group, survivors.interrupted), self.rank: mine}
-        moves, sends, missing = takeover_plan(
-            {m: t for m, (_, t, _) in told.items()},
-            {m: k for m, (k, _, _) in told.items()},
-            {m: n for m, (_, _, n) in told.items()},
-        )
-        if missing:
-            copies = survivors.options.state_copies
-            raise RuntimeError(
-                f"Logical rank(s) {missing} cannot be rebuilt: the rank that trained it and the next {copies} "
-                "member(s) in rank order, which kept its inner optimizer state at the last synchronisation, were all "
-                "lost. Resume from the last checkpoint; to survive more ranks lost at once, pass "
-                f"`fault_tolerant=FaultTolerance(state_copies={copies + 1})` (or `keep_global_batch=False`)."
-            )
-        outgoing: dict[int, dict[str, dict[int, Any]]] = {}
-        for dst, logicals in sends.get(self.rank, {}).items():
-            outgoing.setdefault(dst, {"kept": {}, "moved": {}})["kept"].update({r: handed[r] for r in logicals})
-        for dst, logicals in moves.get(self.rank, {}).items():
-            outgoing.setdefault(dst, {"kept": {}, "moved": {}})["moved"].update({r: replicas.give(r) for r in logicals})
-        sources = sorted({src for plan in (moves, sends) for src, targets in plan.items() if self.rank in targets})
-        received = exchange(outgoing, sources, survivors.group, survivors.interrupted)
-        for logical in (r for targets in moves.get(self.rank, {}).values() for r in targets):
-            del replicas.shadows[logical]  # sent: its new taker trains it from now on
-        kept = {r: state for part in received.values() for r, state in part["kept"].items()}
-        return kept, {r: replica for part in received.values() for r, replica in part["moved"].items()}
+            state = handed[logical]
+            for period in periods:  # each period from its anchor, with the inner state the last one ended on
+                replicas.adopt(logical, state, period.anchor, period.buffers)
+                for step in period.steps:
+                    self._replica_step(logical, step)
+                state = replicas.shadows[logical].state
+            self.replayed.append(len(periods))
 
     def after_outer_step(self, indices: list[int]) -> None:
         """The replicas take the new global values; the period's positions start again."""
@@ -313,7 +313,10 @@ class LocalSurvival(SurvivalHooks):
     def on_admit(self, joining: list[int]) -> dict[str, Any]:
         """Before the world is re-formed for ``joining`` (every survivor): the local SGD record, with the inner
         optimizer states of the replicas the replacements take over, for the leader's training state (gathered as a
-        checkpoint's, a rank lost meanwhile survived)."""
+        checkpoint's, a rank lost meanwhile survived). The states in flight arrive first: the groups they travel on
+        are re-formed next."""
+        if self.handovers is not None:
+            self.handovers.wait_quietly()
         record = self.checkpoint_record([o.state_dict() for o in self.strategy.optimizers])
         return {} if record is None else {"local_sgd": record}
 
@@ -323,7 +326,13 @@ class LocalSurvival(SurvivalHooks):
         if self.replicas is not None:
             for logical in joining:
                 self.replicas.shadows.pop(logical, None)
-            self.replicas.handed = self._hand_over()
+            assert self.handovers is not None
+            self.handovers.hand_over()
+
+    def close(self) -> None:
+        """At the end of training: the states in flight arrive (the groups they travel on are destroyed next)."""
+        if self.handovers is not None:
+            self.handovers.wait_quietly()
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_record(self, states: list[dict[str, Any]]) -> dict[str, Any] | None:

@@ -42,9 +42,11 @@ TOLERANCE = FaultTolerance(timeout_s=5.0, heartbeat_s=0.2, stale_s=1.5)
 class Regression(L.LightningModule):
     """A small MLP regressing a fixed teacher, with a validation loop, a torchmetrics metric and logged losses."""
 
-    def __init__(self) -> None:
+    def __init__(self, schedule: bool = False, batch_norm: bool = False) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.schedule = schedule
+        norm = [nn.BatchNorm1d(16)] if batch_norm else []
+        self.net = nn.Sequential(nn.Linear(8, 16), *norm, nn.Tanh(), nn.Linear(16, 1))
         self.val_mse = torchmetrics.MeanSquaredError()
         self.test_mse = torchmetrics.MeanSquaredError()
 
@@ -68,8 +70,12 @@ class Regression(L.LightningModule):
         self.log("test_loss", nn.functional.mse_loss(prediction, y), sync_dist=True)
         self.log("test_mse", self.test_mse)
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        if not self.schedule:
+            return optimizer
+        decay = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1.0 + 0.3 * step))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": decay, "interval": "step"}}
 
 
 def data(samples: int, seed: int) -> TensorDataset:
@@ -208,6 +214,28 @@ class DieAdmitting(L.Callback):
             hooks.on_admit = die_first
 
 
+class DiesHandingOver(L.Callback):
+    """Local SGD: ``rank`` is SIGKILLed in the first hand-over of inner states at or after step ``step``, after the
+    synchronisation committed: as it starts the all-to-all of the sizes (``where="sizes"``: the survivors' hand-over
+    fails) or, the sizes exchanged, of the bytes (``"bytes"``: the survivors' states from it never arrive)."""
+
+    def __init__(self, where: str, rank: int, step: int) -> None:
+        self.dtype = {"sizes": torch.int64, "bytes": torch.uint8}[where]
+        self.rank, self.step = rank, step
+
+    def on_train_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_rank != self.rank:
+            return
+        original = dist.all_to_all_single
+
+        def dying(output: torch.Tensor, sent: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if trainer.global_step >= self.step and sent.dtype == self.dtype:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return original(output, sent, *args, **kwargs)
+
+        dist.all_to_all_single = dying  # this process's own, for the rest of its short life
+
+
 def _stumble_once() -> None:
     """This process's next control reduction completes (the others get its result), then raises a peer failure."""
     from lightning_dp_strategies.strategies import control
@@ -276,6 +304,12 @@ class Run:
     """``(where, rank)``: :class:`DieAdmitting` (with ``replace``: the victim's replacement is being admitted)."""
     dies_between_steps: tuple[str, int, int] | None = None
     """``(during, rank, epoch)``: that rank is killed in validation, testing or a save (:class:`DieBetweenSteps`)."""
+    schedule: bool = False
+    """The learning rate decays at every step (a ``LambdaLR`` with ``interval="step"``)."""
+    batch_norm: bool = False
+    """A ``BatchNorm1d`` after the first layer (its running statistics are buffers local SGD averages)."""
+    dies_handing_over: tuple[str, int, int] | None = None
+    """``(where, rank, step)``: :class:`DiesHandingOver`."""
 
 
 def train(rank: int, run: Run, root: str) -> dict[str, Any]:
@@ -283,7 +317,7 @@ def train(rank: int, run: Run, root: str) -> dict[str, Any]:
     from lightning_dp_strategies import LocalSGDStrategy, RingAllReduceStrategy
 
     L.seed_everything(0, verbose=False)
-    model = Regression()
+    model = Regression(schedule=run.schedule, batch_norm=run.batch_norm)
     options = {"keep_global_batch": run.keep_global_batch, "state_copies": run.state_copies}
     tolerance = FaultTolerance(**{**TOLERANCE.__dict__, **options})
     strategy: RingAllReduceStrategy | LocalSGDStrategy
@@ -308,6 +342,8 @@ def train(rank: int, run: Run, root: str) -> dict[str, Any]:
         callbacks.append(DieAdmitting(*run.dies_admitting))
     if run.dies_between_steps is not None:
         callbacks.append(DieBetweenSteps(*run.dies_between_steps))
+    if run.dies_handing_over is not None:
+        callbacks.append(DiesHandingOver(*run.dies_handing_over))
     if run.checkpoint_every is not None:
         every = run.checkpoint_every
         callbacks.append(
@@ -355,6 +391,7 @@ def train(rank: int, run: Run, root: str) -> dict[str, Any]:
         "admitted_at": None if survival.admission is None else survival.admission.epoch,
         "best_params": _checkpoint_params(trainer),
         "warnings": [str(w.message) for w in caught],
+        "replayed": getattr(getattr(strategy, "local_survival", None), "replayed", None),
     }
 
 

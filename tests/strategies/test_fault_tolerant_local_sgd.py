@@ -30,6 +30,12 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> torch.Tensor:
     return ft.uninterrupted_params(ft.Run(sync_every=SYNC_EVERY), tmp_path_factory.mktemp("uninterrupted"))
 
 
+@pytest.fixture(scope="module")
+def with_batch_norm(tmp_path_factory: pytest.TempPathFactory) -> torch.Tensor:
+    run = ft.Run(sync_every=SYNC_EVERY, batch_norm=True)
+    return ft.uninterrupted_params(run, tmp_path_factory.mktemp("batch-norm"))
+
+
 @pytest.mark.timeout(240)
 def test_survivors_of_a_rank_killed_mid_period_end_on_the_uninterrupted_parameters(
     uninterrupted: torch.Tensor, tmp_path: Path
@@ -48,6 +54,31 @@ def test_survivors_of_a_rank_killed_mid_period_end_on_the_uninterrupted_paramete
     assert best is not None and ft.result(outcomes, 2)["best_params"] is None
     saved = torch.load(ft.result(outcomes, 0)["best"], weights_only=False)["local_sgd"]["ranks"]
     assert len(saved) == ft.WORLD and all(record is not None for record in saved)
+
+
+@pytest.mark.timeout(240)
+def test_a_replay_steps_at_the_learning_rates_the_lost_rank_stepped_at(tmp_path: Path) -> None:
+    # the learning rate decays at every step: the replica's replay of steps 5-6 (at recovery, step 9's sync) must
+    # use the rates of steps 5 and 6, not the rate of the step where the replay runs
+    reference = ft.uninterrupted_params(ft.Run(sync_every=SYNC_EVERY, schedule=True), tmp_path / "reference")
+    outcomes, codes, _ = ft.launch(ft.Run(sync_every=SYNC_EVERY, victim=1, fail_at=7, schedule=True), tmp_path)
+    ft.assert_survived(outcomes, codes, 1, reference, TOLERANCE)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("where", "periods"), [("bytes", 2), ("sizes", 1)])
+def test_a_rank_lost_while_its_states_are_in_flight_is_rebuilt_from_the_states_before(
+    where: str, periods: int, with_batch_norm: torch.Tensor, tmp_path: Path
+) -> None:
+    # rank 1 dies in the hand-over after the synchronisation at validation (step 5), which it committed. "bytes": its
+    # states were never sent, so when the survivors meet the loss in validation, its taker starts from the states of
+    # the synchronisation at step 4 and replays two periods (step 4's, then the empty one since step 5), in training
+    # mode (the model has batch norm). "sizes": the survivors' hand-over itself fails, inside the synchronisation,
+    # and the states that arrived from step 4 serve with one period replayed
+    run = ft.Run(sync_every=SYNC_EVERY, batch_norm=True, dies_handing_over=(where, 1, 5))
+    outcomes, codes, _ = ft.launch(run, tmp_path)
+    ft.assert_survived(outcomes, codes, 1, with_batch_norm, TOLERANCE)
+    assert [ft.result(outcomes, rank)["replayed"] for rank in (0, 2)] in ([[periods], []], [[], [periods]])
 
 
 @pytest.mark.timeout(240)
@@ -212,6 +243,24 @@ def test_after_a_loss_replicas_move_whole_and_kept_states_go_to_the_takers() -> 
     assert takeover_plan({}, {0: [3], 3: [2]}, {0: [1], 3: [2]}) == ({}, {}, [1])
     # 2 lost first (0 took it over); later 1: logical rank 2 goes to 3, and 0's replica of it moves there whole
     assert takeover_plan({0: [2]}, {0: [3], 3: [1]}, {0: [1], 3: [2]}) == ({0: {3: [2]}}, {3: {0: [1]}}, [])
+
+
+def test_a_handed_over_state_arrives_as_it_was_sent_whatever_its_tensors() -> None:
+    from lightning_dp_strategies.local_sgd.replicas import _packed, _unpacked
+
+    state = {
+        0: {"step": torch.tensor(7.0), "exp_avg": torch.randn(3, 4), "flags": torch.tensor([True, False])},
+        2: {"momentum_buffer": torch.randn(5, 2).t(), "half": torch.randn(3).to(torch.bfloat16), "n": 3},
+        "others": ([1, 2], (torch.arange(4), "name"), torch.empty(0)),
+    }
+    got = _unpacked(torch.cat(_packed(state)))
+    assert got.keys() == state.keys() and got[2]["n"] == 3 and got["others"][0] == [1, 2]
+    assert isinstance(got["others"], tuple) and got["others"][1][1] == "name"
+    pairs = [(got[0][k], state[0][k]) for k in state[0]]
+    pairs += [(got[2][k], state[2][k]) for k in ("momentum_buffer", "half")]
+    pairs += [(got["others"][1][0], state["others"][1][0]), (got["others"][2], state["others"][2])]
+    for received, sent in pairs:
+        assert received.dtype == sent.dtype and received.shape == sent.shape and torch.equal(received, sent)
 
 
 def test_a_replica_swaps_its_parameters_gradients_and_optimizer_state_in_and_out() -> None:

@@ -1,0 +1,157 @@
+"""The inner optimizer states fault-tolerant local SGD hands over, sent while the next period trains.
+
+At every synchronisation, once every member has the average, each rank sends the inner states of the logical ranks
+it trains (its own and its replicas') to the members that keep them (:func:`~lightning_dp_strategies.core.handover.
+handover_plan`). The bytes travel on the group's threads while the next period's inner steps run; the next
+synchronisation waits for them before it averages, and once it commits (every member got that far) they are the
+states a lost rank is rebuilt from. Until then the states handed over before stay, with the periods trained since
+(each one's anchor, buffers and inner steps)::
+
+    sync n       commit: the states sent at sync n-1 become `handed`; send the states of sync n (in flight)
+    period n+1   a rank lost: if every survivor received the states of sync n, its taker replays period n+1 from
+                 them; if one did not, it replays periods n and n+1 from the states of sync n-1
+
+:meth:`HandOvers.settle` makes every survivor choose the same. At the start of training, after a recovery and after
+an admission the states are handed over at once, waiting for them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_dp_strategies.core.fault_tolerance import Survivors
+from lightning_dp_strategies.core.handover import handover_plan, takeover_plan
+from lightning_dp_strategies.local_sgd.replicas import InnerStates, Pending, Replicas, exchange, start_exchange
+from lightning_dp_strategies.strategies.control import all_reduce
+
+__all__ = ["HandOvers", "Period", "Step"]
+
+
+@dataclass(frozen=True)
+class Step:
+    """One inner step as a replay repeats it: the micro-batch's position (sampler epoch, ``batch_idx``) and every
+    parameter group's settings but its parameters (the learning rate a scheduler set for that step, ...)."""
+
+    epoch: int
+    batch_idx: int
+    settings: list[dict[str, Any]]
+
+
+@dataclass
+class Period:
+    """The inner steps between two synchronisations, and the parameters (the anchor) and buffers they started from."""
+
+    anchor: list[Tensor]
+    buffers: list[Tensor]
+    steps: list[Step] = field(default_factory=list)
+
+
+class HandOvers:
+    """The inner states handed to this rank, the hand-over in flight, and the periods a replay from them trains (see
+    the module docstring). ``replicas`` are this rank's (their states are sent beside its own)."""
+
+    def __init__(self, survivors: Survivors, replicas: Replicas, rank: int) -> None:
+        self.survivors, self.replicas, self.rank = survivors, replicas, rank
+        self.handed: InnerStates = {}
+        """The states handed to this rank that every member received: what a lost rank is rebuilt from."""
+        self.periods: list[Period] = []
+        """The periods completed since :attr:`handed`'s synchronisation: a replay trains them before the current."""
+        self._flight: Pending | None = None
+        self._arrived: InnerStates | None = None
+
+    def hand_over(self) -> None:
+        """Hand the states over now and wait for them (collective over the survivors): they become :attr:`handed`."""
+        received = self._received(self._start().wait(self.survivors.interrupted))
+        self.handed, self.periods, self._flight, self._arrived = received, [], None, None
+
+    def finish(self) -> None:
+        """Before a synchronisation averages: wait for the states in flight (polled)."""
+        if self._flight is not None and self._arrived is None:
+            self._arrived = self._received(self._flight.wait(self.survivors.interrupted))
+
+    def commit(self, ended: Period) -> None:
+        """Once every member has a synchronisation's average: the states that arrived become :attr:`handed`, and this
+        synchronisation's are sent. ``ended``: the period this synchronisation ends (a replay's until they arrive)."""
+        if self._arrived is not None:
+            self.handed, self.periods = self._arrived, []
+        self._flight, self._arrived = None, None
+        self._flight = self._start()  # a peer lost here: the recovery replays `ended` from the `handed` above
+        self.periods.append(ended)
+
+    def settle(self) -> None:
+        """In a recovery (collective over the survivors): where every survivor received the states in flight, they
+        become :attr:`handed`; where one did not, every survivor keeps :attr:`handed` and :attr:`periods`."""
+        survivors = self.survivors
+        assert survivors.group is not None
+        if self._flight is not None and self._arrived is None and self._flight.arrived():
+            self._arrived = self._received(self._flight.wait())
+        mine = torch.tensor([int(self._flight is None or self._arrived is not None)])
+        every = all_reduce(mine, dist.ReduceOp.MIN, survivors.group, survivors.interrupted)
+        if int(every.item()) == 1 and self._arrived is not None:
+            self.handed, self.periods = self._arrived, []
+        self._flight, self._arrived = None, None
+
+    def wait_quietly(self) -> None:
+        """:meth:`finish`, a peer lost meanwhile left to the next recovery (before an admission, at the end)."""
+        try:
+            self.finish()
+        except RuntimeError:  # the backend's error or PeerLostError: the states stay in flight for settle to see
+            pass
+
+    def _start(self) -> Pending:
+        """Start sending every logical rank's inner state trained here to the members that keep it."""
+        survivors, replicas = self.survivors, self.replicas
+        assert survivors.group is not None
+        plan = handover_plan(survivors.members, survivors.world_size, survivors.options.state_copies)
+        states = replicas.states(self.rank)
+        outgoing = {dst: {r: states[r] for r in held} for dst, held in plan.get(self.rank, {}).items()}
+        sources = [src for src, targets in plan.items() if self.rank in targets]
+        return start_exchange(outgoing, sources, survivors.group, survivors.interrupted)
+
+    @staticmethod
+    def _received(parts: dict[int, Any]) -> InnerStates:
+        return {r: state for part in parts.values() for r, state in part.items()}
+
+    def take_over(self, needed: list[int]) -> tuple[InnerStates, dict[int, Any]]:
+        """What this rank needs to train the ``needed`` logical ranks (those it now trains and did not before): the
+        states of :attr:`handed` other survivors kept, and the replicas other survivors trained until now, which
+        this rank's replicas of them replace (:func:`takeover_plan`; collective over the survivors: who trains, keeps
+        and needs which, then the states and replicas). A replica this rank gives away is dropped here.
+
+        Raises:
+            RuntimeError: on every survivor, where a logical rank needed was trained and kept by lost ranks only.
+        """
+        survivors, replicas, handed = self.survivors, self.replicas, self.handed
+        assert survivors.group is not None
+        others = [m for m in survivors.members if m != self.rank]
+        mine = (sorted(handed), sorted(replicas.shadows), needed)
+        told = {**exchange({m: mine for m in others}, others, survivors.group, survivors.interrupted), self.rank: mine}
+        moves, sends, missing = takeover_plan(
+            {m: t for m, (_, t, _) in told.items()},
+            {m: k for m, (k, _, _) in told.items()},
+            {m: n for m, (_, _, n) in told.items()},
+        )
+        if missing:
+            copies = survivors.options.state_copies
+            raise RuntimeError(
+                f"Logical rank(s) {missing} cannot be rebuilt: the rank that trained it and the next {copies} "
+                "member(s) in rank order, which kept its inner optimizer state, were all lost. Resume from the last "
+                "checkpoint; to survive more ranks lost at once, pass "
+                f"`fault_tolerant=FaultTolerance(state_copies={copies + 1})` (or `keep_global_batch=False`)."
+            )
+        outgoing: dict[int, dict[str, dict[int, Any]]] = {}
+        for dst, logicals in sends.get(self.rank, {}).items():
+            outgoing.setdefault(dst, {"kept": {}, "moved": {}})["kept"].update({r: handed[r] for r in logicals})
+        for dst, logicals in moves.get(self.rank, {}).items():
+            outgoing.setdefault(dst, {"kept": {}, "moved": {}})["moved"].update({r: replicas.give(r) for r in logicals})
+        sources = sorted({src for plan in (moves, sends) for src, targets in plan.items() if self.rank in targets})
+        received = exchange(outgoing, sources, survivors.group, survivors.interrupted)
+        for logical in (r for targets in moves.get(self.rank, {}).values() for r in targets):
+            del replicas.shadows[logical]  # sent: its new taker trains it from now on
+        kept = {r: state for part in received.values() for r, state in part["kept"].items()}
+        return kept, {r: replica for part in received.values() for r, replica in part["moved"].items()}
