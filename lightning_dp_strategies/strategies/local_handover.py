@@ -11,8 +11,8 @@ states a lost rank is rebuilt from. Until then the states handed over before sta
     period n+1   a rank lost: if every survivor received the states of sync n, its taker replays period n+1 from
                  them; if one did not, it replays periods n and n+1 from the states of sync n-1
 
-:meth:`HandOvers.settle` makes every survivor choose the same. At the start of training, after a recovery and after
-an admission the states are handed over at once, waiting for them.
+:meth:`HandOvers.settle` makes every survivor choose the same. At the start of training, after an admission and
+after a recovery in a synchronisation the states are handed over before training goes on.
 """
 
 from __future__ import annotations
@@ -76,7 +76,8 @@ class HandOvers:
 
     def commit(self, ended: Period) -> None:
         """Once every member has a synchronisation's average: the states that arrived become :attr:`handed`, and this
-        synchronisation's are sent. ``ended``: the period this synchronisation ends (a replay's until they arrive)."""
+        synchronisation's start on their way. ``ended`` is the period this synchronisation ends, which a replay from
+        :attr:`handed` trains until they have arrived everywhere."""
         if self._arrived is not None:
             self.handed, self.periods = self._arrived, []
         self._flight, self._arrived = None, None

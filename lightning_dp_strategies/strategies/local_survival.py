@@ -16,7 +16,7 @@ survivors agree, re-form their groups and compare whether any of them got the av
 lost ranks' takers first rebuild their replicas: each from the last inner state every survivor received, which the
 member that kept it sends, and the anchor of then, replaying the lost rank's micro-batches since (rebuilt from their
 samplers) at the optimizer settings (learning rate, ...) each step had; where that member was lost too, the run stops
-with an error naming it. The states are then handed over at once among the survivors. So the run goes on on the
+with an error naming it. The survivors then hand their states over before training goes on. So the run goes on on the
 uninterrupted run's parameters (``keep_global_batch``); without it nothing is handed over and the survivors average
 alone.
 
