@@ -14,9 +14,12 @@ disturbed) is scored on 2048 held-out samples; the time spent evaluating is left
                     state at every synchronisation costs)
 
 For each layout (nodes over one link, one process a node) every variant trains once, ``ddp`` for ``--ddp-steps``
-steps and the others for ``--steps``. The table gives ddp's final validation loss (the target), each variant's wall
-time to reach it (at an evaluation point), its ratio to ddp's, and the loss at ddp's sample count. Needs root
-(network namespaces); without it the script says so and exits with status 0. Always leaves the cluster down.
+steps and the others for ``--steps``. Lightning gives a lone process a node every core of the machine, so the
+simulated nodes' OpenMP teams share the same cores; ``--one-thread`` sets ``OMP_NUM_THREADS=1`` on every node
+instead, so that a variant's time is not set by how its ranks' compute phases happen to overlap. The table gives
+ddp's final validation loss (the target), each variant's wall time to reach it (at an evaluation point), its ratio
+to ddp's, and the loss at ddp's sample count. Needs root (network namespaces); without it the script says so and
+exits with status 0. Always leaves the cluster down.
 ``--plot`` draws validation loss against wall time from a stored JSON file.
 
 Usage::
@@ -83,7 +86,7 @@ def worker(args: argparse.Namespace) -> None:
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
-    torch.set_num_threads(1)  # the simulated nodes share the machine's cores
+    torch.set_num_threads(1)  # Lightning's launcher sets it again from OMP_NUM_THREADS (see --one-thread)
     world = int(os.environ["WORLD_SIZE"])
     steps = args.ddp_steps if args.worker == "ddp" else args.steps
     x, y, x_val, y_val = make_task(args.width, steps * args.batch * world)
@@ -156,14 +159,14 @@ WORKER_SETTINGS = ("width", "depth", "steps", "ddp_steps", "batch", "lr", "eval_
 def launch(variant: str, args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     """One launch of ``variant`` on the cluster that is up, one process a node; rank 0's curve.
 
-    The thread count is left to torchrun and Lightning (``one_thread=False``): Lightning gives a lone process a node
-    every core of the machine.
+    Without ``--one-thread`` the thread count is left to torchrun and Lightning: Lightning gives a lone process a
+    node every core of the machine.
     """
     from _launch import torchrun_on_cluster, worker_command
 
     out = folder / f"{variant}.json"
     script = worker_command(__file__, variant, out, args, WORKER_SETTINGS)
-    torchrun_on_cluster(1, script, folder, variant, one_thread=False)
+    torchrun_on_cluster(1, script, folder, variant, one_thread=args.one_thread)
     return json.loads(out.read_text())
 
 
@@ -265,6 +268,9 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=8, help="steps between evaluations")
     add_mlp_arguments(parser)
     parser.add_argument("--lr", type=float, default=3e-4, help="Adam's learning rate")
+    parser.add_argument(
+        "--one-thread", action="store_true", help="OMP_NUM_THREADS=1 on every node (default: Lightning's choice)"
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--add-to", type=Path, help="keep the other layouts of this stored result in the new one")
     args = parse_or_work(parser, worker, plot, figure=ROOT / "docs" / "figures" / "local_sgd.png")
@@ -288,6 +294,7 @@ def main() -> None:
         "depth",
         "batch",
         "lr",
+        "one_thread",
         "add_to",
     )
     report = Report("local_sgd", {k: str(v) if isinstance(v := getattr(args, k), Path) else v for k in keys})

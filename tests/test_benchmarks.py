@@ -115,6 +115,27 @@ def test_local_sgd_benchmark_variants_turn_fault_tolerance_on_by_suffix() -> Non
     assert tolerant.local_config.outer_optimizer is not None and plain.local_config.outer_optimizer is None
 
 
+@pytest.mark.parametrize("one_thread", [True, False])
+def test_local_sgd_benchmark_sets_one_thread_a_node_only_when_asked(
+    one_thread: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sys.path.insert(0, str(BENCHMARKS))
+    import _launch
+    import bench_local_sgd
+
+    calls: list[bool] = []
+
+    def torchrun_on_cluster(per_node: int, script: list[str], folder: Path, what: str, one_thread: bool) -> None:
+        calls.append(one_thread)
+        (folder / "ddp.json").write_text('{"points": []}')
+
+    monkeypatch.setattr(_launch, "torchrun_on_cluster", torchrun_on_cluster)
+    settings = dict.fromkeys(bench_local_sgd.WORKER_SETTINGS, 1)
+    args = bench_local_sgd.argparse.Namespace(**settings, one_thread=one_thread)
+    assert bench_local_sgd.launch("ddp", args, tmp_path) == {"points": []}
+    assert calls == [one_thread]
+
+
 def test_zero_benchmark_builds_its_variants_and_tables_without_launching() -> None:
     """The ZeRO benchmark launches torchrun (and netsim) for minutes, so only its variants and its tables over a
     made-up cell are checked here."""
