@@ -1,14 +1,14 @@
 """Lightning's collectives over the survivors, surviving a lost rank between optimizer steps.
 
-Between steps Lightning's collectives run over the survivors' control group: validation's ``sync_dist`` reductions
-and metric syncs, the checkpoint callback's broadcasts and barriers, a checkpoint's save. :class:`ControlCollectives`
-runs each on the group's own threads and waits by polling the membership, so a rank lost during validation or a
-checkpoint save is noticed within the heartbeat's ``stale_s`` however the collective routes its messages. Then the
-survivors agree (each announcing how many control collectives it completed), re-form their groups, and redo the
-collective over the new ones. A collective can complete on some ranks and fail on others (the lost rank's part had
-arrived): the ranks one collective behind take its result from a rank that completed it, so every survivor acts on
-the same decisions. A survivor one optimizer step behind (its step failed while the others' completed) takes the
-step's state from one that completed it and then meets the others in the collective they redo.
+Between steps Lightning's collectives run over the survivors' control group: validation's ``sync_dist`` reductions and
+metric syncs, the checkpoint callback's broadcasts and barriers, a checkpoint's save. :class:`ControlCollectives` runs
+each on the group's own threads and waits by polling the membership, so a rank lost during validation or a checkpoint
+save is noticed within the heartbeat's ``stale_s`` however the collective routes its messages. Then the survivors agree
+(each announcing how many control collectives it completed), re-form their groups, and redo the collective over the new
+ones; a loss while they recover starts the recovery again. A collective can complete on some ranks and fail on others
+(the lost rank's part had arrived): the ranks one collective behind take its result from a rank that completed it, so
+every survivor acts on the same decisions. A survivor one optimizer step behind (its step failed while the others'
+completed) takes the step's state from one that completed it and then meets the others in the collective they redo.
 
 Inside an optimizer step (``active`` is off) a failure propagates, and the step's own recovery redoes the step.
 """
@@ -26,7 +26,7 @@ from torch import Tensor
 
 from lightning_dp_strategies.comm.failures import PeerLostError, wait_work
 from lightning_dp_strategies.core.fault_tolerance import Recovery, Survivors
-from lightning_dp_strategies.core.membership import is_peer_failure
+from lightning_dp_strategies.core.membership import ExcludedError, is_peer_failure
 
 __all__ = ["ControlCollectives", "all_reduce", "barrier", "broadcast_object", "copied", "gather", "gather_object"]
 
@@ -111,19 +111,22 @@ class ControlCollectives:
         survivors after each peer failure."""
         if not (self.active and self.survivors.started):
             return self._done(attempt(self._group(), None))
+        failure: BaseException | None = None
         for _ in range(self.survivors.world_size):
             try:
+                if failure is not None:  # in the try: a loss while the survivors recover starts the recovery again
+                    record = self._recover(failure)
+                    if record.behind:  # a survivor's optimizer step failed while this rank's completed
+                        self._catch_up(record)
+                    elif record.behind_control:
+                        handed = self.hand_over(record)
+                        if dist.get_rank() in record.behind_control:
+                            return self._done(handed)
                 result = attempt(self._group(), self.survivors.interrupted)
             except Exception as error:
-                if not is_peer_failure(error):
+                if isinstance(error, ExcludedError) or not is_peer_failure(error):
                     raise
-                record = self._recover(error)
-                if record.behind:  # a survivor's optimizer step failed while this rank's completed
-                    self._catch_up(record)
-                elif record.behind_control:
-                    handed = self.hand_over(record)
-                    if dist.get_rank() in record.behind_control:
-                        return self._done(handed)
+                failure = error
                 continue
             return self._done(result)
         raise PeerLostError(

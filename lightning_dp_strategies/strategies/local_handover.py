@@ -11,8 +11,9 @@ states a lost rank is rebuilt from. Until then the states handed over before sta
     period n+1   a rank lost: if every survivor received the states of sync n, its taker replays period n+1 from
                  them; if one did not, it replays periods n and n+1 from the states of sync n-1
 
-:meth:`HandOvers.settle` makes every survivor choose the same. At the start of training, after an admission and
-after a recovery in a synchronisation the states are handed over before training goes on.
+:meth:`HandOvers.settle` makes every survivor choose the same: the newest states all of them hold, counted in
+synchronisations since the last hand-over that waited (:attr:`HandOvers.point`). At the start of training, after an
+admission and after a recovery in a synchronisation the states are handed over before training goes on.
 """
 
 from __future__ import annotations
@@ -59,43 +60,70 @@ class HandOvers:
         self.survivors, self.replicas, self.rank = survivors, replicas, rank
         self.handed: InnerStates = {}
         """The states handed to this rank that every member received: what a lost rank is rebuilt from."""
+        self.point = 0
+        """Where :attr:`handed` was taken: synchronisations since the last :meth:`hand_over`."""
         self.periods: list[Period] = []
-        """The periods completed since :attr:`handed`'s synchronisation: a replay trains them before the current."""
+        """The periods completed since :attr:`handed`'s point: a replay trains them before the current."""
         self._flight: Pending | None = None
+        self._flight_point = 0  # the point the states in flight were taken at: after the last of `periods`
         self._arrived: InnerStates | None = None
 
     def hand_over(self) -> None:
-        """Hand the states over now and wait for them (collective over the survivors): they become :attr:`handed`."""
+        """Hand the states over now and wait for them (collective over the survivors): they become :attr:`handed`,
+        and the points count from here."""
         received = self._received(self._start().wait(self.survivors.interrupted))
-        self.handed, self.periods, self._flight, self._arrived = received, [], None, None
+        self.handed, self.point, self.periods, self._flight, self._arrived = received, 0, [], None, None
 
     def finish(self) -> None:
         """Before a synchronisation averages: wait for the states in flight (polled)."""
         if self._flight is not None and self._arrived is None:
             self._arrived = self._received(self._flight.wait(self.survivors.interrupted))
 
-    def commit(self, ended: Period) -> None:
+    def commit(self, ended: Period | None) -> None:
         """Once every member has a synchronisation's average: the states that arrived become :attr:`handed`, and this
         synchronisation's start on their way. ``ended`` is the period this synchronisation ends, which a replay from
-        :attr:`handed` trains until they have arrived everywhere."""
+        :attr:`handed` trains until they have arrived everywhere (``None``: it is the last of :attr:`periods`
+        already, and the states it ended on are sent again, as after a recovery that lost them in flight)."""
         if self._arrived is not None:
-            self.handed, self.periods = self._arrived, []
+            self._promote(self._flight_point, self._arrived)
         self._flight, self._arrived = None, None
-        self._flight = self._start()  # a peer lost here: the recovery replays `ended` from the `handed` above
-        self.periods.append(ended)
+        if ended is not None:
+            self.periods.append(ended)
+        self._flight_point = self.point + len(self.periods)
+        self._flight = self._start()  # a peer lost here: the recovery replays the periods from `handed`
 
     def settle(self) -> None:
-        """In a recovery (collective over the survivors): where every survivor received the states in flight, they
-        become :attr:`handed`; where one did not, every survivor keeps :attr:`handed` and :attr:`periods`."""
+        """In a recovery (collective over the survivors): every survivor takes the newest states all of them hold,
+        as :attr:`handed` (those in flight where every survivor received them), and the periods since.
+
+        A rank holds :attr:`handed` and the states that arrived; the survivors agree on the least of their newest
+        points. An earlier recovery or synchronisation that completed on some survivors only leaves them at most one
+        point apart, each still holding the point agreed on, so redoing a recovery cut short by another loss agrees
+        on what it agreed before.
+
+        Raises:
+            RuntimeError: if this rank does not hold the agreed point (the survivors' records disagree).
+        """
         survivors = self.survivors
         assert survivors.group is not None
         if self._flight is not None and self._arrived is None and self._flight.arrived():
             self._arrived = self._received(self._flight.wait())
-        mine = torch.tensor([int(self._flight is None or self._arrived is not None)])
-        every = all_reduce(mine, dist.ReduceOp.MIN, survivors.group, survivors.interrupted)
-        if int(every.item()) == 1 and self._arrived is not None:
-            self.handed, self.periods = self._arrived, []
+        newest = self._flight_point if self._arrived is not None else self.point
+        agreed = int(all_reduce(torch.tensor([newest]), dist.ReduceOp.MIN, survivors.group, survivors.interrupted))
+        if agreed != self.point:
+            if self._arrived is None or agreed != self._flight_point:
+                raise RuntimeError(
+                    f"The survivors agreed to rebuild lost ranks from the inner states of point {agreed}, which rank "
+                    f"{self.rank} does not hold (it holds {sorted({self.point, newest})}): their hand-over records "
+                    "disagree. Resume from the last checkpoint."
+                )
+            self._promote(agreed, self._arrived)
         self._flight, self._arrived = None, None
+
+    def _promote(self, point: int, states: InnerStates) -> None:
+        """``states``, taken at ``point``, become :attr:`handed`; the periods before it are dropped."""
+        self.periods = self.periods[point - self.point :]
+        self.handed, self.point = states, point
 
     def wait_quietly(self) -> None:
         """:meth:`finish`, a peer lost meanwhile left to the next recovery (before an admission, at the end)."""
@@ -122,7 +150,10 @@ class HandOvers:
         """What this rank needs to train the ``needed`` logical ranks (those it now trains and did not before): the
         states of :attr:`handed` other survivors kept, and the replicas other survivors trained until now, which
         this rank's replicas of them replace (:func:`takeover_plan`; collective over the survivors: who trains, keeps
-        and needs which, then the states and replicas). A replica this rank gives away is dropped here.
+        and needs which, then the states and replicas). A replica this rank gives away is dropped once the exchange
+        completed here; where another loss cut it short first, the redone recovery gives it again if its taker did
+        not receive it; if its taker did, the two copies are equal (nothing trained in between) and the recovery
+        drops this rank's, which its new share no longer holds.
 
         Raises:
             RuntimeError: on every survivor, where a logical rank needed was trained and kept by lost ranks only.

@@ -16,7 +16,10 @@ survivors agree, re-form their groups and compare whether any of them got the av
 lost ranks' takers first rebuild their replicas: each from the last inner state every survivor received, which the
 member that kept it sends, and the anchor of then, replaying the lost rank's micro-batches since (rebuilt from their
 samplers) at the optimizer settings (learning rate, ...) each step had; where that member was lost too, the run stops
-with an error naming it. The survivors then hand their states over before training goes on. So the run goes on on the
+with an error naming it. The survivors then hand their states over before training goes on. A loss during all this
+starts the recovery again over the survivors left: the choice of handed-over states is the newest every survivor
+holds (:meth:`~lightning_dp_strategies.strategies.local_handover.HandOvers.settle`), so a recovery cut short and
+redone rebuilds from the same ones. So the run goes on on the
 uninterrupted run's parameters (``keep_global_batch``); without it nothing is handed over and the survivors average
 alone.
 
@@ -33,8 +36,6 @@ is the one its replica's taker held, and the taker drops the replica.
 from __future__ import annotations
 
 import time
-from collections.abc import Generator
-from contextlib import contextmanager
 from typing import Any, Protocol
 
 import lightning.pytorch as pl
@@ -43,13 +44,21 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_dp_strategies.comm.failures import PeerLostError
-from lightning_dp_strategies.core.fault_tolerance import PREFIX
+from lightning_dp_strategies.core.fault_tolerance import PREFIX, Recovery
 from lightning_dp_strategies.core.membership import is_peer_failure, logical_shares
 from lightning_dp_strategies.local_sgd import LocalSGD
 from lightning_dp_strategies.local_sgd.averaging import averageable, outer_reducer
 from lightning_dp_strategies.local_sgd.checkpoint import merged_record, rank_record
 from lightning_dp_strategies.local_sgd.replicas import Replicas
-from lightning_dp_strategies.strategies.control import Interrupt, all_reduce, barrier, copied, gather_object
+from lightning_dp_strategies.strategies import replay
+from lightning_dp_strategies.strategies.control import (
+    Interrupt,
+    all_reduce,
+    barrier,
+    broadcast_object,
+    copied,
+    gather_object,
+)
 from lightning_dp_strategies.strategies.local_handover import HandOvers, Period, Step
 from lightning_dp_strategies.strategies.survival import SurvivingStrategy, TrainerSurvival
 from lightning_dp_strategies.strategies.survival_hooks import SurvivalHooks
@@ -72,48 +81,6 @@ class LocalSurvivingStrategy(SurvivingStrategy, Protocol):
 
     @property
     def local_sgd(self) -> LocalSGD | None: ...
-
-
-@contextmanager
-def _silenced(module: pl.LightningModule) -> Generator[None, None, None]:
-    """The module's ``log`` and ``log_dict`` do nothing inside (instance attributes over the methods, removed after)."""
-
-    def ignore(*args: Any, **kwargs: Any) -> None:
-        return None
-
-    module.log = ignore  # type: ignore[method-assign]
-    module.log_dict = ignore  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        del module.log, module.log_dict
-
-
-@contextmanager
-def _settings(optimizer: torch.optim.Optimizer, settings: list[dict[str, Any]]) -> Generator[None, None, None]:
-    """The optimizer's parameter groups take ``settings`` inside (what they held is put back after)."""
-    held = [{k: group[k] for k in setting} for group, setting in zip(optimizer.param_groups, settings, strict=True)]
-    for group, setting in zip(optimizer.param_groups, settings, strict=True):
-        group.update(setting)
-    try:
-        yield
-    finally:
-        for group, setting in zip(optimizer.param_groups, held, strict=True):
-            group.update(setting)
-
-
-@contextmanager
-def _trainable(module: pl.LightningModule) -> Generator[None, None, None]:
-    """Inside: autograd on and ``module`` in training mode, as at a training step, also where a replay runs in
-    validation (under ``torch.inference_mode``, the module in eval mode); each submodule's mode is put back after."""
-    modes = [(m, m.training) for m in module.modules()]
-    module.train()
-    try:
-        with torch.inference_mode(False), torch.enable_grad():
-            yield
-    finally:
-        for submodule, training in modes:
-            submodule.training = training
 
 
 class LocalSurvival(SurvivalHooks):
@@ -182,7 +149,12 @@ class LocalSurvival(SurvivalHooks):
             return
         batch = strategy.batch_to_device(batch)
         trainer, optimizer = module.trainer, replicas.optimizer
-        with replicas.swapped(logical), _silenced(module), _settings(optimizer, step.settings), _trainable(module):
+        with (
+            replicas.swapped(logical),
+            replay.silenced(module),
+            replay.settings(optimizer, step.settings),
+            replay.trainable(module),
+        ):
             optimizer.zero_grad(set_to_none=True)
             loss = self.survival.lost_loss(batch, step.batch_idx)
             with strategy.engine.grad_sync.no_sync():
@@ -198,44 +170,54 @@ class LocalSurvival(SurvivalHooks):
     # ------------------------------------------------------------------ a synchronisation (LocalSGD's survivor)
     def averaged_changes(self, indices: list[int]) -> list[Tensor]:
         """Wait for the states in flight, average, commit, send this synchronisation's states; after a peer failure,
-        recover and finish or redo (see the module docstring)."""
+        recover and finish or redo (see the module docstring). A loss during the recovery starts it again."""
         local, survivors, handovers = self.local, self.survival.survivors, self.handovers
-        recovered = False
+        done = ended = False  # this rank has the average / has ended the period (its states sent)
+        record: Recovery | None = None
+        changes: list[Tensor] = []
         for _ in range(survivors.world_size):
-            done = False
             try:
-                if handovers is not None:
-                    handovers.finish()
-                with torch.no_grad():
-                    changes = self._changes(indices)
-                    local.averager.average(changes, len(indices))  # the caller counts the wait (_collective)
-                    if survivors.grad_scale != 1.0:
-                        torch._foreach_mul_(changes, survivors.grad_scale)
-                done = True
+                if record is not None:
+                    changes, done = self._recovered(record, changes, done, ended)
+                if not done:
+                    if handovers is not None:
+                        handovers.finish()
+                    with torch.no_grad():
+                        changes = self._changes(indices)
+                        local.averager.average(changes, len(indices))  # the caller counts the wait (_collective)
+                        if survivors.grad_scale != 1.0:
+                            torch._foreach_mul_(changes, survivors.grad_scale)
+                    done = True
                 self._commit()
                 if handovers is not None:
-                    anchor = [a.detach().clone() for a in local.anchor]
-                    handovers.commit(Period(anchor, handovers.replicas.buffers_at_sync, self.positions))
-                    if recovered:  # the lost ranks' keepers were lost: the new ones hold their states before going on
+                    period, ended = (None if ended else self._ended()), True  # ended before the states leave
+                    handovers.commit(period)
+                    if record is not None:  # the lost ranks' keepers were lost: the new ones hold their states now
                         handovers.finish()
+                return changes
             except Exception as error:
                 if not is_peer_failure(error):
                     raise
-                recovered = True
                 record = self.survival.recover(error, progress=int(done))
-                if not (record.behind or done):  # nobody has the average: the lost ranks' replicas replay, redo
-                    self._adopt()
-                    continue
-                if record.behind:  # the average was complete somewhere: from the lowest rank that has it
-                    source = min(r for r in record.members if r not in record.behind)
-                    box = [changes if self.rank == source else None]
-                    dist.broadcast_object_list(box, source, group=survivors.control_group)
-                    changes = box[0]  # type: ignore[assignment]
-                self._adopt()
-                if handovers is not None:
-                    handovers.hand_over()
-            return changes
         raise RuntimeError(f"Local SGD lost a rank in each of {survivors.world_size} tries of one synchronisation.")
+
+    def _ended(self) -> Period:
+        """The period this synchronisation ends, as a replay trains it (its anchor copied: the outer step moves it)."""
+        assert self.replicas is not None
+        return Period([a.detach().clone() for a in self.local.anchor], self.replicas.buffers_at_sync, self.positions)
+
+    def _recovered(self, record: Recovery, changes: list[Tensor], done: bool, ended: bool) -> tuple[list[Tensor], bool]:
+        """After a recovery in a synchronisation: the average from the lowest survivor that has it, where one does
+        (it was complete: every rank had sent its change); the lost ranks' replicas started. Returns the average
+        and whether this rank has it (``False``: nobody has, it is redone)."""
+        survivors = self.survival.survivors
+        if record.behind:
+            source = min(r for r in record.members if r not in record.behind)
+            assert survivors.control_group is not None
+            mine = changes if self.rank == source else None  # polled: a loss here is noticed promptly
+            changes, done = broadcast_object(mine, source, survivors.control_group, survivors.interrupted), True
+        self._adopt(current=not ended)
+        return changes, done
 
     def after_recovery_between_steps(self) -> None:
         """A rank lost between steps: the replicas of the logical ranks this rank took over start from the states
@@ -272,7 +254,7 @@ class LocalSurvival(SurvivalHooks):
                 raise PeerLostError(f"a synchronisation could not commit: {reason}")
             time.sleep(0.002)
 
-    def _adopt(self) -> None:
+    def _adopt(self, current: bool = True) -> None:
         """In a recovery: start the replicas of the logical ranks this rank took over, from the states handed over
         (:meth:`HandOvers.settle` chose which) and the anchor they belong to, then replay the periods since; or take
         them whole from the survivors that trained them until now."""
@@ -283,8 +265,12 @@ class LocalSurvival(SurvivalHooks):
         mine = logical_shares(survivors.members, survivors.world_size)[self.rank]
         needed = [r for r in mine if r != self.rank and r not in replicas.shadows]
         kept, moved = handovers.take_over(needed)
+        for surplus in [r for r in replicas.shadows if r not in mine]:  # given in a recovery cut short, received there
+            del replicas.shadows[surplus]
         handed = {**handovers.handed, **kept}
-        periods = [*handovers.periods, Period(self.local.anchor, replicas.buffers_at_sync, self.positions)]
+        periods = list(handovers.periods)
+        if current:  # the period in progress (not yet ended: its steps are not in `periods`)
+            periods.append(Period(self.local.anchor, replicas.buffers_at_sync, self.positions))
         for logical in needed:
             if logical in moved:  # another survivor trained it until now: its replica, moved whole, is not replayed
                 replicas.take(logical, moved[logical])

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
 
+from lightning_dp_strategies.comm.failures import PeerLostError
 from lightning_dp_strategies.core.elastic import DistributedStrategy, init_strategy_process_group, running_attempt_store
 from lightning_dp_strategies.core.fault_tolerance import (
     JOIN_ENV,
@@ -45,7 +46,7 @@ from lightning_dp_strategies.core.fault_tolerance import (
     request_join,
     wants_to_join,
 )
-from lightning_dp_strategies.core.membership import is_peer_failure
+from lightning_dp_strategies.core.membership import ExcludedError, is_peer_failure
 from lightning_dp_strategies.core.module_state import broadcast_module_buffers, sync_module_states
 from lightning_dp_strategies.strategies.control import ControlCollectives, Interrupt, broadcast_object
 from lightning_dp_strategies.strategies.survival_hooks import SurvivalHooks, SurvivingStrategy
@@ -263,25 +264,31 @@ class TrainerSurvival:
         completed takes their result instead (:meth:`catch_up`). Lightning's collectives inside the step fail with
         it, and the step is redone."""
         between_steps, self.control.active = self.control.active, False
+        failure: BaseException | None = None
         try:
             for _ in range(self.strategy.world_size):
                 try:
+                    if failure is not None and self._recovered(self.recover(failure), closure):
+                        return None
                     output = run()
                 except Exception as error:
-                    if not is_peer_failure(error):
+                    if isinstance(error, ExcludedError) or not is_peer_failure(error):
                         raise
-                    record = self.recover(error)
-                    if record.behind_control and not record.behind:  # a rank between steps is one collective behind
-                        self.control.hand_over(record)
-                    self.control.completed = record.control  # the step is redone: its collectives again, by all
-                    if record.behind and self.catch_up(record, closure):
-                        return None
+                    failure = error  # recovered in the next try: a loss while the survivors recover is survived too
                 else:
                     self.hooks.after_own_step()
                     return output
-            return run()
+            raise PeerLostError(f"An optimizer step met {self.strategy.world_size} peer failures in a row; giving up.")
         finally:
             self.control.active = between_steps
+
+    def _recovered(self, record: Recovery, closure: Callable[[], Any]) -> bool:
+        """After a recovery in a step: a rank between steps one collective behind gets its result; whether this rank
+        was a step behind and took the completed step's state (then its step is done)."""
+        if record.behind_control and not record.behind:  # a rank between steps is one collective behind
+            self.control.hand_over(record)
+        self.control.completed = record.control  # the step is redone: its collectives again, by all
+        return bool(record.behind) and self.catch_up(record, closure)
 
     def catch_up(self, record: Recovery, closure: Callable[[], Any] | None) -> bool:
         """The parameters and optimizer states of the lowest survivor that completed the step, sent to those that
@@ -297,9 +304,10 @@ class TrainerSurvival:
             with strategy.engine.grad_sync.no_sync():
                 closure()
         state = {"module": module.state_dict(), "optimizers": [o.state_dict() for o in strategy.optimizers]}
-        box = [state if strategy.global_rank == source else None]
-        dist.broadcast_object_list(box, source, group=self.survivors.control_group)
-        received: dict[str, Any] = box[0]  # type: ignore[assignment]
+        survivors = self.survivors
+        assert survivors.control_group is not None
+        mine = state if strategy.global_rank == source else None  # polled: a loss here is noticed promptly
+        received: dict[str, Any] = broadcast_object(mine, source, survivors.control_group, survivors.interrupted)
         if behind:
             module.load_state_dict(received["module"])
             for optimizer, optimizer_state in zip(strategy.optimizers, received["optimizers"], strict=True):

@@ -236,6 +236,30 @@ class DiesHandingOver(L.Callback):
         dist.all_to_all_single = dying  # this process's own, for the rest of its short life
 
 
+class DiesRecovering(L.Callback):
+    """``rank`` is SIGKILLed as it starts its part of the first recovery's collectives, so the other survivors lose
+    it inside their recovery. Local SGD: on entering ``HandOvers.settle`` (the survivors' choice of handed-over
+    states, ``where="settle"``) or ``HandOvers.take_over`` (once that choice is agreed, ``"take_over"``). The ring:
+    on entering ``TrainerSurvival.catch_up`` (a completed step's state handed to a rank one step behind,
+    ``"catch_up"``)."""
+
+    def __init__(self, where: str, rank: int) -> None:
+        self.where, self.rank = where, rank
+
+    def on_train_start(self, trainer: L.Trainer, *args: Any) -> None:
+        from lightning_dp_strategies.strategies.local_handover import HandOvers
+        from lightning_dp_strategies.strategies.survival import TrainerSurvival
+
+        if trainer.global_rank != self.rank:
+            return
+
+        def die(*args: Any, **kwargs: Any) -> Any:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        owner = TrainerSurvival if self.where == "catch_up" else HandOvers
+        setattr(owner, self.where, die)  # this process's class, for the rest of its short life
+
+
 def _stumble_once() -> None:
     """This process's next control reduction completes (the others get its result), then raises a peer failure."""
     from lightning_dp_strategies.strategies import control
@@ -310,6 +334,8 @@ class Run:
     """A ``BatchNorm1d`` after the first layer (its running statistics are buffers local SGD averages)."""
     dies_handing_over: tuple[str, int, int] | None = None
     """``(where, rank, step)``: :class:`DiesHandingOver`."""
+    dies_recovering: tuple[str, int] | None = None
+    """``(where, rank)``: :class:`DiesRecovering`."""
 
 
 def train(rank: int, run: Run, root: str) -> dict[str, Any]:
@@ -344,6 +370,8 @@ def train(rank: int, run: Run, root: str) -> dict[str, Any]:
         callbacks.append(DieBetweenSteps(*run.dies_between_steps))
     if run.dies_handing_over is not None:
         callbacks.append(DiesHandingOver(*run.dies_handing_over))
+    if run.dies_recovering is not None:
+        callbacks.append(DiesRecovering(*run.dies_recovering))
     if run.checkpoint_every is not None:
         every = run.checkpoint_every
         callbacks.append(

@@ -109,6 +109,22 @@ def test_a_rank_whose_step_failed_while_the_others_completed_takes_their_result(
 
 
 @pytest.mark.timeout(240)
+def test_a_rank_lost_while_a_step_behind_catches_up_is_survived(tmp_path: Path) -> None:
+    """Four ranks: rank 2's step 2 fails after the reduction completed everywhere, so it is one step behind; rank 3
+    is killed as the survivors start handing it the step's state. Ranks 0, 1 and 2 recover again without rank 3
+    (rank 2 still behind, or caught up where the state reached it before the loss cut the broadcast short) and end
+    on the uninterrupted run's parameters."""
+    reference = uninterrupted_params(Run(world=4), tmp_path / "reference")
+    outcomes, codes, _ = launch(Run(world=4, stumble=(2, 2), dies_recovering=("catch_up", 3)), tmp_path / "lost")
+    assert codes == [0, 0, 0, -9], outcomes
+    for rank in range(3):
+        result = _result(outcomes, rank)
+        assert [lost for _, lost, _ in result["recoveries"]] == [[], [3]]
+        assert result["behind"][0] == [2] and result["global_step"] == Run().steps
+        assert (_params(outcomes, rank) - reference).abs().max().item() <= TOLERANCE
+
+
+@pytest.mark.timeout(240)
 def test_a_rank_whose_last_step_before_validation_failed_catches_up_with_the_others_in_validation(
     uninterrupted: torch.Tensor, tmp_path: Path
 ) -> None:

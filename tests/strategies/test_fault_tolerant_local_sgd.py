@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -377,6 +378,30 @@ def test_a_replica_moves_whole_when_a_later_loss_gives_its_logical_rank_to_anoth
     for rank in (0, 3):
         result = ft.result(outcomes, rank)
         assert [(lost, members) for _, lost, members in result["recoveries"]] == [([2], [0, 1, 3]), ([1], [0, 3])]
+        assert (ft.final_params(outcomes, rank) - uninterrupted_of_four).abs().max().item() <= TOLERANCE
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("first", "where"), [("mid_period", "settle"), ("mid_period", "take_over"), ("validation", "take_over")]
+)
+def test_a_rank_lost_while_the_survivors_recover_is_survived_too(
+    first: str, where: str, uninterrupted_of_four: torch.Tensor, tmp_path: Path
+) -> None:
+    """Four ranks: rank 1 is killed (at the start of step 7, met at the next synchronisation; or in the second
+    epoch's validation), then rank 3 as it starts rebuilding the lost rank in that recovery, so that the others lose
+    it inside their recovery's collectives. The survivors 0 and 2 start the recovery again without rank 3, agree on
+    the same handed-over states, rebuild both lost ranks and end on the uninterrupted run's parameters."""
+    loss: dict[str, Any] = {"victim": 1, "fail_at": 7} if first == "mid_period" else {}
+    if first == "validation":
+        loss["dies_between_steps"] = ("validation", 1, 1)
+    run = ft.Run(sync_every=SYNC_EVERY, world=4, dies_recovering=(where, 3), **loss)
+    outcomes, codes, _ = ft.launch(run, tmp_path)
+    assert codes == [0, -9, 0, -9], outcomes
+    for rank in (0, 2):
+        result = ft.result(outcomes, rank)
+        assert [(lost, members) for _, lost, members in result["recoveries"]] == [([1], [0, 2, 3]), ([3], [0, 2])]
+        assert result["global_step"] == ft.Run().steps
         assert (ft.final_params(outcomes, rank) - uninterrupted_of_four).abs().max().item() <= TOLERANCE
 
 

@@ -1,0 +1,56 @@
+"""A lost rank's inner step as a replica repeats it on a survivor: the module's logging silenced, the optimizer at
+the settings of the step repeated, autograd on and the module in training mode. Each context puts back what it
+changed."""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import contextmanager
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+__all__ = ["settings", "silenced", "trainable"]
+
+
+@contextmanager
+def silenced(module: pl.LightningModule) -> Generator[None, None, None]:
+    """The module's ``log`` and ``log_dict`` do nothing inside (instance attributes over the methods, removed after)."""
+
+    def ignore(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    module.log = ignore  # type: ignore[method-assign]
+    module.log_dict = ignore  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del module.log, module.log_dict
+
+
+@contextmanager
+def settings(optimizer: torch.optim.Optimizer, settings: list[dict[str, Any]]) -> Generator[None, None, None]:
+    """The optimizer's parameter groups take ``settings`` inside (what they held is put back after)."""
+    held = [{k: group[k] for k in setting} for group, setting in zip(optimizer.param_groups, settings, strict=True)]
+    for group, setting in zip(optimizer.param_groups, settings, strict=True):
+        group.update(setting)
+    try:
+        yield
+    finally:
+        for group, setting in zip(optimizer.param_groups, held, strict=True):
+            group.update(setting)
+
+
+@contextmanager
+def trainable(module: pl.LightningModule) -> Generator[None, None, None]:
+    """Inside: autograd on and ``module`` in training mode, as at a training step, also where a replay runs in
+    validation (under ``torch.inference_mode``, the module in eval mode); each submodule's mode is put back after."""
+    modes = [(m, m.training) for m in module.modules()]
+    module.train()
+    try:
+        with torch.inference_mode(False), torch.enable_grad():
+            yield
+    finally:
+        for submodule, training in modes:
+            submodule.training = training
