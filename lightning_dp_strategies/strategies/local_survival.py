@@ -130,8 +130,7 @@ class LocalSurvival(SurvivalHooks):
         survivors = self.survival.survivors
         if module is None or self.local.averages_gradients or survivors.batches is None:
             return
-        groups = self.strategy.optimizers[0].param_groups
-        settings = [{k: v for k, v in group.items() if k != "params"} for group in groups]
+        settings = replay.snapshot(self.strategy.optimizers[0])
         step = Step(int(survivors.batches.sampler.epoch), module.trainer.fit_loop.epoch_loop.batch_idx, settings)
         self.positions.append(step)
         if self.replicas is not None:

@@ -11,7 +11,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-__all__ = ["settings", "silenced", "trainable"]
+__all__ = ["settings", "silenced", "snapshot", "trainable"]
 
 
 @contextmanager
@@ -27,6 +27,28 @@ def silenced(module: pl.LightningModule) -> Generator[None, None, None]:
         yield
     finally:
         del module.log, module.log_dict
+
+
+def snapshot(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Every parameter group's settings but its parameters, as they are now, for :func:`settings` to restore: a
+    tensor setting (a learning rate a scheduler fills in place, ``betas`` as tensors) is copied, the rest is shared.
+
+    Examples:
+        >>> optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=torch.tensor(0.1))
+        >>> then = snapshot(optimizer)
+        >>> _ = optimizer.param_groups[0]["lr"].fill_(0.2)
+        >>> round(then[0]["lr"].item(), 6), round(optimizer.param_groups[0]["lr"].item(), 6)
+        (0.1, 0.2)
+    """
+    return [{k: _copied(v) for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+
+
+def _copied(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, tuple):
+        return tuple(_copied(v) for v in value)
+    return value
 
 
 @contextmanager

@@ -42,9 +42,9 @@ TOLERANCE = FaultTolerance(timeout_s=5.0, heartbeat_s=0.2, stale_s=1.5)
 class Regression(L.LightningModule):
     """A small MLP regressing a fixed teacher, with a validation loop, a torchmetrics metric and logged losses."""
 
-    def __init__(self, schedule: bool = False, batch_norm: bool = False) -> None:
+    def __init__(self, schedule: bool = False, batch_norm: bool = False, tensor_lr: bool = False) -> None:
         super().__init__()
-        self.schedule = schedule
+        self.schedule, self.tensor_lr = schedule, tensor_lr
         norm = [nn.BatchNorm1d(16)] if batch_norm else []
         self.net = nn.Sequential(nn.Linear(8, 16), *norm, nn.Tanh(), nn.Linear(16, 1))
         self.val_mse = torchmetrics.MeanSquaredError()
@@ -71,7 +71,8 @@ class Regression(L.LightningModule):
         self.log("test_mse", self.test_mse)
 
     def configure_optimizers(self) -> Any:
-        optimizer = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        lr = torch.tensor(0.05) if self.tensor_lr else 0.05  # a tensor: the scheduler fills it in place
+        optimizer = torch.optim.SGD(self.parameters(), lr=lr, momentum=0.9)
         if not self.schedule:
             return optimizer
         decay = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1.0 + 0.3 * step))
@@ -330,6 +331,8 @@ class Run:
     """``(during, rank, epoch)``: that rank is killed in validation, testing or a save (:class:`DieBetweenSteps`)."""
     schedule: bool = False
     """The learning rate decays at every step (a ``LambdaLR`` with ``interval="step"``)."""
+    tensor_lr: bool = False
+    """The learning rate is a tensor (which a scheduler changes in place)."""
     batch_norm: bool = False
     """A ``BatchNorm1d`` after the first layer (its running statistics are buffers local SGD averages)."""
     dies_handing_over: tuple[str, int, int] | None = None
@@ -343,7 +346,7 @@ def train(rank: int, run: Run, root: str) -> dict[str, Any]:
     from lightning_dp_strategies import LocalSGDStrategy, RingAllReduceStrategy
 
     L.seed_everything(0, verbose=False)
-    model = Regression(schedule=run.schedule, batch_norm=run.batch_norm)
+    model = Regression(schedule=run.schedule, batch_norm=run.batch_norm, tensor_lr=run.tensor_lr)
     options = {"keep_global_batch": run.keep_global_batch, "state_copies": run.state_copies}
     tolerance = FaultTolerance(**{**TOLERANCE.__dict__, **options})
     strategy: RingAllReduceStrategy | LocalSGDStrategy

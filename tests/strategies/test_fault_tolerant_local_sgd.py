@@ -9,6 +9,7 @@ is the uninterrupted run's final parameters, to 1e-6 (a replica's sums run in an
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -58,11 +59,14 @@ def test_survivors_of_a_rank_killed_mid_period_end_on_the_uninterrupted_paramete
 
 
 @pytest.mark.timeout(240)
-def test_a_replay_steps_at_the_learning_rates_the_lost_rank_stepped_at(tmp_path: Path) -> None:
+@pytest.mark.parametrize("tensor_lr", [False, True])
+def test_a_replay_steps_at_the_learning_rates_the_lost_rank_stepped_at(tensor_lr: bool, tmp_path: Path) -> None:
     # the learning rate decays at every step: the replica's replay of steps 5-6 (at recovery, step 9's sync) must
-    # use the rates of steps 5 and 6, not the rate of the step where the replay runs
-    reference = ft.uninterrupted_params(ft.Run(sync_every=SYNC_EVERY, schedule=True), tmp_path / "reference")
-    outcomes, codes, _ = ft.launch(ft.Run(sync_every=SYNC_EVERY, victim=1, fail_at=7, schedule=True), tmp_path)
+    # use the rates of steps 5 and 6, not the rate of the step where the replay runs; also where the rate is a
+    # tensor, which the scheduler fills in place (a reference to it would read the current rate)
+    run = ft.Run(sync_every=SYNC_EVERY, schedule=True, tensor_lr=tensor_lr)
+    reference = ft.uninterrupted_params(run, tmp_path / "reference")
+    outcomes, codes, _ = ft.launch(dataclasses.replace(run, victim=1, fail_at=7), tmp_path / "lost")
     ft.assert_survived(outcomes, codes, 1, reference, TOLERANCE)
 
 
