@@ -38,6 +38,13 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> torch.Tensor:
     return uninterrupted_params(Run(), tmp_path_factory.mktemp("uninterrupted"))
 
 
+@pytest.fixture(scope="module")
+def uninterrupted_of_40(tmp_path_factory: pytest.TempPathFactory) -> torch.Tensor:
+    """40 steps without a failure (the admission runs pace their steps so that a replacement's start-up spans a few
+    epochs; a pace changes no parameter, so the reference runs unpaced)."""
+    return uninterrupted_params(Run(steps=40), tmp_path_factory.mktemp("forty"))
+
+
 @pytest.mark.timeout(240)
 def test_survivors_of_a_killed_rank_end_on_the_uninterrupted_parameters(
     uninterrupted: torch.Tensor, tmp_path: Path
@@ -352,22 +359,19 @@ def test_fault_tolerance_options_are_checked() -> None:
 
 @pytest.mark.timeout(300)
 def test_a_rank_lost_while_a_replacement_is_being_admitted_is_survived_and_the_admission_waits(
-    tmp_path: Path,
+    uninterrupted_of_40: torch.Tensor, tmp_path: Path
 ) -> None:
     """Rank 1 killed at step 3 and its replacement started; at the next epoch start rank 2 waits for the join
     request, then is killed, while rank 0 waits in the collective that shares the requests. Rank 0 notices the loss
     there, recovers, leaves the admission for when every lost rank has a replacement, and ends alone on the
     uninterrupted run's parameters."""
-    long = Run(steps=40, pace_s=0.15)
-    reference, codes, _ = launch(long, tmp_path / "reference")
-    assert codes == [0] * WORLD, reference
     run = Run(steps=40, pace_s=0.15, victim=1, fail_at=3, replace=True, dies_admitting=("request", 2))
     outcomes, codes, _ = launch(run, tmp_path / "lost", expected=1, linger=1.0)
     assert codes[:WORLD] == [0, -9, -9], outcomes
     survivor = _result(outcomes, 0)
     assert [(lost, members) for _, lost, members in survivor["recoveries"]] == [([1], [0, 2]), ([2], [0])]
     assert survivor["joins"] == [] and survivor["global_step"] == 40
-    assert (_params(outcomes, 0) - _params(reference, 0)).abs().max().item() <= TOLERANCE
+    assert (_params(outcomes, 0) - uninterrupted_of_40).abs().max().item() <= TOLERANCE
 
 
 ACCUMULATING = """
@@ -389,11 +393,8 @@ def test_accumulation_is_refused_at_setup(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(300)
 def test_a_replacement_joins_at_an_epoch_start_and_the_run_ends_on_the_uninterrupted_parameters(
-    tmp_path: Path,
+    uninterrupted_of_40: torch.Tensor, tmp_path: Path
 ) -> None:
-    long = Run(steps=40, pace_s=0.15)
-    reference, codes, _ = launch(long, tmp_path / "reference")
-    assert codes == [0] * WORLD, reference
     outcomes, codes, _ = launch(Run(steps=40, pace_s=0.15, victim=1, fail_at=3, replace=True), tmp_path / "joined")
     assert codes[:WORLD] == [0, -9, 0] and codes[WORLD:] == [0], outcomes
     joined = outcomes[1]
@@ -402,5 +403,5 @@ def test_a_replacement_joins_at_an_epoch_start_and_the_run_ends_on_the_uninterru
     ((step, ranks),) = outcomes[0]["joins"]  # type: ignore[index]
     assert ranks == [1] and step % 5 == 0 and 5 <= step < 40  # at an epoch's start
     for rank in range(WORLD):
-        assert (_params(outcomes, rank) - _params(reference, 0)).abs().max().item() <= TOLERANCE
+        assert (_params(outcomes, rank) - uninterrupted_of_40).abs().max().item() <= TOLERANCE
         assert outcomes[rank]["global_step"] == 40  # type: ignore[index]

@@ -33,6 +33,13 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
+def uninterrupted_of_40(tmp_path_factory: pytest.TempPathFactory) -> torch.Tensor:
+    """40 steps without a failure (the admission runs pace their steps so that a replacement's start-up spans a few
+    epochs; a pace changes no parameter, so the reference runs unpaced)."""
+    return ft.uninterrupted_params(ft.Run(steps=40, sync_every=SYNC_EVERY), tmp_path_factory.mktemp("forty"))
+
+
+@pytest.fixture(scope="module")
 def with_batch_norm(tmp_path_factory: pytest.TempPathFactory) -> torch.Tensor:
     run = ft.Run(sync_every=SYNC_EVERY, batch_norm=True)
     return ft.uninterrupted_params(run, tmp_path_factory.mktemp("batch-norm"))
@@ -316,10 +323,8 @@ def test_state_copies_without_a_hand_over_are_refused_at_construction() -> None:
 
 @pytest.mark.timeout(300)
 def test_a_replacement_takes_its_replicas_state_and_the_run_ends_on_the_uninterrupted_parameters(
-    tmp_path: Path,
+    uninterrupted_of_40: torch.Tensor, tmp_path: Path
 ) -> None:
-    long = ft.Run(steps=40, pace_s=0.15, sync_every=SYNC_EVERY)
-    reference = ft.uninterrupted_params(long, tmp_path / "reference")
     run = ft.Run(steps=40, pace_s=0.15, sync_every=SYNC_EVERY, victim=1, fail_at=3, replace=True)
     outcomes, codes, _ = ft.launch(run, tmp_path / "joined")
     assert codes[: ft.WORLD] == [0, -9, 0] and codes[ft.WORLD :] == [0], outcomes
@@ -327,20 +332,18 @@ def test_a_replacement_takes_its_replicas_state_and_the_run_ends_on_the_uninterr
     ((step, ranks),) = ft.result(outcomes, 0)["joins"]
     assert ranks == [1] and step % 5 == 0 and 5 <= step < 40  # at an epoch's start, in sync after validation
     for rank in range(ft.WORLD):
-        assert (ft.final_params(outcomes, rank) - reference).abs().max().item() <= TOLERANCE
+        assert (ft.final_params(outcomes, rank) - uninterrupted_of_40).abs().max().item() <= TOLERANCE
         assert ft.result(outcomes, rank)["global_step"] == 40
 
 
 @pytest.mark.timeout(300)
 def test_a_rank_lost_while_a_replacement_is_being_admitted_is_survived_and_the_admission_waits(
-    tmp_path: Path,
+    uninterrupted_of_40: torch.Tensor, tmp_path: Path
 ) -> None:
     """Rank 1 killed at step 3 and its replacement started; rank 2 killed as the survivors make the admission's
     local SGD record (rank 0 waits in its gather). Rank 0 recovers, rebuilds logical rank 2 from the state it kept,
     leaves the admission for when every lost rank has a replacement, and ends alone on the uninterrupted run's
     parameters."""
-    long = ft.Run(steps=40, pace_s=0.15, sync_every=SYNC_EVERY)
-    reference = ft.uninterrupted_params(long, tmp_path / "reference")
     run = ft.Run(
         steps=40, pace_s=0.15, sync_every=SYNC_EVERY, victim=1, fail_at=3, replace=True, dies_admitting=("on_admit", 2)
     )
@@ -349,7 +352,7 @@ def test_a_rank_lost_while_a_replacement_is_being_admitted_is_survived_and_the_a
     survivor = ft.result(outcomes, 0)
     assert [(lost, members) for _, lost, members in survivor["recoveries"]] == [([1], [0, 2]), ([2], [0])]
     assert survivor["joins"] == [] and survivor["global_step"] == 40
-    assert (ft.final_params(outcomes, 0) - reference).abs().max().item() <= TOLERANCE
+    assert (ft.final_params(outcomes, 0) - uninterrupted_of_40).abs().max().item() <= TOLERANCE
 
 
 @pytest.fixture(scope="module")
