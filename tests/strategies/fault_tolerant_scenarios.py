@@ -238,27 +238,32 @@ class DiesHandingOver(L.Callback):
 
 
 class DiesRecovering(L.Callback):
-    """``rank`` is SIGKILLed as it starts its part of the first recovery's collectives, so the other survivors lose
-    it inside their recovery. Local SGD: on entering ``HandOvers.settle`` (the survivors' choice of handed-over
-    states, ``where="settle"``) or ``HandOvers.take_over`` (once that choice is agreed, ``"take_over"``). The ring:
-    on entering ``TrainerSurvival.catch_up`` (a completed step's state handed to a rank one step behind,
-    ``"catch_up"``)."""
+    """``rank`` is SIGKILLed as it starts its part of a recovery's collectives (its ``nth`` call of ``where``), so the
+    other survivors lose it inside their recovery. Local SGD: on entering ``HandOvers.settle`` (the survivors' choice
+    of handed-over states, ``where="settle"``), ``HandOvers.take_over`` (once that choice is agreed, ``"take_over"``)
+    or the take-over's exchanges (``"exchange"``: the first of each take-over says who needs what, the second sends
+    the states and replicas). The ring: on entering ``TrainerSurvival.catch_up`` (a completed step's state handed to
+    a rank one step behind, ``"catch_up"``)."""
 
-    def __init__(self, where: str, rank: int) -> None:
-        self.where, self.rank = where, rank
+    def __init__(self, where: str, rank: int, nth: int = 1) -> None:
+        self.where, self.rank, self.nth = where, rank, nth
 
     def on_train_start(self, trainer: L.Trainer, *args: Any) -> None:
-        from lightning_dp_strategies.strategies.local_handover import HandOvers
+        from lightning_dp_strategies.strategies import local_handover
         from lightning_dp_strategies.strategies.survival import TrainerSurvival
 
         if trainer.global_rank != self.rank:
             return
+        owner: Any = {"catch_up": TrainerSurvival, "exchange": local_handover}.get(self.where, local_handover.HandOvers)
+        original, calls = getattr(owner, self.where), [0]
 
-        def die(*args: Any, **kwargs: Any) -> Any:
-            os.kill(os.getpid(), signal.SIGKILL)
+        def dying(*args: Any, **kwargs: Any) -> Any:
+            calls[0] += 1
+            if calls[0] == self.nth:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return original(*args, **kwargs)
 
-        owner = TrainerSurvival if self.where == "catch_up" else HandOvers
-        setattr(owner, self.where, die)  # this process's class, for the rest of its short life
+        setattr(owner, self.where, dying)  # this process's, for the rest of its short life
 
 
 def _stumble_once() -> None:
@@ -337,7 +342,7 @@ class Run:
     """A ``BatchNorm1d`` after the first layer (its running statistics are buffers local SGD averages)."""
     dies_handing_over: tuple[str, int, int] | None = None
     """``(where, rank, step)``: :class:`DiesHandingOver`."""
-    dies_recovering: tuple[str, int] | None = None
+    dies_recovering: tuple[str, int] | tuple[str, int, int] | None = None
     """``(where, rank)``: :class:`DiesRecovering`."""
 
 

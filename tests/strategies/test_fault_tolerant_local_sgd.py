@@ -413,6 +413,35 @@ def test_a_rank_lost_while_the_survivors_recover_is_survived_too(
 
 
 @pytest.mark.timeout(300)
+def test_a_replica_whose_move_a_loss_cut_short_stays_with_its_trainer(
+    uninterrupted_of_four: torch.Tensor, tmp_path: Path
+) -> None:
+    """Four ranks, two copies of every inner state: rank 2 killed in the first epoch (rank 0 takes logical rank 2
+    over), rank 1 in the second, so rank 0's replica of logical rank 2 moves to rank 3; rank 3 is killed as it starts
+    the exchange that carries it. Rank 0, whose sending failed, still trains that replica, takes logical ranks 1 and 3
+    over from the states it kept, and ends alone on the uninterrupted run's parameters."""
+    run = ft.Run(
+        sync_every=SYNC_EVERY,
+        world=4,
+        state_copies=2,
+        victim=2,
+        fail_at=3,
+        also=(1, 8),
+        dies_recovering=("exchange", 3, 4),
+    )
+    outcomes, codes, _ = ft.launch(run, tmp_path, expected=1)
+    assert codes == [0, -9, -9, -9], outcomes
+    result = ft.result(outcomes, 0)
+    assert [(lost, members) for _, lost, members in result["recoveries"]] == [
+        ([2], [0, 1, 3]),
+        ([1], [0, 3]),
+        ([3], [0]),
+    ]
+    assert result["global_step"] == ft.Run().steps
+    assert (ft.final_params(outcomes, 0) - uninterrupted_of_four).abs().max().item() <= TOLERANCE
+
+
+@pytest.mark.timeout(300)
 def test_a_rank_lost_with_the_member_that_kept_its_state_stops_every_survivor_naming_it(tmp_path: Path) -> None:
     """Four ranks, 1 and 2 killed at the start of step 7: rank 2 kept rank 1's inner state, so logical rank 1
     cannot be rebuilt; both survivors stop with the error (neither waits for the other)."""
