@@ -238,12 +238,14 @@ class DiesHandingOver(L.Callback):
 
 
 class DiesRecovering(L.Callback):
-    """``rank`` is SIGKILLed as it starts its part of a recovery's collectives (its ``nth`` call of ``where``), so the
-    other survivors lose it inside their recovery. Local SGD: on entering ``HandOvers.settle`` (the survivors' choice
-    of handed-over states, ``where="settle"``), ``HandOvers.take_over`` (once that choice is agreed, ``"take_over"``)
-    or the take-over's exchanges (``"exchange"``: the first of each take-over says who needs what, the second sends
-    the states and replicas). The ring: on entering ``TrainerSurvival.catch_up`` (a completed step's state handed to
-    a rank one step behind, ``"catch_up"``)."""
+    """``rank`` is SIGKILLed as it starts its part of a recovery's collectives (its ``nth`` call of ``where``), so
+    the other survivors lose it inside their recovery. Local SGD: on entering ``HandOvers.settle`` (the survivors'
+    choice of handed-over states, ``where="settle"``), ``HandOvers.take_over`` (once that choice is agreed,
+    ``"take_over"``) or the take-over's exchanges (``"exchange"``: the first of each take-over says who needs what,
+    the second sends the states and replicas); or, with ``where="_start"``, as it starts sending its states once a
+    recovery in a synchronisation ended the period (its first ``HandOvers._start`` after a recovery). The ring: on
+    entering ``TrainerSurvival.catch_up`` (a completed step's state handed to a rank one step behind,
+    ``"catch_up"``)."""
 
     def __init__(self, where: str, rank: int, nth: int = 1) -> None:
         self.where, self.rank, self.nth = where, rank, nth
@@ -258,7 +260,8 @@ class DiesRecovering(L.Callback):
         original, calls = getattr(owner, self.where), [0]
 
         def dying(*args: Any, **kwargs: Any) -> Any:
-            calls[0] += 1
+            if self.where != "_start" or args[0].survivors.recoveries:
+                calls[0] += 1
             if calls[0] == self.nth:
                 os.kill(os.getpid(), signal.SIGKILL)
             return original(*args, **kwargs)

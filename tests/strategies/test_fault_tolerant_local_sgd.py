@@ -390,15 +390,17 @@ def test_a_replica_moves_whole_when_a_later_loss_gives_its_logical_rank_to_anoth
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-    ("first", "where"), [("mid_period", "settle"), ("mid_period", "take_over"), ("validation", "take_over")]
+    ("first", "where"),
+    [("mid_period", "settle"), ("mid_period", "take_over"), ("mid_period", "_start"), ("validation", "take_over")],
 )
 def test_a_rank_lost_while_the_survivors_recover_is_survived_too(
     first: str, where: str, uninterrupted_of_four: torch.Tensor, tmp_path: Path
 ) -> None:
     """Four ranks: rank 1 is killed (at the start of step 7, met at the next synchronisation; or in the second
-    epoch's validation), then rank 3 as it starts rebuilding the lost rank in that recovery, so that the others lose
-    it inside their recovery's collectives. The survivors 0 and 2 start the recovery again without rank 3, agree on
-    the same handed-over states, rebuild both lost ranks and end on the uninterrupted run's parameters."""
+    epoch's validation), then rank 3 as it starts rebuilding the lost rank in that recovery, or (``"_start"``) once
+    the recovery ended the period, as it starts sending its states; the others lose it inside their recovery's
+    collectives. The survivors 0 and 2 start the recovery again without rank 3, agree on the same handed-over states
+    (and replay the ended period once), rebuild both lost ranks and end on the uninterrupted run's parameters."""
     loss: dict[str, Any] = {"victim": 1, "fail_at": 7} if first == "mid_period" else {}
     if first == "validation":
         loss["dies_between_steps"] = ("validation", 1, 1)
