@@ -28,11 +28,46 @@ from lightning_dp_strategies.comm.failures import PeerLostError, wait_work
 from lightning_dp_strategies.core.fault_tolerance import Recovery, Survivors
 from lightning_dp_strategies.core.membership import ExcludedError, is_peer_failure
 
-__all__ = ["ControlCollectives", "all_reduce", "barrier", "broadcast_object", "copied", "gather", "gather_object"]
+__all__ = [
+    "ControlCollectives",
+    "all_reduce",
+    "barrier",
+    "broadcast_object",
+    "copied",
+    "gather",
+    "gather_object",
+    "redone",
+]
 
 T = TypeVar("T")
 Interrupt = Callable[[], str | None] | None
 """Polled while a collective waits: why it cannot complete (a peer known lost), or ``None``; ``None``: not polled."""
+
+
+def redone(attempt: Callable[[BaseException | None], T], tries: int, gave_up: Exception) -> T:
+    """``attempt(failure)``, tried again after each peer failure, at most ``tries`` times; ``failure`` is the last
+    one (``None`` at first), and the attempt recovers from it first. The recovery runs inside the attempt, so a loss
+    while the survivors recover is met like any other and the recovery starts again. ``ExcludedError`` (this rank was
+    left out) and every other error propagate; ``gave_up`` is raised after ``tries`` failures.
+
+    Examples:
+        >>> failures = [PeerLostError("a peer is gone")]
+        >>> def attempt(failure):
+        ...     if failures:
+        ...         raise failures.pop()
+        ...     return f"done after {failure}"
+        >>> redone(attempt, 2, RuntimeError("given up"))
+        'done after a peer is gone'
+    """
+    failure: BaseException | None = None
+    for _ in range(tries):
+        try:
+            return attempt(failure)
+        except Exception as error:
+            if isinstance(error, ExcludedError) or not is_peer_failure(error):
+                raise
+            failure = error
+    raise gave_up from failure
 
 
 def barrier(group: dist.ProcessGroup, interrupt: Interrupt) -> None:
@@ -111,28 +146,21 @@ class ControlCollectives:
         survivors after each peer failure."""
         if not (self.active and self.survivors.started):
             return self._done(attempt(self._group(), None))
-        failure: BaseException | None = None
-        for _ in range(self.survivors.world_size):
-            try:
-                if failure is not None:  # in the try: a loss while the survivors recover starts the recovery again
-                    record = self._recover(failure)
-                    if record.behind:  # a survivor's optimizer step failed while this rank's completed
-                        self._catch_up(record)
-                    elif record.behind_control:
-                        handed = self.hand_over(record)
-                        if dist.get_rank() in record.behind_control:
-                            return self._done(handed)
-                result = attempt(self._group(), self.survivors.interrupted)
-            except Exception as error:
-                if isinstance(error, ExcludedError) or not is_peer_failure(error):
-                    raise
-                failure = error
-                continue
-            return self._done(result)
-        raise PeerLostError(
-            f"A collective between optimizer steps met {self.survivors.world_size} peer failures in a row (as many as "
-            "there were ranks); giving up."
-        )
+
+        def once(failure: BaseException | None) -> T:
+            if failure is not None:
+                record = self._recover(failure)
+                if record.behind:  # a survivor's optimizer step failed while this rank's completed
+                    self._catch_up(record)
+                elif record.behind_control:
+                    handed = self.hand_over(record)
+                    if dist.get_rank() in record.behind_control:
+                        return handed
+            return attempt(self._group(), self.survivors.interrupted)
+
+        tries = self.survivors.world_size
+        gave_up = PeerLostError(f"A collective between optimizer steps met {tries} peer failures in a row; giving up.")
+        return self._done(redone(once, tries, gave_up))
 
     def _group(self) -> dist.ProcessGroup:
         group = self.survivors.control_group

@@ -45,7 +45,7 @@ from torch import Tensor
 
 from lightning_dp_strategies.comm.failures import PeerLostError
 from lightning_dp_strategies.core.fault_tolerance import PREFIX, Recovery
-from lightning_dp_strategies.core.membership import is_peer_failure, logical_shares
+from lightning_dp_strategies.core.membership import logical_shares
 from lightning_dp_strategies.local_sgd import LocalSGD
 from lightning_dp_strategies.local_sgd.averaging import averageable, outer_reducer
 from lightning_dp_strategies.local_sgd.checkpoint import merged_record, rank_record
@@ -58,6 +58,7 @@ from lightning_dp_strategies.strategies.control import (
     broadcast_object,
     copied,
     gather_object,
+    redone,
 )
 from lightning_dp_strategies.strategies.local_handover import HandOvers, Period, Step
 from lightning_dp_strategies.strategies.survival import SurvivingStrategy, TrainerSurvival
@@ -172,33 +173,34 @@ class LocalSurvival(SurvivalHooks):
         recover and finish or redo (see the module docstring). A loss during the recovery starts it again."""
         local, survivors, handovers = self.local, self.survival.survivors, self.handovers
         done = ended = False  # this rank has the average / has ended the period (its states sent)
-        record: Recovery | None = None
         changes: list[Tensor] = []
-        for _ in range(survivors.world_size):
-            try:
-                if record is not None:
-                    changes, done = self._recovered(record, changes, done, ended)
-                if not done:
-                    if handovers is not None:
-                        handovers.finish()
-                    with torch.no_grad():
-                        changes = self._changes(indices)
-                        local.averager.average(changes, len(indices))  # the caller counts the wait (_collective)
-                        if survivors.grad_scale != 1.0:
-                            torch._foreach_mul_(changes, survivors.grad_scale)
-                    done = True
-                self._commit()
+
+        def once(failure: BaseException | None) -> list[Tensor]:
+            nonlocal changes, done, ended
+            if failure is not None:
+                record = self.survival.recover(failure, progress=int(done))
+                changes, done = self._recovered(record, changes, done, ended)
+            if not done:
                 if handovers is not None:
-                    period, ended = (None if ended else self._ended()), True  # ended before the states leave
-                    handovers.commit(period)
-                    if record is not None:  # the lost ranks' keepers were lost: the new ones hold their states now
-                        handovers.finish()
-                return changes
-            except Exception as error:
-                if not is_peer_failure(error):
-                    raise
-                record = self.survival.recover(error, progress=int(done))
-        raise RuntimeError(f"Local SGD lost a rank in each of {survivors.world_size} tries of one synchronisation.")
+                    handovers.finish()
+                with torch.no_grad():
+                    changes = self._changes(indices)
+                    local.averager.average(changes, len(indices))  # the caller counts the wait (_collective)
+                    if survivors.grad_scale != 1.0:
+                        torch._foreach_mul_(changes, survivors.grad_scale)
+                done = True
+            self._commit()
+            if handovers is not None:
+                period, ended = (None if ended else self._ended()), True  # ended before the states leave
+                handovers.commit(period)
+                if failure is not None:  # the lost ranks' keepers were lost: the new ones hold their states now
+                    handovers.finish()
+            return changes
+
+        tries = survivors.world_size
+        return redone(
+            once, tries, RuntimeError(f"Local SGD lost a rank in each of {tries} tries of a synchronisation.")
+        )
 
     def _ended(self) -> Period:
         """The period this synchronisation ends, as a replay trains it (its anchor copied: the outer step moves it)."""

@@ -52,10 +52,11 @@ def _copied(value: Any) -> Any:
 
 
 @contextmanager
-def settings(optimizer: torch.optim.Optimizer, settings: list[dict[str, Any]]) -> Generator[None, None, None]:
-    """The optimizer's parameter groups take ``settings`` inside (what they held is put back after)."""
-    held = [{k: group[k] for k in setting} for group, setting in zip(optimizer.param_groups, settings, strict=True)]
-    for group, setting in zip(optimizer.param_groups, settings, strict=True):
+def settings(optimizer: torch.optim.Optimizer, recorded: list[dict[str, Any]]) -> Generator[None, None, None]:
+    """The optimizer's parameter groups take the ``recorded`` settings (:func:`snapshot`) inside (what they held is
+    put back after)."""
+    held = [{k: group[k] for k in setting} for group, setting in zip(optimizer.param_groups, recorded, strict=True)]
+    for group, setting in zip(optimizer.param_groups, recorded, strict=True):
         group.update(setting)
     try:
         yield

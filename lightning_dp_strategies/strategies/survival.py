@@ -46,9 +46,8 @@ from lightning_dp_strategies.core.fault_tolerance import (
     request_join,
     wants_to_join,
 )
-from lightning_dp_strategies.core.membership import ExcludedError, is_peer_failure
 from lightning_dp_strategies.core.module_state import broadcast_module_buffers, sync_module_states
-from lightning_dp_strategies.strategies.control import ControlCollectives, Interrupt, broadcast_object
+from lightning_dp_strategies.strategies.control import ControlCollectives, Interrupt, broadcast_object, redone
 from lightning_dp_strategies.strategies.survival_hooks import SurvivalHooks, SurvivingStrategy
 
 __all__ = ["TrainerSurvival", "check_survivable"]
@@ -264,21 +263,19 @@ class TrainerSurvival:
         completed takes their result instead (:meth:`catch_up`). Lightning's collectives inside the step fail with
         it, and the step is redone."""
         between_steps, self.control.active = self.control.active, False
-        failure: BaseException | None = None
+
+        def once(failure: BaseException | None) -> tuple[bool, Any]:
+            if failure is not None and self._recovered(self.recover(failure), closure):
+                return True, None  # caught up: the step's state came from a survivor that completed it
+            return False, run()
+
         try:
-            for _ in range(self.strategy.world_size):
-                try:
-                    if failure is not None and self._recovered(self.recover(failure), closure):
-                        return None
-                    output = run()
-                except Exception as error:
-                    if isinstance(error, ExcludedError) or not is_peer_failure(error):
-                        raise
-                    failure = error  # recovered in the next try: a loss while the survivors recover is survived too
-                else:
-                    self.hooks.after_own_step()
-                    return output
-            raise PeerLostError(f"An optimizer step met {self.strategy.world_size} peer failures in a row; giving up.")
+            tries = self.strategy.world_size
+            gave_up = PeerLostError(f"An optimizer step met {tries} peer failures in a row; giving up.")
+            caught_up, output = redone(once, tries, gave_up)
+            if not caught_up:
+                self.hooks.after_own_step()
+            return output
         finally:
             self.control.active = between_steps
 
