@@ -9,14 +9,16 @@ and fills in their bytes as the owners send them, one tensor after the other::
                   send tensor 0, 1, ... ─────────────────────────────────────▶ data/<key> of each stand-in
 
 The file is what ``torch.save`` writes for the same checkpoint with the real tensors: ``torch.load`` (also with
-``mmap=True``) and ``Model.load_from_checkpoint`` read it. The writer holds its own tensors and one tensor in
-flight; an owner sends from the tensors it trains, without a copy on the same device.
+``mmap=True``) and ``Model.load_from_checkpoint`` read it. Besides its own tensors the writer holds one buffer, the
+size of the largest tensor it receives, that each tensor arrives in; an owner sends from the tensors it trains,
+without a copy on the same device.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import math
 import pickle
 import sys
 from collections import OrderedDict
@@ -117,17 +119,27 @@ class Inbox:
         return self._stand_ins.get(id(tensor)) if tensor.is_meta else None
 
     def receive(
-        self, receive: Receive, device: torch.device | str = "cpu"
+        self, receive: Receive, device: torch.device | str = "cpu", reuse: bool = False
     ) -> Generator[tuple[int, int, Tensor], None, None]:
         """Receive every expected tensor, source rank by source rank, one at a time: ``(src, index, tensor)``.
 
-        Closing the generator early still receives the rest (into a scratch buffer), so no sender is left waiting;
-        a failed receive ends it."""
+        With ``reuse``, every tensor arrives in the same buffer (the largest tensor's bytes, allocated once), so a
+        tensor is valid only until the next is taken; the writer's memory then does not depend on how the allocator
+        places a fresh buffer for each. Closing the generator early still receives the rest, so no sender is left
+        waiting; a failed receive ends it."""
         order = [(src, remote) for src in sorted(self._expected) for remote in self._expected[src]]
+        sizes = [math.prod(remote.shape) * remote.dtype.itemsize for _, remote in order]
+        scratch = torch.empty(max(sizes, default=0), dtype=torch.uint8, device=device) if reuse else None
+
+        def buffer_for(remote: Remote, nbytes: int) -> Tensor:
+            if scratch is None:
+                return torch.empty(remote.shape, dtype=remote.dtype, device=device)
+            return scratch[:nbytes].view(remote.dtype).view(remote.shape)
+
         done, broken = 0, False
         try:
-            for src, remote in order:
-                buffer = torch.empty(remote.shape, dtype=remote.dtype, device=device)
+            for (src, remote), nbytes in zip(order, sizes, strict=True):
+                buffer = buffer_for(remote, nbytes)
                 try:
                     receive(src, buffer)
                 except BaseException:
@@ -136,13 +148,13 @@ class Inbox:
                 done += 1
                 yield src, remote.index, buffer
         finally:
-            for src, remote in [] if broken else order[done:]:
-                receive(src, torch.empty(remote.shape, dtype=remote.dtype, device=device))
+            for (src, remote), nbytes in [] if broken else list(zip(order, sizes, strict=True))[done:]:
+                receive(src, buffer_for(remote, nbytes))
             self._expected, self._stand_ins, self._keep = {}, {}, []
 
     def drain(self, receive: Receive, device: torch.device | str = "cpu") -> None:
         """Receive and drop whatever is still expected (after a failure), so that no sender is left waiting."""
-        for _ in self.receive(receive, device):
+        for _ in self.receive(receive, device, reuse=True):
             pass
 
     def fill(self, obj: Any, receive: Receive, device: torch.device | str = "cpu") -> Any:
@@ -248,7 +260,7 @@ def write_streamed(
     buffer = io.BytesIO()
     pickler = _Pickler(buffer, inbox)
     pickler.dump(obj)
-    stream = contextlib.closing(inbox.receive(receive, device))  # closed early, it still receives the rest
+    stream = contextlib.closing(inbox.receive(receive, device, reuse=True))  # closed early: receives the rest
     with torch.serialization._open_zipfile_writer(file) as archive, stream as arriving:
         _write_header(archive, buffer.getvalue())
         for key, storage in pickler.own.items():
@@ -257,5 +269,5 @@ def write_streamed(
         for src, index, tensor in arriving:
             record = pickler.pending.get((src, index))
             if record is not None:
-                tensor = tensor.cpu()
-                archive.write_record(f"data/{record}", tensor.untyped_storage(), tensor.untyped_storage().nbytes())
+                tensor = tensor.cpu()  # its bytes start its storage, which may be longer (a reused buffer)
+                archive.write_record(f"data/{record}", tensor.untyped_storage(), tensor.numel() * tensor.itemsize)

@@ -8,9 +8,9 @@ rank tells rank 0 which state its pieces hold: keys, dtypes and small values suc
     write:    rank 0 writes the file; for each stand-in in turn it receives every piece from the rank that owns it
 
 The file holds what one optimizer over the whole module would save (numbered by its original parameter groups), so
-any strategy and single-device training load it. No rank holds more than its own pieces and one whole tensor in
-flight. Loading (:func:`local_state`) cuts a whole state to this rank's pieces under the current layout, whatever the
-world size that saved it.
+any strategy and single-device training load it. No rank holds more than its own pieces and one buffer the size of
+the largest whole tensor, which each arrives in. Loading (:func:`local_state`) cuts a whole state to this rank's
+pieces under the current layout, whatever the world size that saved it.
 """
 
 from __future__ import annotations

@@ -53,14 +53,17 @@ def assert_same(got: Any, want: Any) -> None:
 def test_the_file_loads_as_what_torch_save_writes_for_the_real_tensors(tmp_path: Path, mmap: bool) -> None:
     checkpoint, expected, inbox, sent = owner_and_writer()
     arrived: list[tuple[int, tuple[int, ...]]] = []
+    buffers: set[int] = set()
 
     def receive(src: int, buffer: Tensor) -> None:
         arrived.append((src, tuple(buffer.shape)))
+        buffers.add(buffer.untyped_storage().data_ptr())
         buffer.copy_(sent.pop(0))
 
     with open(tmp_path / "streamed.ckpt", "wb") as file:
         write_streamed(checkpoint, file, inbox, receive)
     assert arrived == [(2, (3, 4)), (2, (3,)), (2, ()), (2, (3, 4))]  # one tensor at a time, in the owner's order
+    assert len(buffers) == 1  # each arrives in the same buffer: the writer allocates nothing a tensor
     loaded = torch.load(tmp_path / "streamed.ckpt", weights_only=True, mmap=mmap)
     assert_same(loaded, expected)
     row, weight = loaded["state_dict"]["body.0.row"], loaded["state_dict"]["body.0.weight"]
