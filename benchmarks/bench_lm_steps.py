@@ -27,11 +27,18 @@ and, named with ``--variants`` (:data:`DEFAULT_VARIANTS`), one knob of ``streami
     streaming_outer_lr_1.2  the averaged change applied with an outer learning rate of 1.2 (SGD, no momentum)
     streaming_every_2       two fragments, each synchronised every 2 steps (twice the bytes)
 
+and local SGD's bound on them (``--variants ddp local_sgd_every_1``):
+
+    local_sgd_every_1       LocalSGDStrategy(sync_every=1): the ranks' parameters averaged after every step, each
+                            rank's own AdamW stepping on its own half of the global batch
+
 Usage::
 
     python benchmarks/bench_lm_steps.py --seeds 0 1 2 3 --json benchmarks/results/lm_steps.json
     python benchmarks/bench_lm_steps.py --seeds 0 1 2 3 --variants ddp streaming_diloco streaming_outer_lr_1.2 \
         streaming_every_2 --json benchmarks/results/lm_steps_knobs.json
+    python benchmarks/bench_lm_steps.py --seeds 0 1 2 3 --variants ddp local_sgd_every_1 \
+        --json benchmarks/results/lm_steps_every_1.json
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ VARIANTS: dict[str, str] = {
     "local_sgd": "LocalSGDStrategy(sync_every=8)",
     "streaming_outer_lr_1.2": f'LocalSGDStrategy({STREAMING}"int4", outer_optimizer={OUTER_SGD}1.2))',
     "streaming_every_2": 'LocalSGDStrategy(sync_every=2, fragments=2, delay=1, outer_precision="int4")',
+    "local_sgd_every_1": "LocalSGDStrategy(sync_every=1)",
 }
 """Each variant's ``Trainer(strategy=...)``, as Python evaluated over the package's names and ``torch``."""
 
