@@ -122,7 +122,14 @@ class LocalSurvival(SurvivalHooks):
             optimizer = self.strategy.optimizers[0]
             self.replicas = Replicas(local.params, local.buffers, optimizer)
             self.handovers = HandOvers(self.survival.survivors, self.replicas, self.rank)
-            self.handovers.hand_over()
+            try:
+                self.handovers.hand_over()
+            except RuntimeError as failure:  # the backend's error, or PeerLostError
+                raise RuntimeError(
+                    "Fault-tolerant local SGD could not hand the inner optimizer states over at the start of training "
+                    f"({failure}). A rank lost before this first hand-over completes cannot be rebuilt: no survivor "
+                    "holds its state yet. Restart the job (from the last checkpoint, if any)."
+                ) from failure
 
     # ------------------------------------------------------------------ each inner step
     def after_own_step(self) -> None:

@@ -456,6 +456,20 @@ def test_a_rank_lost_with_the_member_that_kept_its_state_stops_every_survivor_na
         assert "FaultTolerance(state_copies=2)" in str(outcomes[rank])
 
 
+@pytest.mark.timeout(120)
+def test_a_rank_lost_in_the_first_hand_over_stops_every_survivor_saying_so(tmp_path: Path) -> None:
+    """Three ranks, rank 1 killed as it starts the hand-over of the inner states at the start of training: no
+    survivor holds its state, so both survivors stop at once with an error that says where and what to do (not the
+    backend's connection error alone)."""
+    run = ft.Run(sync_every=SYNC_EVERY, world=3, dies_recovering=("hand_over", 1))
+    outcomes, codes, _ = ft.launch(run, tmp_path, timeout=60)  # a survivor that waited would report nothing
+    assert codes == [0, -9, 0], outcomes
+    for rank in (0, 2):
+        assert isinstance(outcomes.get(rank), RuntimeError), outcomes
+        assert "could not hand the inner optimizer states over at the start of training" in str(outcomes[rank])
+        assert "Restart the job" in str(outcomes[rank])
+
+
 @pytest.mark.timeout(300)
 def test_with_two_copies_a_rank_lost_with_its_first_keeper_is_rebuilt_from_the_second(
     uninterrupted_of_four: torch.Tensor, tmp_path: Path
