@@ -45,7 +45,7 @@ from torch import Tensor
 
 from lightning_dp_strategies.comm.failures import PeerLostError
 from lightning_dp_strategies.core.fault_tolerance import PREFIX, Recovery
-from lightning_dp_strategies.core.membership import logical_shares
+from lightning_dp_strategies.core.membership import is_peer_failure, logical_shares
 from lightning_dp_strategies.local_sgd import LocalSGD
 from lightning_dp_strategies.local_sgd.averaging import averageable, outer_reducer
 from lightning_dp_strategies.local_sgd.checkpoint import merged_record, rank_record
@@ -124,7 +124,9 @@ class LocalSurvival(SurvivalHooks):
             self.handovers = HandOvers(self.survival.survivors, self.replicas, self.rank)
             try:
                 self.handovers.hand_over()
-            except RuntimeError as failure:  # the backend's error, or PeerLostError
+            except Exception as failure:
+                if not is_peer_failure(failure):
+                    raise
                 raise RuntimeError(
                     "Fault-tolerant local SGD could not hand the inner optimizer states over at the start of training "
                     f"({failure}). A rank lost before this first hand-over completes cannot be rebuilt: no survivor "
