@@ -140,7 +140,8 @@ def render(name: str) -> str:
         )
     data = json.loads(path.read_text())
     *steps, last = data["command"].split(" && ")  # a chain of commands keeps its earlier steps' outputs
-    ran = " && ".join([*steps, re.sub(r" --json[ =]\S+", "", last)])  # the last step's output is said below
+    # the last step's output is said below; a figure written outside the repository is not part of the result
+    ran = " && ".join([*steps, re.sub(r" --json[ =]\S+| --figure[ =]/\S+", "", last)])
     if "machine" in data:
         lines = [f"*Machine:* {_machine(data)}.  ", f"*Command:* `{ran} --json benchmarks/results/{name}.json`.", ""]
     else:  # computed, not measured

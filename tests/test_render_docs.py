@@ -214,12 +214,17 @@ def test_check_fails_where_the_readme_compare_table_and_the_stored_run_differ(
             "python b.py --json out.json && python b.py --x 2 --add-to out.json --json out.json",
             "python b.py --json out.json && python b.py --x 2 --add-to out.json --json benchmarks/results/demo.json",
         ),
+        (  # a figure written outside the repository is dropped; one written into it is kept
+            "python b.py --figure /tmp/f.png --json /tmp/o.json --figure docs/figures/f.png",
+            "python b.py --figure docs/figures/f.png --json benchmarks/results/demo.json",
+        ),
     ],
 )
 def test_the_command_line_keeps_every_step_of_a_chain_and_names_the_stored_file_once(
     demo: Path, command: str, shown: str
 ) -> None:
-    """The renderer replaces the last step's ``--json`` with the stored file; an earlier step's output is its input."""
+    """The renderer replaces the last step's ``--json`` with the stored file; an earlier step's output is its input.
+    A ``--figure`` written outside the repository is not part of what a clone reruns."""
     (render_docs.RESULTS / "demo.json").write_text(json.dumps({"command": command, "machine": {"cpu_count": 2}}))
     assert f"*Command:* `{shown}`." in render_docs.render("demo")
 
