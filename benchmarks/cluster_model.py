@@ -208,10 +208,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("results", type=Path, nargs="?", default=ROOT / "benchmarks" / "results" / "cluster.json")
     parser.add_argument("--figure", type=Path, default=FIGURE)
-    parser.add_argument("--guide", type=Path, nargs="?", const=ROOT / "benchmarks" / "results" / "network_guide.json")
+    parser.add_argument(
+        "--guide",
+        type=Path,
+        nargs="?",
+        const=ROOT / "benchmarks" / "results" / "network_guide.json",
+        help="write the predicted guide table: to this path, to --json, or to benchmarks/results/network_guide.json",
+    )
+    parser.add_argument("--json", type=Path, help="with --guide: where the guide table goes")
     args = parser.parse_args()
     if args.guide is not None:
-        return write_guide(args.guide)
+        return write_guide(args.json or args.guide)
     data = json.loads(args.results.read_text())
     for row in prediction_rows(data):
         print("  ".join(str(c) for c in row))

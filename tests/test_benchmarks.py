@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 TINY = ["--width", "32", "--depth", "1"]
@@ -450,3 +451,60 @@ def test_every_report_names_the_processor(monkeypatch: pytest.MonkeyPatch, tmp_p
     real = _results.Path
     monkeypatch.setattr(_results, "Path", lambda p: real(cpuinfo) if p == "/proc/cpuinfo" else real(p))
     assert _results.Report("demo", {}).data["machine"]["cpu"] == "Made Up CPU 9000"
+
+
+class _Parsed(Exception):
+    """Raised in place of running a benchmark once its command line is parsed."""
+
+
+def _stored_commands() -> list[tuple[str, str]]:
+    """Every step of every stored result's command, and the command each page shows where a result is missing."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import render_docs
+
+    steps = [
+        (f"{path.stem}: {step}", step)
+        for path in sorted((BENCHMARKS / "results").glob("*.json"))
+        for step in json.loads(path.read_text())["command"].split(" && ")
+    ]
+    missing = [
+        (f"{name} (when missing): {command}", f"{command} --json benchmarks/results/{name}.json")
+        for name, command in render_docs.COMMANDS.items()
+    ]
+    return steps + missing
+
+
+@pytest.mark.parametrize(("label", "command"), _stored_commands(), ids=[label for label, _ in _stored_commands()])
+def test_every_stored_command_still_parses(
+    label: str, command: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The command a page shows under a result (and the one it shows where the result is missing) is accepted by the
+    script in this repository: a flag renamed or removed since the run fails here, not in a user's rerun. The script
+    runs as ``__main__`` until it has parsed its arguments, and stops there."""
+    import argparse
+    import runpy
+    import shlex
+
+    python, script, *argv = shlex.split(command)
+    assert python == "python" and script.startswith("benchmarks/"), command
+    assert (BENCHMARKS.parent / script).is_file(), f"{label}: no {script} in the repository"
+    parse = argparse.ArgumentParser.parse_args
+
+    def parsed(self: argparse.ArgumentParser, args: object = None, namespace: object = None) -> None:
+        raise _Parsed(parse(self, args, namespace))  # type: ignore[arg-type]
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parsed)
+    monkeypatch.setattr(sys, "argv", [script, *argv])
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    environ, threads = dict(os.environ), torch.get_num_threads()
+    try:
+        runpy.run_path(str(BENCHMARKS.parent / script), run_name="__main__")
+    except _Parsed:
+        return
+    except SystemExit as refused:  # argparse's error(): the message is on stderr
+        raise AssertionError(f"{label}: refused ({refused.code}): {capsys.readouterr().err}") from None
+    finally:  # what a script sets as it loads (one sets torch's thread count) stays out of the other tests
+        os.environ.clear()
+        os.environ.update(environ)
+        torch.set_num_threads(threads)
+    raise AssertionError(f"{label}: {script} ran without parsing a command line")
