@@ -1,4 +1,5 @@
-"""The benchmark scripts still run end to end (on a tiny model) and print the ratios the docs quote.
+"""The benchmark scripts still run end to end (on a tiny model) and print the ratios the docs quote, and every
+benchmark command the docs show (under a stored result, or for a user to run) is one the script accepts.
 
 Nothing here asserts on speed: the figures themselves are measured by running the scripts (docs/benchmarks.md).
 """
@@ -474,13 +475,23 @@ def _stored_commands() -> list[tuple[str, str]]:
     return steps + missing
 
 
-@pytest.mark.parametrize(("label", "command"), _stored_commands(), ids=[label for label, _ in _stored_commands()])
-def test_every_stored_command_still_parses(
+def _documented_commands() -> list[tuple[str, str]]:
+    """Every ``python benchmarks/...`` command the README and the docs give (in code spans and code blocks), each step
+    of a chain on its own, comments and line continuations removed."""
+    root = BENCHMARKS.parent
+    found: dict[str, str] = {}
+    for page in [root / "README.md", *sorted((root / "docs").rglob("*.md"))]:
+        text = re.sub(r"\\\n\s*", " ", page.read_text())
+        for command in re.findall(r"(?:^|`)(python benchmarks/[^`\n]*)", text, re.M):
+            for step in command.split(" && "):
+                found.setdefault(step.split(" #")[0].strip(), f"{page.relative_to(root)}: {step.strip()}")
+    return sorted((label, command) for command, label in found.items())
+
+
+def _check_parses(
     label: str, command: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The command a page shows under a result (and the one it shows where the result is missing) is accepted by the
-    script in this repository: a flag renamed or removed since the run fails here, not in a user's rerun. The script
-    runs as ``__main__`` until it has parsed its arguments, and stops there."""
+    """Run ``command``'s script as ``__main__`` until it has parsed its arguments, and stop there."""
     import argparse
     import runpy
     import shlex
@@ -508,3 +519,22 @@ def test_every_stored_command_still_parses(
         os.environ.update(environ)
         torch.set_num_threads(threads)
     raise AssertionError(f"{label}: {script} ran without parsing a command line")
+
+
+@pytest.mark.parametrize(("label", "command"), _stored_commands(), ids=[label for label, _ in _stored_commands()])
+def test_every_stored_command_still_parses(
+    label: str, command: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The command a page shows under a result (and the one it shows where the result is missing) is accepted by the
+    script in this repository: a flag renamed or removed since the run fails here, not in a user's rerun."""
+    _check_parses(label, command, monkeypatch, capsys)
+
+
+@pytest.mark.parametrize(
+    ("label", "command"), _documented_commands(), ids=[label for label, _ in _documented_commands()]
+)
+def test_every_documented_benchmark_command_parses(
+    label: str, command: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A benchmark command the README or the docs tell a user to run is accepted by the script as written."""
+    _check_parses(label, command, monkeypatch, capsys)
