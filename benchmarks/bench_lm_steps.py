@@ -26,6 +26,7 @@ and, named with ``--variants`` (:data:`DEFAULT_VARIANTS`), one knob of ``streami
 
     streaming_outer_lr_1.2  the averaged change applied with an outer learning rate of 1.2 (SGD, no momentum)
     streaming_every_2       two fragments, each synchronised every 2 steps (twice the bytes)
+    streaming_delay_0       each fragment's average merged at once (delay=0: the synchronisation waits for it)
 
 and local SGD's bound on them (``--variants ddp local_sgd_every_1``):
 
@@ -39,6 +40,8 @@ Usage::
         streaming_every_2 --json benchmarks/results/lm_steps_knobs.json
     python benchmarks/bench_lm_steps.py --seeds 0 1 2 3 --variants ddp local_sgd_every_1 \
         --json benchmarks/results/lm_steps_every_1.json
+    python benchmarks/bench_lm_steps.py --seeds 0 1 2 3 --variants ddp streaming_delay_0 \
+        --json benchmarks/results/lm_steps_delay_0.json
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ VARIANTS: dict[str, str] = {
     "streaming_outer_lr_1.2": f'LocalSGDStrategy({STREAMING}"int4", outer_optimizer={OUTER_SGD}1.2))',
     "streaming_every_2": 'LocalSGDStrategy(sync_every=2, fragments=2, delay=1, outer_precision="int4")',
     "local_sgd_every_1": "LocalSGDStrategy(sync_every=1)",
+    "streaming_delay_0": 'LocalSGDStrategy(sync_every=4, fragments=4, delay=0, outer_precision="int4")',
 }
 """Each variant's ``Trainer(strategy=...)``, as Python evaluated over the package's names and ``torch``."""
 
