@@ -124,3 +124,14 @@ def test_the_api_pages_data_parallel_member_list_is_the_packages_all() -> None:
     listed = re.search(r"::: lightning_dp_strategies\.data_parallel\n(?:.*\n)*?\s+members: \[(.*)\]", api)
     assert listed is not None
     assert sorted(name.strip() for name in listed.group(1).split(",")) == sorted(data_parallel.__all__)
+
+
+def test_the_local_sgd_pages_cost_example_prints_what_the_page_shows(capsys: pytest.CaptureFixture[str]) -> None:
+    """The local SGD page's planning example runs, and prints the lines written under it as comments."""
+    import re
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "strategies" / "local_sgd.md").read_text()
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", page, flags=re.DOTALL) if "plan.predict" in b]
+    shown = [line.removeprefix("# ") for line in block.splitlines() if line.startswith("# ")]
+    exec(compile(block, "docs/strategies/local_sgd.md", "exec"), {})
+    assert capsys.readouterr().out.splitlines() == shown and len(shown) == 2

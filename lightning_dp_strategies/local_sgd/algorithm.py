@@ -185,7 +185,7 @@ class LocalSGD:
     # ------------------------------------------------------------------ sync_every="auto"
     def _choose_period(self) -> None:
         """Agree on the slowest rank's median step and fragment reduction, choose the period and the delay
-        (:func:`~lightning_dp_strategies.local_sgd.streaming.choose_period`), log them, and start the period."""
+        (:func:`~lightning_dp_strategies.plan.streaming.choose_period`), log them, and start the period."""
         measured = torch.tensor([statistics.median(v) if v else 0.0 for v in self.timings.values()])
         if self.averager.world_size > 1:
             group = self.averager.group

@@ -13,6 +13,9 @@ sends per optimizer step and prices it on the link::
                       P2P: an interior stage sends M activations forward and M gradients backward (one of each at
                       the ends): min(S-1, 2) * M messages, min(S-1, 2) * batch * activation bytes/sample;
                       plus a ring all-reduce over D replicas of the stage's gradient bytes, gradient_bytes / S
+    local_sgd         (a LocalSGDStrategy instance's own) every H steps, K fragments of the change in turns, each a
+                      ring all-reduce of gradient_bytes / K at the outer precision's bytes a value; a share 1/H a step
+                      t = K * (2(N-1) * alpha + 2(N-1)/N * gradient_bytes * bytes_a_value / 4 / K / beta) / H
 
 The ring's gradient reduction may hide behind backward: given ``Workload.backward_seconds``, the exposed time is
 ``max(0, comm - backward_seconds)``, otherwise all of it. Given also a measured ``Workload.compute_seconds``, a
@@ -20,7 +23,9 @@ prediction has a ``step_seconds``: for the ring, a flow shop of its buckets thro
 levels, a compression) on a :class:`Topology` of nodes and links, with the CPU's per-byte costs
 (:mod:`lightning_dp_strategies.plan.step`); for the others, compute plus the exposed time. The pipeline's is priced
 as fully exposed, an upper bound: ``hybrid_pipeline`` starts each stage's reduction inside the schedule, at that
-stage's last backward, so part of it overlaps the drain. Contention and congestion are not modelled; a node's link
+stage's last backward, so part of it overlaps the drain. Local SGD's reduction is exposed without a delay; with a
+delay of d steps only what outlasts d steps of ``compute_seconds`` is (``sync_every="auto"``: at the period the
+strategy would choose from these predictions). Contention and congestion are not modelled; a node's link
 is shared by the streams that cross it at once.
 
 =====================  ===================================================================
@@ -33,6 +38,7 @@ module                 what it holds
 ``plan.step``          :func:`ring_step`: the bucketed ring's step, :class:`Reduction`
 ``plan.measure``       :func:`measure_compute`: one rank's step without communication
 ``plan.formulas``      :class:`CostModel` and one formula per strategy
+``plan.streaming``     streaming DiLoCo's bytes a value per outer precision, and its ``"auto"`` period's choice
 ``plan.predict``       :func:`predict`, :func:`plan`, :func:`cost_model_of`
 ``plan.compression``   :func:`compression_pays`: when a compressed reducer beats the plain one
 ``plan.tables``        :func:`format_table`, :func:`text_table`

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from lightning_dp_strategies.plan.model import Link, Workload, bucket_count
 from lightning_dp_strategies.plan.sizing import ring_bytes_per_rank
+from lightning_dp_strategies.plan.streaming import BYTES_PER_VALUE, choose_period
 
 __all__ = [
     "COST_MODELS",
@@ -91,11 +92,31 @@ SCATTER_GATHER = CostModel("scatter_gather", _scatter_gather_formula)
 HYBRID_PIPELINE = CostModel("hybrid_pipeline", _pipeline_formula, pipelined=True)
 
 
-def local_sgd_cost_model(sync_every: int = 8) -> CostModel:
-    """Local SGD synchronising every ``sync_every`` optimizer steps: one ring all-reduce of the parameters' change
-    (one flat buffer), after the step so nothing hides it, priced per step as a ``1/sync_every`` share.
+def local_sgd_cost_model(
+    sync_every: int | str = 8, fragments: int = 1, delay: int = 0, outer_precision: str = "fp32"
+) -> CostModel:
+    """Local SGD and streaming DiLoCo: every ``sync_every`` optimizer steps each of ``fragments`` runs of the
+    parameters (``1/fragments`` of their values each, fp32 values as ``gradient_bytes`` counts them) has its change
+    averaged by one ring all-reduce, in ``outer_precision`` (:data:`~lightning_dp_strategies.plan.streaming.
+    BYTES_PER_VALUE` bytes a value), the fragments in turns; priced per step as a period's share.
+
+    The exposed time: with ``delay=0`` the whole reduction (the loop waits for it). With ``delay=d`` a fragment's
+    reduction runs while the next ``d`` inner steps compute (the workload's ``compute_seconds``), and only what
+    outlasts them is exposed; where the fragments' reductions together outlast the period's compute, the loop waits
+    for that excess instead. Without ``compute_seconds`` nothing is counted as hidden. ``sync_every="auto"`` is priced
+    at the period and delay the strategy would choose
+    (:func:`~lightning_dp_strategies.plan.streaming.choose_period`) from the predicted reduction of a fragment and
+    ``compute_seconds``; without ``compute_seconds``, at 16 steps.
 
     Examples:
+        >>> from lightning_dp_strategies.plan import Link, Workload
+        >>> work, link = Workload(gradient_bytes=29_000_000, compute_seconds=0.6), Link(0.0, 25e6)  # 200 Mbit/s
+        >>> plain = local_sgd_cost_model(16).formula(work, 2, link, 1, 1, (25.0, 1.0))
+        >>> streamed = local_sgd_cost_model(16, 4, 1, "int4").formula(work, 2, link, 1, 1, (25.0, 1.0))
+        >>> round(plain[0] / 1e6, 2), round(streamed[0] / 1e6, 2)  # MB a step: the int4 change is 0.13 of fp32's
+        (1.81, 0.24)
+        >>> round(plain[3], 2), streamed[3]  # seconds exposed a step: the loop waits; one step hides each fragment
+        (0.07, 0.0)
         >>> local_sgd_cost_model(16).name, LOCAL_SGD.pipelined
         ('local_sgd', False)
     """
@@ -103,17 +124,31 @@ def local_sgd_cost_model(sync_every: int = 8) -> CostModel:
     def formula(
         w: Workload, n: int, link: Link, stages: int, micro_batches: int, caps: tuple[float, float]
     ) -> tuple[float, int, float, float, float]:
-        nbytes, messages = _ring(w.gradient_bytes, n, 1)
-        comm = link.seconds(messages, nbytes) / sync_every
-        return nbytes / sync_every, math.ceil(messages / sync_every), comm, comm, 0.0
+        wire = w.gradient_bytes * BYTES_PER_VALUE[outer_precision] / BYTES_PER_VALUE["fp32"]
+        nbytes, messages = _ring(wire / fragments, n, 1)  # one fragment's reduction
+        seconds = link.seconds(messages, nbytes)
+        compute = w.compute_seconds
+        if isinstance(sync_every, int):
+            period, hidden_by = sync_every, delay
+        elif compute is None:
+            period, hidden_by = 16, delay
+        else:
+            period, hidden_by = choose_period(fragments, delay, compute, seconds)
+        comm = fragments * seconds / period
+        if hidden_by == 0 or compute is None:
+            exposed = comm
+        else:  # each fragment's excess over its delay's compute, or the period's, whichever the loop waits longer for
+            exposed = max(fragments * max(0.0, seconds - hidden_by * compute), fragments * seconds - period * compute)
+            exposed = max(0.0, exposed) / period
+        return fragments * nbytes / period, math.ceil(fragments * messages / period), comm, exposed, 0.0
 
     return CostModel("local_sgd", formula)
 
 
 LOCAL_SGD = local_sgd_cost_model(8)
 """Local SGD at its default period (8 steps); a ``LocalSGDStrategy`` instance carries the model of its own
-``sync_every``. Not in :data:`COST_MODELS`: its price depends on the period, so plan with a strategy instance or
-:func:`local_sgd_cost_model`."""
+``sync_every``, ``fragments``, ``delay`` and ``outer_precision``. Not in :data:`COST_MODELS`: its price depends on
+them, so plan with a strategy instance or :func:`local_sgd_cost_model`."""
 
 
 COST_MODELS: dict[str, CostModel] = {m.name: m for m in (RING_ALLREDUCE, SCATTER_GATHER, HYBRID_PIPELINE)}

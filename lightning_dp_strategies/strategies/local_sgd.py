@@ -86,8 +86,9 @@ class LocalSGDStrategy(LocalSGDInterface, SurvivingDataParallel):
     @override
     def _init_data_parallel(self, caps: tuple[float, float], reducer: Any, options: Mapping[str, Any]) -> None:
         BucketedDataParallel.__init__(self, BucketedConfig(*caps), reducer, **options)
-        period = self.sync_every if isinstance(self.sync_every, int) else 16  # "auto": priced at 16 steps
-        self.cost_model = local_sgd_cost_model(period)  # type: ignore[misc]  # this instance's period
+        config = self.local_config  # this instance's period, fragments, delay and outer precision
+        options_priced = (config.sync_every, config.fragments, config.delay, config.outer_precision)
+        self.cost_model = local_sgd_cost_model(*options_priced)  # type: ignore[misc]
 
     # ------------------------------------------------------------------ setup
     @property

@@ -346,6 +346,49 @@ def test_the_names_resolve_and_the_cost_model_divides_the_ring_by_sync_every() -
     assert h16[0] == pytest.approx(ring_row[0] / 16)
 
 
+def test_the_cost_model_prices_streaming_fragments_precision_delay_and_auto_as_the_strategy_runs_them() -> None:
+    """Streaming DiLoCo's price: the outer precision's bytes, the fragments' reductions in turns, the part a delay
+    does not hide, and ``sync_every="auto"`` at the period the strategy would choose (tolerance: float rounding)."""
+    from lightning_dp_strategies import LocalSGDStrategy, plan
+    from lightning_dp_strategies.plan.streaming import BYTES_PER_VALUE, choose_period
+
+    link, caps = plan.Link(0.0, 25e6), (25.0, 1.0)  # 200 Mbit/s, no latency: seconds are bytes / bandwidth
+
+    def row(strategy: LocalSGDStrategy, compute: float | None) -> tuple[float, int, float, float, float]:
+        work = plan.Workload(gradient_bytes=29_000_000, compute_seconds=compute)
+        return plan.cost_model_of(strategy).formula(work, 2, link, 1, 1, caps)
+
+    whole = 29e6  # 2 ranks: the ring sends 2(N-1)/N = 1x the bytes a rank reduces
+    int4 = BYTES_PER_VALUE["int4"] / 4
+    fragment_seconds = whole * int4 / 4 / 25e6  # one int4 fragment of four: 0.04 s
+    streamed = LocalSGDStrategy(sync_every=16, fragments=4, delay=1, outer_precision="int4")
+    nbytes, messages, comm, exposed, _ = row(streamed, compute=0.6)
+    assert nbytes == pytest.approx(whole * int4 / 16) and messages == 1  # four fragments of 2 messages in 16 steps
+    assert comm == pytest.approx(4 * fragment_seconds / 16) and exposed == 0.0  # one 0.6 s step hides 0.04 s
+    # a step of 0.01 s hides a quarter of each fragment's 0.04 s: the rest is exposed
+    assert row(streamed, compute=0.01)[3] == pytest.approx(4 * (fragment_seconds - 0.01) / 16)
+    # a fragment a step, each applied 3 steps later: their 0.16 s a period outlast its 4 steps of 0.01 s, so the
+    # reductions queue on the channel and the loop waits for the excess, more than each delay's shortfall
+    queued = LocalSGDStrategy(sync_every=4, fragments=4, delay=3, outer_precision="int4")
+    assert row(queued, compute=0.01)[3] == pytest.approx((4 * fragment_seconds - 4 * 0.01) / 4)
+    # without a delay (or without a compute time) nothing hides
+    blocking = LocalSGDStrategy(sync_every=16, fragments=4, delay=0, outer_precision="int4")
+    assert row(blocking, 0.6)[3] == pytest.approx(row(blocking, 0.6)[2]) == pytest.approx(comm)
+    assert row(streamed, None)[3] == pytest.approx(comm)
+    # "auto": the period choose_period picks from the predicted fragment and the compute, as the strategy would
+    auto = LocalSGDStrategy(sync_every="auto", fragments=4, delay=1, outer_precision="int4")
+    for compute in (0.6, 0.01):
+        period, _ = choose_period(4, 1, compute, fragment_seconds)
+        assert row(auto, compute)[0] == pytest.approx(whole * int4 / period)
+    assert choose_period(4, 1, 0.6, fragment_seconds)[0] == 4 and choose_period(4, 1, 0.01, fragment_seconds)[0] == 16
+    assert row(auto, None)[0] == pytest.approx(whole * int4 / 16)  # no compute time: priced at 16 steps
+    # the prediction's step is the compute plus what is exposed
+    work = plan.Workload(gradient_bytes=29_000_000, compute_seconds=0.01)
+    assert plan.predict(streamed, work, 2, link).step_seconds == pytest.approx(
+        0.01 + 4 * (fragment_seconds - 0.01) / 16
+    )
+
+
 def _gbe_link() -> Any:
     """A 1 GbE link, built with whichever argument names :class:`~lightning_dp_strategies.plan.Link` takes."""
     import inspect
