@@ -117,8 +117,10 @@ def local_sgd_cost_model(
         (1.81, 0.24)
         >>> round(plain[3], 2), streamed[3]  # seconds exposed a step: the loop waits; one step hides each fragment
         (0.07, 0.0)
-        >>> local_sgd_cost_model(16).name, LOCAL_SGD.pipelined
-        ('local_sgd', False)
+        >>> local_sgd_cost_model(16).name, LOCAL_SGD.pipelined  # a plan's table names the options
+        ('local_sgd(sync_every=16)', False)
+        >>> local_sgd_cost_model("auto", 4, 1, "int4").name
+        "local_sgd(sync_every='auto', fragments=4, delay=1, outer_precision='int4')"
     """
 
     def formula(
@@ -142,7 +144,9 @@ def local_sgd_cost_model(
             exposed = max(0.0, exposed) / period
         return fragments * nbytes / period, math.ceil(fragments * messages / period), comm, exposed, 0.0
 
-    return CostModel("local_sgd", formula)
+    options = {"fragments": (fragments, 1), "delay": (delay, 0), "outer_precision": (outer_precision, "fp32")}
+    shown = [f"sync_every={sync_every!r}", *(f"{k}={v!r}" for k, (v, plain) in options.items() if v != plain)]
+    return CostModel(f"local_sgd({', '.join(shown)})", formula)
 
 
 LOCAL_SGD = local_sgd_cost_model(8)

@@ -45,7 +45,7 @@ def cost_model_of(strategy: str | CostModel | type | object) -> CostModel:
 
 
 def predict(
-    strategy: str | CostModel | type,
+    strategy: str | CostModel | type | object,
     workload: Workload,
     world_size: int,
     link: Link,
@@ -60,7 +60,9 @@ def predict(
 
     Args:
         strategy: ``"ring_allreduce"``, ``"scatter_gather"`` (or ``"dp"``), ``"hybrid_pipeline"``, a strategy class
-            with a ``cost_model`` (yours, if it subclasses one of this package's), or a :class:`CostModel`.
+            with a ``cost_model`` (yours, if it subclasses one of this package's), a strategy instance (a
+            ``LocalSGDStrategy`` carries the model of its own period, fragments, delay and outer precision, and
+            names the row after them), or a :class:`CostModel`.
         workload: what a step moves.
         world_size: devices in all (``hybrid_pipeline``: ``stages x`` data-parallel replicas).
         link: latency and bandwidth of one device's link.
@@ -133,7 +135,7 @@ def plan(
     workload: Workload,
     link: Link,
     world_sizes: Sequence[int] = (8, 64, 512),
-    strategies: Sequence[str | CostModel | type] = STRATEGIES,
+    strategies: Sequence[str | CostModel | type | object] = STRATEGIES,
     stages: int = 4,
     micro_batches: int = 16,
     bucket_cap_mb: float = 25.0,

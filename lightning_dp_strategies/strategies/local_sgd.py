@@ -59,7 +59,7 @@ class LocalSGDStrategy(LocalSGDInterface, SurvivingDataParallel):
         >>> from lightning_dp_strategies import diloco_outer_optimizer
         >>> strategy = LocalSGDStrategy(sync_every=16, outer_optimizer=diloco_outer_optimizer())
         >>> strategy.sync_every, strategy.cost_model.name
-        (16, 'local_sgd')
+        (16, 'local_sgd(sync_every=16)')
         >>> trainer = L.Trainer(strategy="local_sgd", accelerator="cpu", devices=2)  # doctest: +SKIP
     """
 

@@ -382,11 +382,11 @@ def test_the_cost_model_prices_streaming_fragments_precision_delay_and_auto_as_t
         assert row(auto, compute)[0] == pytest.approx(whole * int4 / period)
     assert choose_period(4, 1, 0.6, fragment_seconds)[0] == 4 and choose_period(4, 1, 0.01, fragment_seconds)[0] == 16
     assert row(auto, None)[0] == pytest.approx(whole * int4 / 16)  # no compute time: priced at 16 steps
-    # the prediction's step is the compute plus what is exposed
+    # the prediction's step is the compute plus what is exposed; its row is named after the options
     work = plan.Workload(gradient_bytes=29_000_000, compute_seconds=0.01)
-    assert plan.predict(streamed, work, 2, link).step_seconds == pytest.approx(
-        0.01 + 4 * (fragment_seconds - 0.01) / 16
-    )
+    predicted = plan.predict(streamed, work, 2, link)
+    assert predicted.step_seconds == pytest.approx(0.01 + 4 * (fragment_seconds - 0.01) / 16)
+    assert predicted.strategy == "local_sgd(sync_every=16, fragments=4, delay=1, outer_precision='int4')"
 
 
 def _gbe_link() -> Any:
