@@ -7,7 +7,8 @@ A page marks every measured number it states, inline, with the result file and t
 
 ``python benchmarks/render_docs.py`` writes what ``VALUES["cluster"]["two_level_1gbit_2x2"]`` returns for
 ``benchmarks/results/cluster.json`` between the markers, and ``--check`` fails where the page says something else or
-names a function that is not here. A function reads the stored JSON only (it runs nothing), and returns the number
+names a function that is not here. A function reads the stored JSON (it runs no benchmark; a few price the stored
+measurements with the package's cost model, or print them with its formatter), and returns the number
 formatted as the page prints it, or a short phrase where the number's words depend on it (``"equal"``, ``"lower"``),
 or a whole block (a table, a log) that then sits between markers on lines of their own. Add a function here before
 writing its marker.
@@ -537,7 +538,58 @@ def _compute_share(data: Result, link: str, nodes: int) -> str:
     return f"{rows['local_sgd']['median_step_s'] / rows['ddp']['seconds_per_step']:.2f}"
 
 
+LOCAL_VARIANTS = ("local_sgd", "diloco", "streaming_diloco", "streaming_diloco_int8", "streaming_nesterov")
+"""The language model's variants a ``LocalSGDStrategy`` runs, which the cost model prices."""
+
+
+def _lm_predictions(data: Result) -> str:
+    """The cost model against the language model's local SGD runs: for each cell and variant, the period it priced
+    (for ``"auto"``, the one the model chooses), and the bytes a step and the step the package's model predicts (the
+    variant's ``cost_model`` at the measured link, without latency, with the variant's own median step as
+    ``compute_seconds``) beside the measured ones."""
+    import sys
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(RESULTS.parent))
+    from bench_lm import lm_config, make_strategy
+    from lightning.pytorch.strategies import StrategyRegistry
+    from lm_task import parameter_count
+
+    from lightning_dp_strategies import plan
+    from lightning_dp_strategies.plan.streaming import BYTES_PER_VALUE
+
+    params = parameter_count(lm_config(SimpleNamespace(**data["settings"])))
+    lines = [
+        "| link | nodes | variant | H, K, delay, bits | MB/step predicted | measured | s/step predicted | measured | "
+        "error |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for cell in data["cells"]:
+        link = plan.Link(0.0, float(re.search(r"(\d+) MB/s", cell["bandwidth"])[1]) * 1e6)  # type: ignore[index]
+        for name in (v for v in LOCAL_VARIANTS if v in cell["variants"]):
+            run, strategy = cell["variants"][name], make_strategy(name)
+            if isinstance(strategy, str):  # a registered name: the instance the Trainer makes of it
+                strategy = StrategyRegistry.get(strategy)
+            config = strategy.local_config
+            work = plan.Workload(gradient_bytes=4 * params, compute_seconds=run["median_step_s"])
+            p = plan.predict(strategy, work, cell["nodes"], link)
+            whole = plan.ring_bytes_per_rank(params * BYTES_PER_VALUE[config.outer_precision], cell["nodes"])
+            period = f"{whole / p.bytes_per_rank:.0f}" + (" (auto)" if config.sync_every == "auto" else "")
+            bits = config.outer_precision.removeprefix("int").removeprefix("fp").removeprefix("bf")
+            delay = config.delay
+            if config.sync_every == "auto":  # choose_period raises the delay to the steps a fragment needs
+                delay = max(delay, round(whole / p.bytes_per_rank) // config.fragments)
+            measured = run["seconds_per_step"]
+            lines.append(
+                f"| {cell['link']} | {cell['nodes']} | {name} | {period}, {config.fragments}, {delay}, {bits} | "
+                f"{p.bytes_per_rank / 1e6:.2f} | {run['sent_mb_per_step']:.2f} | {p.step_seconds:.2f} | "
+                f"{measured:.2f} | {(p.step_seconds - measured) / measured * 100:+.0f}% |"
+            )
+    return "\n" + "\n".join(lines) + "\n"
+
+
 LM: dict[str, Value] = {key: (lambda d, k=key: _lm_setting(d, k)) for key in ("lr", "warmup", "eval_seconds")}
+LM["predictions"] = _lm_predictions
 LM["plain_sooner"] = _plain_sooner
 LM["compute_share_200mbit_2"] = lambda d: _compute_share(d, "200mbit", 2)
 
@@ -585,7 +637,7 @@ VALUES: dict[str, dict[str, Value]] = {
     "ring_allreduce_c": RING_ALLREDUCE_C,
     "survive": SURVIVE,
     "lm": LM,
-    "lm_amd": {"compute_share_200mbit_2": LM["compute_share_200mbit_2"]},
+    "lm_amd": {"compute_share_200mbit_2": LM["compute_share_200mbit_2"], "predictions": _lm_predictions},
     "compare": COMPARE,
     "compare_user": COMPARE,
 }
