@@ -543,25 +543,23 @@ LOCAL_VARIANTS = ("local_sgd", "diloco", "streaming_diloco", "streaming_diloco_i
 
 
 def _lm_predictions(data: Result) -> str:
-    """The cost model against the language model's local SGD runs: for each cell and variant, the period it priced
-    (for ``"auto"``, the one the model chooses), and the bytes a step and the step the package's model predicts (the
+    """The cost model against the language model's local SGD runs: for each cell and variant, the period and delay
+    it prices (for ``"auto"``, the ones it chooses itself), and the bytes a step and the step it predicts (the
     variant's ``cost_model`` at the measured link, without latency, with the variant's own median step as
     ``compute_seconds``) beside the measured ones."""
-    import sys
     from types import SimpleNamespace
 
-    sys.path.insert(0, str(RESULTS.parent))
     from bench_lm import lm_config, make_strategy
     from lightning.pytorch.strategies import StrategyRegistry
     from lm_task import parameter_count
 
     from lightning_dp_strategies import plan
-    from lightning_dp_strategies.plan.streaming import BYTES_PER_VALUE
+    from lightning_dp_strategies.plan.formulas import local_sgd_schedule
 
     params = parameter_count(lm_config(SimpleNamespace(**data["settings"])))
     lines = [
-        "| link | nodes | variant | H, K, delay, bits | MB/step predicted | measured | s/step predicted | measured | "
-        "error |",
+        "| link | nodes | variant | H, K, delay, precision | MB/step predicted | measured | s/step predicted | "
+        "measured | error |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for cell in data["cells"]:
@@ -570,20 +568,18 @@ def _lm_predictions(data: Result) -> str:
             run, strategy = cell["variants"][name], make_strategy(name)
             if isinstance(strategy, str):  # a registered name: the instance the Trainer makes of it
                 strategy = StrategyRegistry.get(strategy)
-            config = strategy.local_config
+            c = strategy.local_config
             work = plan.Workload(gradient_bytes=4 * params, compute_seconds=run["median_step_s"])
             p = plan.predict(strategy, work, cell["nodes"], link)
-            whole = plan.ring_bytes_per_rank(params * BYTES_PER_VALUE[config.outer_precision], cell["nodes"])
-            period = f"{whole / p.bytes_per_rank:.0f}" + (" (auto)" if config.sync_every == "auto" else "")
-            bits = config.outer_precision.removeprefix("int").removeprefix("fp").removeprefix("bf")
-            delay = config.delay
-            if config.sync_every == "auto":  # choose_period raises the delay to the steps a fragment needs
-                delay = max(delay, round(whole / p.bytes_per_rank) // config.fragments)
+            period, delay = local_sgd_schedule(
+                work, cell["nodes"], link, c.sync_every, c.fragments, c.delay, c.outer_precision
+            )
+            auto = " (auto)" if c.sync_every == "auto" else ""
             measured = run["seconds_per_step"]
             lines.append(
-                f"| {cell['link']} | {cell['nodes']} | {name} | {period}, {config.fragments}, {delay}, {bits} | "
-                f"{p.bytes_per_rank / 1e6:.2f} | {run['sent_mb_per_step']:.2f} | {p.step_seconds:.2f} | "
-                f"{measured:.2f} | {(p.step_seconds - measured) / measured * 100:+.0f}% |"
+                f"| {cell['link']} | {cell['nodes']} | {name} | {period}{auto}, {c.fragments}, {delay}, "
+                f"{c.outer_precision} | {p.bytes_per_rank / 1e6:.2f} | {run['sent_mb_per_step']:.2f} | "
+                f"{p.step_seconds:.2f} | {measured:.2f} | {(p.step_seconds - measured) / measured * 100:+.0f}% |"
             )
     return "\n" + "\n".join(lines) + "\n"
 

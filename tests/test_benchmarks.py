@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -458,26 +459,28 @@ class _Parsed(Exception):
     """Raised in place of running a benchmark once its command line is parsed."""
 
 
-def _stored_commands() -> list[tuple[str, str]]:
-    """Every step of every stored result's command, and the command each page shows where a result is missing."""
-    sys.path.insert(0, str(BENCHMARKS))
+def _stored_commands() -> list[Any]:
+    """Every step of every stored result's command, and the command each page shows where a result is missing (with
+    the ``--json`` the page appends), each with its result file's name as the test's id."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
     import render_docs
 
     steps = [
-        (f"{path.stem}: {step}", step)
+        pytest.param(step, id=f"{path.stem}: {step}")
         for path in sorted((BENCHMARKS / "results").glob("*.json"))
         for step in json.loads(path.read_text())["command"].split(" && ")
     ]
     missing = [
-        (f"{name} (when missing): {command}", f"{command} --json benchmarks/results/{name}.json")
+        pytest.param(f"{command} --json benchmarks/results/{name}.json", id=f"{name} (when missing): {command}")
         for name, command in render_docs.COMMANDS.items()
     ]
     return steps + missing
 
 
-def _documented_commands() -> list[tuple[str, str]]:
+def _documented_commands() -> list[Any]:
     """Every ``python benchmarks/...`` command the README and the docs give (in code spans and code blocks), each step
-    of a chain on its own, comments and line continuations removed."""
+    of a chain on its own, comments and line continuations removed, each with its page as the test's id."""
     root = BENCHMARKS.parent
     found: dict[str, str] = {}
     for page in [root / "README.md", *sorted((root / "docs").rglob("*.md"))]:
@@ -485,12 +488,10 @@ def _documented_commands() -> list[tuple[str, str]]:
         for command in re.findall(r"(?:^|`)(python benchmarks/[^`\n]*)", text, re.M):
             for step in command.split(" && "):
                 found.setdefault(step.split(" #")[0].strip(), f"{page.relative_to(root)}: {step.strip()}")
-    return sorted((label, command) for command, label in found.items())
+    return [pytest.param(command, id=label) for command, label in sorted(found.items(), key=lambda item: item[1])]
 
 
-def _check_parses(
-    label: str, command: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
+def _check_parses(command: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """Run ``command``'s script as ``__main__`` until it has parsed its arguments, and stop there."""
     import argparse
     import runpy
@@ -498,7 +499,7 @@ def _check_parses(
 
     python, script, *argv = shlex.split(command)
     assert python == "python" and script.startswith("benchmarks/"), command
-    assert (BENCHMARKS.parent / script).is_file(), f"{label}: no {script} in the repository"
+    assert (BENCHMARKS.parent / script).is_file(), f"no {script} in the repository"
     parse = argparse.ArgumentParser.parse_args
 
     def parsed(self: argparse.ArgumentParser, args: object = None, namespace: object = None) -> None:
@@ -513,28 +514,26 @@ def _check_parses(
     except _Parsed:
         return
     except SystemExit as refused:  # argparse's error(): the message is on stderr
-        raise AssertionError(f"{label}: refused ({refused.code}): {capsys.readouterr().err}") from None
+        raise AssertionError(f"{command}: refused ({refused.code}): {capsys.readouterr().err}") from None
     finally:  # what a script sets as it loads (one sets torch's thread count) stays out of the other tests
         os.environ.clear()
         os.environ.update(environ)
         torch.set_num_threads(threads)
-    raise AssertionError(f"{label}: {script} ran without parsing a command line")
+    raise AssertionError(f"{command}: {script} ran without parsing a command line")
 
 
-@pytest.mark.parametrize(("label", "command"), _stored_commands(), ids=[label for label, _ in _stored_commands()])
+@pytest.mark.parametrize("command", _stored_commands())
 def test_every_stored_command_still_parses(
-    label: str, command: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    command: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The command a page shows under a result (and the one it shows where the result is missing) is accepted by the
     script in this repository: a flag renamed or removed since the run fails here, not in a user's rerun."""
-    _check_parses(label, command, monkeypatch, capsys)
+    _check_parses(command, monkeypatch, capsys)
 
 
-@pytest.mark.parametrize(
-    ("label", "command"), _documented_commands(), ids=[label for label, _ in _documented_commands()]
-)
+@pytest.mark.parametrize("command", _documented_commands())
 def test_every_documented_benchmark_command_parses(
-    label: str, command: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    command: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A benchmark command the README or the docs tell a user to run is accepted by the script as written."""
-    _check_parses(label, command, monkeypatch, capsys)
+    _check_parses(command, monkeypatch, capsys)

@@ -20,6 +20,7 @@ __all__ = [
     "CostModel",
     "Formula",
     "local_sgd_cost_model",
+    "local_sgd_schedule",
 ]
 
 
@@ -92,6 +93,41 @@ SCATTER_GATHER = CostModel("scatter_gather", _scatter_gather_formula)
 HYBRID_PIPELINE = CostModel("hybrid_pipeline", _pipeline_formula, pipelined=True)
 
 
+def _fragment_reduction(w: Workload, n: int, link: Link, fragments: int, outer_precision: str) -> tuple[float, int]:
+    """(bytes sent per rank, messages) of one fragment's ring all-reduce: ``1/fragments`` of the parameters' values
+    (fp32, as ``gradient_bytes`` counts them) at the outer precision's bytes a value."""
+    wire = w.gradient_bytes * BYTES_PER_VALUE[outer_precision] / BYTES_PER_VALUE["fp32"]
+    return _ring(wire / fragments, n, 1)
+
+
+def local_sgd_schedule(
+    w: Workload,
+    n: int,
+    link: Link,
+    sync_every: int | str = 8,
+    fragments: int = 1,
+    delay: int = 0,
+    outer_precision: str = "fp32",
+) -> tuple[int, int]:
+    """``(sync_every, delay)`` as :func:`local_sgd_cost_model` prices them: the fixed period and delay, or for
+    ``sync_every="auto"`` the ones :func:`~lightning_dp_strategies.plan.streaming.choose_period` picks from the
+    predicted reduction of a fragment and the workload's ``compute_seconds`` (16 steps and the delay given, without
+    ``compute_seconds``).
+
+    Examples:
+        >>> from lightning_dp_strategies.plan import Link, Workload
+        >>> work, link = Workload(gradient_bytes=29_000_000, compute_seconds=0.6), Link(0.0, 25e6)  # 200 Mbit/s
+        >>> local_sgd_schedule(work, 2, link, "auto", 4, 1, "int4")  # 0.04 s a fragment: one step hides it
+        (4, 1)
+    """
+    if isinstance(sync_every, int):
+        return sync_every, delay
+    if w.compute_seconds is None:
+        return 16, delay
+    nbytes, messages = _fragment_reduction(w, n, link, fragments, outer_precision)
+    return choose_period(fragments, delay, w.compute_seconds, link.seconds(messages, nbytes))
+
+
 def local_sgd_cost_model(
     sync_every: int | str = 8, fragments: int = 1, delay: int = 0, outer_precision: str = "fp32"
 ) -> CostModel:
@@ -106,7 +142,7 @@ def local_sgd_cost_model(
     for that excess instead. Without ``compute_seconds`` nothing is counted as hidden. ``sync_every="auto"`` is priced
     at the period and delay the strategy would choose
     (:func:`~lightning_dp_strategies.plan.streaming.choose_period`) from the predicted reduction of a fragment and
-    ``compute_seconds``; without ``compute_seconds``, at 16 steps.
+    ``compute_seconds``; without ``compute_seconds``, at 16 steps (:func:`local_sgd_schedule`).
 
     Examples:
         >>> from lightning_dp_strategies.plan import Link, Workload
@@ -126,16 +162,9 @@ def local_sgd_cost_model(
     def formula(
         w: Workload, n: int, link: Link, stages: int, micro_batches: int, caps: tuple[float, float]
     ) -> tuple[float, int, float, float, float]:
-        wire = w.gradient_bytes * BYTES_PER_VALUE[outer_precision] / BYTES_PER_VALUE["fp32"]
-        nbytes, messages = _ring(wire / fragments, n, 1)  # one fragment's reduction
-        seconds = link.seconds(messages, nbytes)
-        compute = w.compute_seconds
-        if isinstance(sync_every, int):
-            period, hidden_by = sync_every, delay
-        elif compute is None:
-            period, hidden_by = 16, delay
-        else:
-            period, hidden_by = choose_period(fragments, delay, compute, seconds)
+        nbytes, messages = _fragment_reduction(w, n, link, fragments, outer_precision)
+        seconds, compute = link.seconds(messages, nbytes), w.compute_seconds
+        period, hidden_by = local_sgd_schedule(w, n, link, sync_every, fragments, delay, outer_precision)
         comm = fragments * seconds / period
         if hidden_by == 0 or compute is None:
             exposed = comm
