@@ -22,6 +22,8 @@ from lightning_dp_strategies.local_sgd import (
     make_outer_optimizer,
     restore_local_record,
 )
+from lightning_dp_strategies.plan import CostModel
+from lightning_dp_strategies.plan.formulas import LOCAL_SGD, local_sgd_cost_model
 
 __all__ = [
     "STREAMING_DEFAULTS",
@@ -167,6 +169,9 @@ class LocalSGDInterface:
     """
 
     engine: BucketedEngine
+    cost_model: ClassVar[CostModel] = LOCAL_SGD
+    """At the default period; an instance carries the model of its own period, fragments, delay and outer
+    precision (:func:`~lightning_dp_strategies.plan.formulas.local_sgd_cost_model`)."""
     registered_where: ClassVar[str] = "the Trainer"
     """What takes the strategy, in the registry's warnings (``"the Trainer"``, ``"Fabric"``)."""
 
@@ -188,8 +193,10 @@ class LocalSGDInterface:
     ) -> None:
         check_local_options(shard_optimizer_state, reducer, outer_precision)
         options_in_order = (sync_every, outer_optimizer, warmup_steps, average_buffers, fragments, delay, mixing)
-        self.local_config = LocalSGDConfig(*options_in_order, outer_precision)
+        self.local_config = config = LocalSGDConfig(*options_in_order, outer_precision)
         self._init_data_parallel((bucket_cap_mb, first_bucket_cap_mb), reducer, options)
+        priced = (config.sync_every, config.fragments, config.delay, config.outer_precision)
+        self.cost_model = local_sgd_cost_model(*priced)  # type: ignore[misc]  # this instance's
 
     def _init_data_parallel(self, caps: tuple[float, float], reducer: Any, options: Mapping[str, Any]) -> None:
         """Make the Lightning-facing base with the bucket caps, the reducer and the shared keyword options."""

@@ -3,14 +3,23 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any, Generic, Literal, TypedDict, TypeVar, overload
 
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 
-from lightning_dp_strategies.reducers import CommHook, Reducer, check_comm_hook, check_reducer, make_reducer
+from lightning_dp_strategies.plan import CostModel
+from lightning_dp_strategies.reducers import (
+    CommHook,
+    NativeReducer,
+    Reducer,
+    RingReducer,
+    check_comm_hook,
+    check_reducer,
+    make_reducer,
+)
 
 T = TypeVar("T")
 
@@ -226,6 +235,35 @@ class ReductionOptions:
     def make_reducer(self) -> Reducer:
         """The hook's reducer when a hook was given, else the ``reducer=`` option's (a new one each call)."""
         return make_reducer(self.reducer, self.comm_hook, self.ddp_comm_state)
+
+    @property
+    def custom(self) -> str | None:
+        """The reduction as written where it is not the plain fp32 ring or the backend's all-reduce (a hook, a
+        compression, ``"auto"``, ...), else ``None``.
+
+        Examples:
+            >>> ReductionOptions(reducer="native").custom is None, ReductionOptions(reducer="auto").custom
+            (True, "reducer='auto'")
+        """
+        if self.ddp_comm_hook is not None:
+            return f"ddp_comm_hook={getattr(self.ddp_comm_hook, '__name__', self.ddp_comm_hook)}"
+        if self.reducer is None or type(self.reducer) in (RingReducer, NativeReducer):
+            return None
+        if isinstance(self.reducer, str) and self.reducer in ("ring", "native"):
+            return None
+        return f"reducer={self.reducer!r}"
+
+    def priced(self, model: CostModel) -> CostModel:
+        """``model`` as a strategy reducing this way carries it: a bucketed model names a :attr:`custom` reduction,
+        which its formula does not price (:attr:`CostModel.reducer`).
+
+        Examples:
+            >>> from lightning_dp_strategies.plan import RING_ALLREDUCE
+            >>> ReductionOptions(reducer="auto").priced(RING_ALLREDUCE).reducer
+            "reducer='auto'"
+        """
+        custom = self.custom
+        return replace(model, reducer=custom) if custom is not None and model.bucketed else model
 
 
 def check_sharding(config: RingAllReduceConfig, reduction: ReductionOptions) -> None:

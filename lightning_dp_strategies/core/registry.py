@@ -14,6 +14,9 @@ from typing import Any
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
+from lightning_dp_strategies.plan import CostModel
+from lightning_dp_strategies.plan.predict import name_strategy
+
 _PACKAGE = "lightning_dp_strategies"
 
 LAUNCHERS = (
@@ -72,6 +75,7 @@ def register_name(
     """Register ``name`` for ``strategy``; re-registering our own name (a second import, a notebook reload) is a no-op.
 
     A name that another package already registered is left alone, with a warning, instead of being silently replaced.
+    A strategy with a ``cost_model`` is priced under ``name`` too (:func:`~lightning_dp_strategies.plan.cost_model_of`).
     ``where`` names what takes the strategy in that warning (``"the Trainer"``, ``"Fabric"``).
     """
     if name in registry:
@@ -83,6 +87,8 @@ def register_name(
             )
             return
     registry.register(name, strategy, description=description, override=True, **init_params)
+    if isinstance(getattr(strategy, "cost_model", None), CostModel):  # the planner prices the name as it trains
+        name_strategy(name, functools.partial(strategy, **init_params))
 
 
 def register_with_launchers(

@@ -41,6 +41,7 @@ class FabricLocalSGDStrategy(LocalSGDInterface, FabricRingAllReduceStrategy):
     registered_description: ClassVar[str] = "Local SGD / DiLoCo: local steps, the parameter change averaged (Fabric)"
 
     registered_where: ClassVar[str] = "Fabric"
+    registers_ring_variants: ClassVar[bool] = False  # no "local_sgd_auto" or "local_sgd_sharded", as the Trainer
 
     @override
     def _init_data_parallel(self, caps: tuple[float, float], reducer: Any, options: Mapping[str, Any]) -> None:

@@ -47,6 +47,7 @@ from lightning_dp_strategies.core.registry import register_name, register_with_l
 from lightning_dp_strategies.core.topology import check_own_reducer, check_two_level, layout_reducer
 from lightning_dp_strategies.fabric._checkpoints import load_sharded, save_sharded
 from lightning_dp_strategies.fabric.options import FABRIC_PLUGINS, FabricOptions
+from lightning_dp_strategies.plan import RING_ALLREDUCE, CostModel
 from lightning_dp_strategies.reducers import CommHook, Reducer, ScatterReducer
 from lightning_dp_strategies.sharding import OptimizerSharding
 
@@ -98,6 +99,11 @@ class FabricRingAllReduceStrategy(DDPStrategy):
     config: RingAllReduceConfig
     registered_name: ClassVar[str] = "ring_allreduce"
     registered_description: ClassVar[str] = "Bucketed ring all-reduce data parallelism (Fabric)"
+    cost_model: ClassVar[CostModel] = RING_ALLREDUCE
+    """Its per-step communication formula (:mod:`lightning_dp_strategies.plan`), the Trainer strategy's."""
+    registers_ring_variants: ClassVar[bool] = True
+    """Whether :meth:`register_strategies` adds the ``_auto`` and ``_sharded`` names (a subclass that is not a ring
+    of gradients, such as local SGD, sets ``False``)."""
 
     def __init__(
         self,
@@ -116,6 +122,7 @@ class FabricRingAllReduceStrategy(DDPStrategy):
             type(self).__name__, options, FabricOptions, FABRIC_PLUGINS
         )  # validated before Fabric does anything
         self.reduction = ReductionOptions(reducer, ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper)
+        self.cost_model = self.reduction.priced(type(self).cost_model)  # type: ignore[misc]  # this instance's
         self.config = RingAllReduceConfig(
             bucket_cap_mb,
             first_bucket_cap_mb,
@@ -162,7 +169,12 @@ class FabricRingAllReduceStrategy(DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        """Register ``ring_allreduce`` (with its launcher variants) and, for the ring and its subclasses that keep
+        :attr:`registers_ring_variants`, ``ring_allreduce_auto`` (``reducer="auto"``) and ``ring_allreduce_sharded``
+        (``shard_optimizer_state=True``)."""
         register_with_launchers(strategy_registry, cls.registered_name, cls, cls.registered_description, where="Fabric")
+        if not cls.registers_ring_variants:
+            return
         description = f"{cls.registered_description}, the reduction picked for the link (reducer='auto')"
         register_name(strategy_registry, f"{cls.registered_name}_auto", cls, description, "Fabric", reducer="auto")
         description = f"{cls.registered_description}, each rank keeping a shard of the optimizer state (ZeRO-1)"

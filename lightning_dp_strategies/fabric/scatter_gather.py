@@ -24,6 +24,7 @@ from lightning_dp_strategies.core.options import check_dim
 from lightning_dp_strategies.core.registry import register_name
 from lightning_dp_strategies.data_parallel import as_devices
 from lightning_dp_strategies.data_parallel.forward import ParallelForward, ScatterGatherStats
+from lightning_dp_strategies.plan import SCATTER_GATHER, CostModel
 
 __all__ = ["FabricScatterGatherStrategy"]
 
@@ -59,6 +60,8 @@ class FabricScatterGatherStrategy(ParallelForward, DataParallelStrategy):
         (torch.Size([5, 1]), 2)
     """
 
+    cost_model: ClassVar[CostModel] = SCATTER_GATHER
+    """Its per-step communication formula (:mod:`lightning_dp_strategies.plan`), the Trainer strategy's."""
     registered_name: ClassVar[str] = "scatter_gather"
     registered_description: ClassVar[str] = (
         "DataParallel-style scatter/replicate/parallel_apply/gather in one process (Fabric)"

@@ -53,6 +53,9 @@ class CostModel:
     bucketed: bool = False
     """Whether its step is the bucketed ring's (:func:`~lightning_dp_strategies.plan.step.ring_step`), so a
     ``reduction`` and a workload's ``topology`` apply."""
+    reducer: str | None = None
+    """A strategy instance's own reduction where it is not the plain ring's (its reducer or hook, as written): the
+    formula prices the plain ring, so :func:`~lightning_dp_strategies.plan.predict` asks for a ``reduction``."""
 
 
 def _ring_formula(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from lightning_dp_strategies.plan.cluster import Topology
 from lightning_dp_strategies.plan.formulas import COST_MODELS, STRATEGIES, CostModel
@@ -10,19 +10,33 @@ from lightning_dp_strategies.plan.model import Link, Prediction, Workload
 from lightning_dp_strategies.plan.sizing import divisors
 from lightning_dp_strategies.plan.step import Reduction, ring_step
 
-__all__ = ["cost_model_of", "plan", "predict"]
+__all__ = ["cost_model_of", "name_strategy", "plan", "predict"]
 
 
 _ALIASES = {"dp": "scatter_gather"}
+_NAMED: dict[str, Callable[[], object]] = {}
+"""The names registered with Lightning's strategy registries, each with a function that makes the strategy it stands
+for (filled by :func:`name_strategy` as the package registers its names on import)."""
+
+
+def name_strategy(name: str, make: Callable[[], object]) -> None:
+    """Let :func:`cost_model_of` price ``name`` as the strategy ``make()`` returns (its ``cost_model``). The package
+    calls it for every name it registers with Lightning, the Trainer's and Fabric's; a later call replaces the
+    function (the two registries' same-named strategies carry the same cost model)."""
+    _NAMED[name] = make
 
 
 def cost_model_of(strategy: str | CostModel | type | object) -> CostModel:
-    """The cost model of a built-in strategy name, a :class:`CostModel`, or a strategy (class) with a ``cost_model``.
+    """The cost model of a strategy name (a built-in one, or any name the package registers with Lightning, as
+    ``Trainer(strategy=...)`` takes it), a :class:`CostModel`, or a strategy (class) with a ``cost_model``.
 
     Examples:
         >>> from lightning_dp_strategies.plan import RING_ALLREDUCE
         >>> cost_model_of("dp").name
         'scatter_gather'
+        >>> import lightning_dp_strategies  # registers the names: "streaming_diloco" is LocalSGDStrategy's
+        >>> cost_model_of("streaming_diloco").name
+        "local_sgd(sync_every='auto', fragments=4, delay=1, outer_precision='int4')"
         >>> class MyRing:  # e.g. a subclass of RingAllReduceStrategy, which carries RING_ALLREDUCE
         ...     cost_model = RING_ALLREDUCE
         >>> cost_model_of(MyRing).name
@@ -34,9 +48,12 @@ def cost_model_of(strategy: str | CostModel | type | object) -> CostModel:
         name = _ALIASES.get(strategy, strategy)
         if name in COST_MODELS:
             return COST_MODELS[name]
+        if name in _NAMED:
+            return cost_model_of(_NAMED[name]())
         raise ValueError(
-            f"Unknown strategy {strategy!r}: choose one of {', '.join(STRATEGIES)} (or 'dp'), or pass a strategy "
-            "class that has a `cost_model` (every strategy of this package and its subclasses do)."
+            f"Unknown strategy {strategy!r}: choose one of {', '.join(STRATEGIES)} (or 'dp'), a name the package "
+            f"registers with Lightning ({', '.join(sorted(_NAMED)) or 'none registered: import the package'}), or "
+            "pass a strategy class that has a `cost_model` (every strategy of this package and its subclasses do)."
         )
     model = getattr(strategy, "cost_model", None)
     if isinstance(model, CostModel):
@@ -82,6 +99,19 @@ def predict(
     """
     model = cost_model_of(strategy)
     label = strategy if isinstance(strategy, str) else getattr(strategy, "__name__", model.name)
+    _check(model, label, world_size, stages, micro_batches, reduction)
+    caps = (bucket_cap_mb, first_bucket_cap_mb)
+    nbytes, messages, comm, exposed, bubble = model.formula(workload, world_size, link, stages, micro_batches, caps)
+    builtin = isinstance(strategy, str) and _ALIASES.get(strategy, strategy) in COST_MODELS
+    name = model.name if builtin else label  # a registered name as written
+    step = _step_seconds(model, workload, world_size, link, exposed, reduction, caps)
+    return Prediction(name, world_size, stages, micro_batches, nbytes, messages, comm, exposed, bubble, step)
+
+
+def _check(
+    model: CostModel, label: str, world_size: int, stages: int, micro_batches: int, reduction: Reduction | None
+) -> None:
+    """A clear error for arguments :func:`predict` cannot price."""
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1 (the number of devices), got {world_size!r}.")
     if stages < 1 or micro_batches < 1:
@@ -91,16 +121,17 @@ def predict(
             f"stages and micro_batches apply to pipelined strategies such as 'hybrid_pipeline' only; leave them at 1 "
             f"for {label!r}."
         )
+    if model.reducer is not None and reduction is None:
+        raise ValueError(
+            f"{label!r} reduces its buckets with {model.reducer}, which its cost model does not price: pass the "
+            "reduction to price as `reduction=plan.Reduction(...)` (for reducer='auto', price each candidate it "
+            "chooses among, e.g. Reduction(), Reduction('bf16'), Reduction('powersgd', rank=4), and take the fastest)."
+        )
     if world_size % stages:
         raise ValueError(
             f"stages={stages} does not divide world_size={world_size}: the pipeline is replicated world_size/stages "
             f"times, so pick stages from {divisors(world_size)[:12]} or a world size that is a multiple of {stages}."
         )
-    caps = (bucket_cap_mb, first_bucket_cap_mb)
-    nbytes, messages, comm, exposed, bubble = model.formula(workload, world_size, link, stages, micro_batches, caps)
-    name = model.name if isinstance(strategy, str) else label
-    step = _step_seconds(model, workload, world_size, link, exposed, reduction, caps)
-    return Prediction(name, world_size, stages, micro_batches, nbytes, messages, comm, exposed, bubble, step)
 
 
 def _step_seconds(

@@ -104,8 +104,7 @@ class BucketedDataParallel(DDPStrategy):
     config: BucketedConfig
     survival: TrainerSurvival | None = None
     """With ``fault_tolerant``: the hooks' survivor side (set by a subclass that offers the option)."""
-    cost_model: ClassVar[CostModel] = RING_ALLREDUCE
-    """Its per-step communication formula (:mod:`lightning_dp_strategies.plan`); a subclass may set its own."""
+    cost_model: ClassVar[CostModel] = RING_ALLREDUCE  # per-step formula (plan); a subclass may set its own
     registered_name: ClassVar[str | None] = None
     """The name given to Lightning, with ``{name}_spawn`` and ``{name}_notebook`` beside it (``None``: none)."""
     registered_description: ClassVar[str] = ""
@@ -133,6 +132,7 @@ class BucketedDataParallel(DDPStrategy):
         check_own_reducer(type(self), BucketedDataParallel, bool(getattr(config, "shard_optimizer_state", False)))
         super().__init__(**lightning_options)
         self.config, self.reduction = config, reduction  # configuration
+        self.cost_model = reduction.priced(type(self).cost_model)  # type: ignore[misc]  # names an unpriced reducer
         self.engine = BucketedEngine(config, reduction, options.get("nonfinite_grads"))
         self._clipping: GlobalNormClipping | None = None
 

@@ -15,8 +15,6 @@ from lightning_dp_strategies.core.local_sgd import LocalSGDInterface, check_sing
 from lightning_dp_strategies.core.options import BucketedConfig, ConfigOption
 from lightning_dp_strategies.core.registry import register_name
 from lightning_dp_strategies.local_sgd import local_checkpoint_record, restore_local_record
-from lightning_dp_strategies.plan import CostModel
-from lightning_dp_strategies.plan.formulas import LOCAL_SGD, local_sgd_cost_model
 from lightning_dp_strategies.strategies.bucketed import BucketedDataParallel
 from lightning_dp_strategies.strategies.local_survival import LocalSurvival, check_local_survivable
 from lightning_dp_strategies.strategies.survival import TrainerSurvival
@@ -66,7 +64,6 @@ class LocalSGDStrategy(LocalSGDInterface, SurvivingDataParallel):
     registered_name: ClassVar[str | None] = "local_sgd"
     registered_description: ClassVar[str] = "Local SGD / DiLoCo: local steps, the parameter change averaged every H"
     compared_as: ClassVar[str | None] = None
-    cost_model: ClassVar[CostModel] = LOCAL_SGD
 
     def __init__(self, *args: Any, fault_tolerant: bool | FaultTolerance = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -86,9 +83,6 @@ class LocalSGDStrategy(LocalSGDInterface, SurvivingDataParallel):
     @override
     def _init_data_parallel(self, caps: tuple[float, float], reducer: Any, options: Mapping[str, Any]) -> None:
         BucketedDataParallel.__init__(self, BucketedConfig(*caps), reducer, **options)
-        config = self.local_config  # this instance's period, fragments, delay and outer precision
-        options_priced = (config.sync_every, config.fragments, config.delay, config.outer_precision)
-        self.cost_model = local_sgd_cost_model(*options_priced)  # type: ignore[misc]
 
     # ------------------------------------------------------------------ setup
     @property

@@ -1,0 +1,102 @@
+"""The planner prices every strategy name the package registers, as the strategy that name builds, under the Trainer
+and under Fabric alike; a strategy whose reduction its formula does not price says so instead of pricing the ring."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from lightning.fabric.strategies import STRATEGY_REGISTRY
+from lightning.pytorch.strategies import StrategyRegistry
+
+import lightning_dp_strategies as ldp
+from lightning_dp_strategies.core.local_sgd import STREAMING_DEFAULTS
+from lightning_dp_strategies.plan import Link, MiB, Reduction, Workload, cost_model_of, plan, predict
+from lightning_dp_strategies.plan.formulas import local_sgd_cost_model
+
+WORK = Workload(gradient_bytes=30 * MiB, compute_seconds=0.4, backward_seconds=0.25)
+LINK = Link(latency_s=1e-4, bandwidth_bytes_per_s=2.5e7)  # 200 Mbit/s
+
+
+def ours(registry: Any) -> list[str]:
+    return sorted(
+        n for n in registry.available_strategies() if registry[n]["strategy"].__module__.startswith("lightning_dp")
+    )
+
+
+def built(registry: Any, name: str) -> Any:
+    entry = registry[name]
+    return entry["strategy"](**entry["init_params"])
+
+
+def priced(model: Any) -> tuple[Any, ...]:
+    """What a cost model says about a step: its name, kind and the formula's numbers on one workload at 2 ranks."""
+    numbers = model.formula(WORK, 2, LINK, 1, 1, (25.0, 1.0)) if not model.pipelined else None
+    return model.name, model.pipelined, model.bucketed, model.reducer, numbers
+
+
+@pytest.mark.parametrize("registry", [StrategyRegistry, STRATEGY_REGISTRY], ids=["trainer", "fabric"])
+def test_every_registered_name_builds_and_is_priced_by_name(registry: Any) -> None:
+    names = ours(registry)
+    assert {"ring_allreduce", "local_sgd", "streaming_diloco"} <= set(names)
+    for name in names:
+        strategy = built(registry, name)  # a registered name that cannot build its strategy is a broken name
+        assert priced(cost_model_of(name)) == priced(cost_model_of(strategy)), name
+
+
+def test_a_registered_name_prices_the_options_it_stands_for_and_names_the_row() -> None:
+    streaming = local_sgd_cost_model(
+        STREAMING_DEFAULTS["sync_every"],
+        STREAMING_DEFAULTS["fragments"],
+        STREAMING_DEFAULTS["delay"],
+        STREAMING_DEFAULTS["outer_precision"],
+    )
+    assert priced(cost_model_of("streaming_diloco")) == priced(streaming)
+    assert cost_model_of("ring_allreduce_sharded").name == "ring_allreduce"
+    assert cost_model_of("hybrid_pipeline_spawn").pipelined
+    row = predict("streaming_diloco", WORK, 2, LINK)
+    assert (
+        row.strategy == "streaming_diloco"
+        and row.bytes_per_rank < predict("ring_allreduce", WORK, 2, LINK).bytes_per_rank
+    )
+    assert predict("dp", WORK, 2, LINK).strategy == "scatter_gather"  # a built-in name keeps its model's name
+    rows = plan(WORK, LINK, world_sizes=(2,), strategies=["ring_allreduce", "local_sgd_fault_tolerant"])
+    assert [p.strategy for p in rows] == ["ring_allreduce", "local_sgd_fault_tolerant"]
+    with pytest.raises(ValueError, match="streaming_diloco"):  # the error lists the registered names
+        cost_model_of("streaming-diloco")
+
+
+def test_fabric_strategies_carry_the_trainer_strategies_cost_models() -> None:
+    options: dict[str, Any] = {"sync_every": 16, "fragments": 4, "delay": 1, "outer_precision": "int8"}
+    trainer, fabric = ldp.LocalSGDStrategy(**options), ldp.FabricLocalSGDStrategy(**options)
+    assert priced(cost_model_of(fabric)) == priced(cost_model_of(trainer))
+    assert cost_model_of(fabric).name == "local_sgd(sync_every=16, fragments=4, delay=1, outer_precision='int8')"
+    assert priced(cost_model_of(ldp.FabricRingAllReduceStrategy)) == priced(cost_model_of("ring_allreduce"))
+    assert cost_model_of(ldp.FabricScatterGatherStrategy).name == "scatter_gather"
+    assert "local_sgd_sharded" not in STRATEGY_REGISTRY  # local SGD never shards its optimizer state
+    assert "local_sgd_auto" not in STRATEGY_REGISTRY and "local_sgd_auto" not in StrategyRegistry
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        "ring_allreduce_auto",
+        pytest.param(lambda: ldp.RingAllReduceStrategy(reducer=ldp.PowerSGD("ring", rank=4)), id="trainer-powersgd"),
+        pytest.param(lambda: ldp.FabricRingAllReduceStrategy(reducer=ldp.bf16_compress("ring")), id="fabric-bf16"),
+    ],
+)
+def test_a_reduction_the_formula_does_not_price_is_named_and_asked_for(strategy: Any) -> None:
+    strategy = strategy if isinstance(strategy, str) else strategy()
+    with pytest.raises(ValueError, match=r"reducer=.*pass the reduction to price as `reduction=plan.Reduction"):
+        predict(strategy, WORK, 2, LINK)
+    cheaper = predict(strategy, WORK, 2, LINK, reduction=Reduction("bf16"))
+    assert (
+        cheaper.step_seconds is not None
+        and cheaper.step_seconds < predict("ring_allreduce", WORK, 2, LINK).step_seconds
+    )
+
+
+def test_the_plain_ring_under_any_spelling_is_priced_as_it_is() -> None:
+    for reducer in (None, "ring", "native", ldp.RingReducer(), ldp.NativeReducer()):
+        assert cost_model_of(ldp.RingAllReduceStrategy(reducer=reducer)).reducer is None
+        assert cost_model_of(ldp.FabricRingAllReduceStrategy(reducer=reducer)).reducer is None
