@@ -39,12 +39,14 @@ module                 what it holds
 ``plan.measure``       :func:`measure_compute`: one rank's step without communication
 ``plan.formulas``      :class:`CostModel` and one formula per strategy
 ``plan.streaming``     streaming DiLoCo's bytes a value per outer precision, and its ``"auto"`` period's choice
+``plan.auto``          ``reducer="auto"``'s candidates and choice, at run time and in :func:`predict`
 ``plan.predict``       :func:`predict`, :func:`plan`, :func:`cost_model_of`
 ``plan.compression``   :func:`compression_pays`: when a compressed reducer beats the plain one
 ``plan.tables``        :func:`format_table`, :func:`text_table`
 =====================  ===================================================================
 """
 
+from lightning_dp_strategies.plan.auto import AutoChoice
 from lightning_dp_strategies.plan.cluster import CpuCosts, Topology
 from lightning_dp_strategies.plan.compression import CompressionVerdict, compression_pays, payload_bytes
 from lightning_dp_strategies.plan.formulas import (
@@ -60,7 +62,7 @@ from lightning_dp_strategies.plan.measure import ComputeTimes, measure_compute
 from lightning_dp_strategies.plan.model import Prediction, Workload, bucket_count
 from lightning_dp_strategies.plan.predict import cost_model_of, plan, predict
 from lightning_dp_strategies.plan.sizing import MiB, bucket_boundaries, divisors, ring_bytes_per_rank
-from lightning_dp_strategies.plan.step import COMPRESSIONS, Reduction, StepTimes, buckets_step, ring_step
+from lightning_dp_strategies.plan.step import COMPRESSIONS, Reduction, StepTimes, buckets_step, ring_buckets, ring_step
 from lightning_dp_strategies.plan.tables import format_table, text_table
 
 __all__ = [
@@ -70,6 +72,7 @@ __all__ = [
     "RING_ALLREDUCE",
     "SCATTER_GATHER",
     "STRATEGIES",
+    "AutoChoice",
     "CompressionVerdict",
     "ComputeTimes",
     "CostModel",
@@ -92,6 +95,7 @@ __all__ = [
     "payload_bytes",
     "plan",
     "predict",
+    "ring_buckets",
     "ring_bytes_per_rank",
     "ring_step",
     "text_table",

@@ -6,6 +6,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from lightning_dp_strategies.plan.auto import AutoChoice
 from lightning_dp_strategies.plan.model import Link, Workload, bucket_count
 from lightning_dp_strategies.plan.sizing import ring_bytes_per_rank
 from lightning_dp_strategies.plan.streaming import BYTES_PER_VALUE, choose_period
@@ -56,6 +57,9 @@ class CostModel:
     reducer: str | None = None
     """A strategy instance's own reduction where it is not the plain ring's (its reducer or hook, as written): the
     formula prices the plain ring, so :func:`~lightning_dp_strategies.plan.predict` asks for a ``reduction``."""
+    auto: AutoChoice | None = None
+    """A strategy instance's ``reducer="auto"``: :func:`~lightning_dp_strategies.plan.predict` prices the reduction
+    it would choose (:mod:`lightning_dp_strategies.plan.auto`)."""
 
 
 def _ring_formula(

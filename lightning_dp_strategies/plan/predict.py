@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from lightning_dp_strategies.plan.auto import AutoChoice, choose
 from lightning_dp_strategies.plan.cluster import Topology
 from lightning_dp_strategies.plan.formulas import COST_MODELS, STRATEGIES, CostModel
 from lightning_dp_strategies.plan.model import Link, Prediction, Workload
 from lightning_dp_strategies.plan.sizing import divisors
-from lightning_dp_strategies.plan.step import Reduction, ring_step
+from lightning_dp_strategies.plan.step import Reduction, ring_buckets, ring_step
 
 __all__ = ["cost_model_of", "name_strategy", "plan", "predict"]
 
@@ -104,6 +105,9 @@ def predict(
     nbytes, messages, comm, exposed, bubble = model.formula(workload, world_size, link, stages, micro_batches, caps)
     builtin = isinstance(strategy, str) and _ALIASES.get(strategy, strategy) in COST_MODELS
     name = model.name if builtin else label  # a registered name as written
+    if model.auto is not None and reduction is None:  # reducer="auto": the reduction it would choose
+        reduction = _auto_reduction(model.auto, workload, _topology(workload, world_size, link), caps, label)
+        name = f"{name}: {reduction.label}"
     step = _step_seconds(model, workload, world_size, link, exposed, reduction, caps)
     return Prediction(name, world_size, stages, micro_batches, nbytes, messages, comm, exposed, bubble, step)
 
@@ -124,14 +128,42 @@ def _check(
     if model.reducer is not None and reduction is None:
         raise ValueError(
             f"{label!r} reduces its buckets with {model.reducer}, which its cost model does not price: pass the "
-            "reduction to price as `reduction=plan.Reduction(...)` (for reducer='auto', price each candidate it "
-            "chooses among, e.g. Reduction(), Reduction('bf16'), Reduction('powersgd', rank=4), and take the fastest)."
+            "reduction to price as `reduction=plan.Reduction(...)`, e.g. Reduction('bf16') for a bf16 compression or "
+            "Reduction('powersgd', rank=4)."
         )
     if world_size % stages:
         raise ValueError(
             f"stages={stages} does not divide world_size={world_size}: the pipeline is replicated world_size/stages "
             f"times, so pick stages from {divisors(world_size)[:12]} or a world size that is a multiple of {stages}."
         )
+
+
+def _topology(work: Workload, world_size: int, link: Link) -> Topology:
+    """The workload's topology (one node of ``world_size`` processes on ``link`` without one), checked."""
+    topology = work.topology or Topology(nodes=1, per_node=world_size, inter=link)
+    if topology.world_size != world_size:
+        raise ValueError(
+            f"The workload's topology has {topology.nodes} x {topology.per_node} = {topology.world_size} processes "
+            f"but world_size is {world_size}: predict at world_size={topology.world_size} or change the topology."
+        )
+    return topology
+
+
+def _auto_reduction(
+    choice: AutoChoice, work: Workload, topology: Topology, caps: tuple[float, float], label: str
+) -> Reduction:
+    """The reduction ``reducer="auto"`` would choose for ``work``: the candidate whose predicted step is the
+    shortest (:func:`~lightning_dp_strategies.plan.auto.choose`, as the reducer chooses at run time)."""
+    if work.compute_seconds is None:
+        raise ValueError(
+            f"{label!r} chooses its reduction by the step it predicts for each candidate: give the workload a "
+            "`compute_seconds` (plan.measure_compute), or pass `reduction=plan.Reduction(...)` to price one."
+        )
+    candidates = choice.candidates(topology.nodes, topology.per_node)
+    buckets = ring_buckets(work.tensor_bytes or (work.gradient_bytes,), work.shapes, caps)
+    backward = min(work.backward_seconds or 0.0, work.compute_seconds)
+    chosen, _ = choose(candidates, buckets, work.compute_seconds, backward, topology, work.cpu)
+    return candidates[chosen]
 
 
 def _step_seconds(
@@ -144,12 +176,7 @@ def _step_seconds(
     caps: tuple[float, float],
 ) -> float | None:
     """The predicted step: the bucketed ring's flow shop, or compute plus the formula's exposed time."""
-    topology = work.topology or Topology(nodes=1, per_node=world_size, inter=link)
-    if topology.world_size != world_size:
-        raise ValueError(
-            f"The workload's topology has {topology.nodes} x {topology.per_node} = {topology.world_size} processes "
-            f"but world_size is {world_size}: predict at world_size={topology.world_size} or change the topology."
-        )
+    topology = _topology(work, world_size, link)
     if reduction is not None and not model.bucketed:
         raise ValueError(f"`reduction` applies to bucketed strategies such as 'ring_allreduce', not {model.name!r}.")
     if work.compute_seconds is None:

@@ -56,7 +56,7 @@ from lightning_dp_strategies.plan.cluster import CpuCosts, Topology
 from lightning_dp_strategies.plan.link import Link
 from lightning_dp_strategies.plan.sizing import bucket_boundaries
 
-__all__ = ["COMPRESSIONS", "Reduction", "StepTimes", "buckets_step", "ring_step"]
+__all__ = ["COMPRESSIONS", "Reduction", "StepTimes", "buckets_step", "ring_buckets", "ring_step"]
 
 COMPRESSIONS = ("none", "bf16", "fp16", "powersgd")
 """What :class:`Reduction` compresses with: nothing, a 16-bit cast of what crosses the link, or PowerSGD."""
@@ -225,11 +225,23 @@ def ring_step(
         >>> round(t.comm_seconds, 3), round(t.step_seconds, 3)  # 50 MB cross once at 125 MB/s, behind backward
         (0.403, 0.425)
     """
-    buckets = [
+    return buckets_step(ring_buckets(tensor_bytes, shapes, caps), compute_seconds, backward_seconds, topology, how, cpu)
+
+
+def ring_buckets(
+    tensor_bytes: Sequence[int], shapes: Sequence[Sequence[int]], caps: tuple[float, float] = (25.0, 1.0)
+) -> list[tuple[float, list[Sequence[int]]]]:
+    """Gradients of ``tensor_bytes`` (``shapes`` beside them, or none) cut into buckets of ``caps`` (MiB) as the
+    strategies cut them: ``(fp32 bytes, parameter shapes)`` each, in launch order.
+
+    Examples:
+        >>> [b for b, _ in ring_buckets([3 * 2**20] * 3, [], caps=(4.0, 1.0))]  # the first bucket's cap is 1 MiB
+        [3145728.0, 3145728.0, 3145728.0]
+    """
+    return [
         (float(sum(tensor_bytes[i] for i in members)), [shapes[i] for i in members] if shapes else [])
         for members in bucket_boundaries([(None, n) for n in tensor_bytes], *caps)
     ]
-    return buckets_step(buckets, compute_seconds, backward_seconds, topology, how, cpu)
 
 
 def buckets_step(

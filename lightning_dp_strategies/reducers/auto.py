@@ -30,7 +30,8 @@ from torch.futures import Future
 
 from lightning_dp_strategies.comm import new_duplex_group
 from lightning_dp_strategies.comm.probe import probe_ring
-from lightning_dp_strategies.plan import CpuCosts, Link, Reduction, Topology, buckets_step
+from lightning_dp_strategies.plan import CpuCosts, Link, Reduction, Topology
+from lightning_dp_strategies.plan.auto import ALLOWED, LOSSY_MARGIN, AutoChoice, allowed, choose
 from lightning_dp_strategies.reducers.base import GradBucket, ReducerBase, StepTiming
 from lightning_dp_strategies.reducers.builtin import RingReducer
 from lightning_dp_strategies.reducers.calibrate import calibrate_cpu
@@ -38,7 +39,8 @@ from lightning_dp_strategies.reducers.casts import bf16_compress
 from lightning_dp_strategies.reducers.powersgd import PowerSGD
 from lightning_dp_strategies.reducers.two_level import TwoLevelReducer
 
-__all__ = ["ALLOWED", "AutoDecision", "AutoReducer", "StepTiming", "choose", "visible"]
+__all__ = ["ALLOWED", "LOSSY_MARGIN", "AutoDecision", "AutoReducer", "StepTiming", "choose", "visible"]
+# ALLOWED, LOSSY_MARGIN and choose live in the planning layer (plan.auto), which prices reducer="auto" with them
 
 log = logging.getLogger("lightning_dp_strategies")
 
@@ -51,14 +53,6 @@ def visible(logger: logging.Logger) -> logging.Logger:
     if not logging.getLogger().hasHandlers() and not logger.handlers:
         logger.addHandler(logging.StreamHandler())
     return logger
-
-
-LOSSY_MARGIN = 0.05
-"""How much faster (a fraction of the step) a lossy candidate must be predicted than the best lossless one."""
-
-ALLOWED = {"all": ("none", "bf16", "powersgd"), "lossless": ("none",)}
-"""The named restrictions of :class:`AutoReducer`'s ``allow``; a tuple of ``"none"``, ``"bf16"``, ``"powersgd"``
-names the candidates itself."""
 
 
 @dataclass(frozen=True)
@@ -100,55 +94,6 @@ class AutoDecision:
         for label, seconds in sorted(self.predicted_step_seconds.items(), key=lambda kv: kv[1]):
             lines.append(f"  {label:22s} {seconds * 1e3:9.1f} ms predicted" + (" <-" if label == self.chosen else ""))
         return "\n".join(lines)
-
-
-def choose(
-    candidates: dict[str, Reduction],
-    buckets: Sequence[tuple[float, Sequence[Sequence[int]]]],
-    compute_seconds: float,
-    backward_seconds: float,
-    topology: Topology,
-    cpu: CpuCosts,
-) -> tuple[str, dict[str, float]]:
-    """The candidate with the shortest predicted step, and every candidate's prediction. A lossless candidate
-    (no compression) within :data:`LOSSY_MARGIN` of the fastest is kept over a lossy one: the step model is not
-    sharper than that, so a lossy reduction must be predicted clearly faster to be worth its rounding. Ties go to
-    the first listed.
-
-    Examples:
-        >>> from lightning_dp_strategies.plan import Link, Reduction, Topology, CpuCosts
-        >>> buckets = [(4.0 * 2**20, [(1024, 1024)])] * 12  # 50 MB of fp32 gradients
-        >>> options = {"plain": Reduction(), "bf16": Reduction("bf16"), "powersgd": Reduction("powersgd")}
-        >>> cpu = CpuCosts(add=4e-11, add_low=1e-10, cast=1e-10, powersgd=4e-9)
-        >>> slow, fast = Link(5e-5, 1.25e8), Link(5e-6, 2.5e10)  # 1 GbE and 200 Gbit/s
-        >>> choose(options, buckets, 0.1, 0.06, Topology(2, 1, slow), cpu)[0]
-        'powersgd'
-        >>> choose(options, buckets, 0.1, 0.06, Topology(2, 1, fast), cpu)[0]
-        'plain'
-        >>> one_node = Topology(1, 2, fast)  # predicted alike: the lossless ring is kept
-        >>> choose({"bf16": Reduction("bf16"), "plain": Reduction()}, buckets[:1], 0.1, 0.06, one_node, CpuCosts())[0]
-        'plain'
-    """
-    backward = min(backward_seconds, compute_seconds)
-    predicted = {
-        label: buckets_step(buckets, compute_seconds, backward, topology, how, cpu).step_seconds
-        for label, how in candidates.items()
-    }
-    fastest = min(predicted.values())
-    close = [label for label, how in candidates.items() if predicted[label] <= fastest * (1 + LOSSY_MARGIN)]
-    lossless = [label for label in close if candidates[label].compression == "none"]
-    return min(lossless or close, key=predicted.__getitem__), predicted
-
-
-def _allowed(allow: str | Sequence[str]) -> tuple[str, ...]:
-    names = ALLOWED.get(allow) if isinstance(allow, str) else tuple(allow)
-    known = ALLOWED["all"]
-    if not names or any(n not in known for n in names):
-        raise ValueError(
-            f"Unknown `allow` {allow!r} for reducer='auto': use 'all', 'lossless' (the plain ring only, one or two "
-            f"levels) or a tuple of {list(known)}."
-        )
-    return tuple(dict.fromkeys(("none", *names)))  # the plain ring is always built: it reduces the warm-up steps
 
 
 @dataclass
@@ -202,7 +147,7 @@ class AutoReducer(ReducerBase):
     ) -> None:
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 2:
             raise ValueError(f"`warmup_steps` must be an integer >= 2 (the first is not timed), got {warmup_steps!r}.")
-        self.allow = _allowed(allow)
+        self.allow = allowed(allow)
         self.warmup_steps = warmup_steps
         self.rank = rank
         self.per_node = per_node
@@ -216,18 +161,16 @@ class AutoReducer(ReducerBase):
         return AutoReducer(self.allow, self.warmup_steps, self.rank, per_node, two_level)
 
     # ------------------------------------------------------------------ setup
+    @property
+    def choice(self) -> AutoChoice:
+        """The options that decide its candidates (what :func:`~lightning_dp_strategies.plan.predict` prices)."""
+        return AutoChoice(self.allow, self.rank, self.two_level)
+
     def _make_candidates(self, nodes: int) -> dict[str, tuple[Reduction, ReducerBase]]:
-        levels = [lvl for lvl in (True, False) if self.two_level in (None, lvl)]
-        if nodes < 2 or self.per_node < 2:
-            levels = [False] if self.two_level is not True else [True]
         made: dict[str, tuple[Reduction, ReducerBase]] = {}
-        for two in levels:
-            for compression in self.allow:
-                if two and compression == "powersgd":
-                    continue
-                how = Reduction(compression, rank=self.rank, two_level=two)
-                inner: ReducerBase = bf16_compress("ring") if compression == "bf16" else RingReducer()
-                made[how.label] = (how, TwoLevelReducer(self.per_node, inner) if two else inner)
+        for label, how in self.choice.candidates(nodes, self.per_node).items():
+            inner: ReducerBase = bf16_compress("ring") if how.compression == "bf16" else RingReducer()
+            made[label] = (how, TwoLevelReducer(self.per_node, inner) if how.two_level else inner)
         return made
 
     def setup(self, group: dist.ProcessGroup | None, ranks: Sequence[int], backend: str | None = None) -> None:

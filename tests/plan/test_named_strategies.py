@@ -11,7 +11,17 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_dp_strategies as ldp
 from lightning_dp_strategies.core.local_sgd import STREAMING_DEFAULTS
-from lightning_dp_strategies.plan import Link, MiB, Reduction, Workload, cost_model_of, plan, predict
+from lightning_dp_strategies.plan import (
+    CpuCosts,
+    Link,
+    MiB,
+    Reduction,
+    Topology,
+    Workload,
+    cost_model_of,
+    plan,
+    predict,
+)
 from lightning_dp_strategies.plan.formulas import local_sgd_cost_model
 
 WORK = Workload(gradient_bytes=30 * MiB, compute_seconds=0.4, backward_seconds=0.25)
@@ -80,20 +90,57 @@ def test_fabric_strategies_carry_the_trainer_strategies_cost_models() -> None:
 @pytest.mark.parametrize(
     "strategy",
     [
-        "ring_allreduce_auto",
         pytest.param(lambda: ldp.RingAllReduceStrategy(reducer=ldp.PowerSGD("ring", rank=4)), id="trainer-powersgd"),
         pytest.param(lambda: ldp.FabricRingAllReduceStrategy(reducer=ldp.bf16_compress("ring")), id="fabric-bf16"),
+        pytest.param(lambda: ldp.RingAllReduceStrategy(reducer="per_tensor"), id="per-tensor"),
     ],
 )
 def test_a_reduction_the_formula_does_not_price_is_named_and_asked_for(strategy: Any) -> None:
-    strategy = strategy if isinstance(strategy, str) else strategy()
+    strategy = strategy()
     with pytest.raises(ValueError, match=r"reducer=.*pass the reduction to price as `reduction=plan.Reduction"):
         predict(strategy, WORK, 2, LINK)
     cheaper = predict(strategy, WORK, 2, LINK, reduction=Reduction("bf16"))
-    assert (
-        cheaper.step_seconds is not None
-        and cheaper.step_seconds < predict("ring_allreduce", WORK, 2, LINK).step_seconds
-    )
+    plain = predict("ring_allreduce", WORK, 2, LINK).step_seconds
+    assert cheaper.step_seconds is not None and plain is not None and cheaper.step_seconds < plain
+
+
+def expected_choice(candidates: list[Reduction], work: Workload, world: int, link: Link) -> Reduction:
+    """What reducer="auto" should pick, worked out from the plain ring's predictions: the fastest, unless a lossless
+    candidate is within 5% of it."""
+    step = {how: predict("ring_allreduce", work, world, link, reduction=how).step_seconds for how in candidates}
+    fastest = min(step.values())
+    close = [how for how in candidates if step[how] <= fastest * 1.05]
+    return min([how for how in close if how.compression == "none"] or close, key=step.__getitem__)
+
+
+@pytest.mark.parametrize(
+    ("bandwidth", "label"),
+    [(2.5e7, "flat powersgd r4"), (2.5e9, "flat plain")],
+    ids=["200mbit", "20gbit"],
+)
+def test_ring_allreduce_auto_is_priced_as_the_reduction_it_would_choose(bandwidth: float, label: str) -> None:
+    link = Link(latency_s=1e-4, bandwidth_bytes_per_s=bandwidth)
+    sizes = (4 * 2**20,) * 7 + (2 * 2**20,)  # 30 MiB of 1024 x 1024 and 512 x 1024 fp32 matrices
+    shapes = [(1024, 1024)] * 7 + [(512, 1024)]
+    cpu = CpuCosts(add=4e-11, add_low=1e-10, cast=1e-10, powersgd=4e-9)
+    work = Workload(sum(sizes), tensor_bytes=sizes, shapes=shapes, compute_seconds=0.4, backward_seconds=0.25, cpu=cpu)
+    chosen = expected_choice([Reduction(), Reduction("bf16"), Reduction("powersgd", rank=4)], work, 2, link)
+    assert chosen.label == label  # the setting exercises a lossy choice on slow links and the plain ring on a fast one
+    for strategy in ("ring_allreduce_auto", ldp.FabricRingAllReduceStrategy(reducer="auto")):
+        row = predict(strategy, work, 2, link)
+        assert row.strategy.endswith(f": {label}")
+        assert row.step_seconds == predict("ring_allreduce", work, 2, link, reduction=chosen).step_seconds
+    with pytest.raises(ValueError, match="compute_seconds"):
+        predict("ring_allreduce_auto", Workload(gradient_bytes=30 * MiB), 2, link)
+
+
+def test_a_lossless_auto_on_several_nodes_chooses_between_one_and_two_levels() -> None:
+    link, cpu = Link(latency_s=5e-5, bandwidth_bytes_per_s=1.25e8), CpuCosts(add=4e-11)
+    topology = Topology(nodes=2, per_node=4, inter=link, intra=Link(latency_s=5e-6, bandwidth_bytes_per_s=5e9))
+    work = Workload(gradient_bytes=64 * MiB, compute_seconds=0.3, backward_seconds=0.2, cpu=cpu, topology=topology)
+    chosen = expected_choice([Reduction(two_level=True), Reduction()], work, 8, link)
+    row = predict(ldp.RingAllReduceStrategy(reducer=ldp.AutoReducer(allow="lossless")), work, 8, link)
+    assert row.strategy == f"ring_allreduce: {chosen.label}" and chosen.label == "two-level plain"
 
 
 def test_the_plain_ring_under_any_spelling_is_priced_as_it_is() -> None:
