@@ -89,7 +89,7 @@ def predict(
         bucket_cap_mb: gradient bucket cap in MiB, as the strategies take it.
         first_bucket_cap_mb: the first bucket's cap in MiB.
         reduction: how the ring's buckets are reduced (compression, one or two levels) for ``step_seconds``; the
-            plain flat ring by default.
+            plain flat ring by default, or with ``reducer="auto"`` the reduction it would choose (named in the row).
 
     Examples:
         >>> from lightning_dp_strategies.plan import MiB
