@@ -12,12 +12,15 @@ states a lost rank is rebuilt from. Until then the states handed over before sta
                  them; if one did not, it replays periods n and n+1 from the states of sync n-1
 
 :meth:`HandOvers.settle` makes every survivor choose the same: the newest states all of them hold, counted in
-synchronisations since the last hand-over that waited (:attr:`HandOvers.point`). At the start of training, after an
-admission and after a recovery in a synchronisation the states are handed over before training goes on.
+synchronisations since the last hand-over that waited (:attr:`HandOvers.point`). At a fresh start every rank's inner
+state is the optimizer's initial one, alike on every rank (the same optimizer over the same parameters), so each
+keeper takes copies of its own and nothing is sent (:meth:`HandOvers.start_alike`); at the start of a resumed run,
+after an admission and after a recovery in a synchronisation the states are handed over before training goes on.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +76,17 @@ class HandOvers:
         and the points count from here."""
         received = self._received(self._start().wait(self.survivors.interrupted))
         self.handed, self.point, self.periods, self._flight, self._arrived = received, 0, [], None, None
+
+    def start_alike(self) -> None:
+        """At a fresh start, where every rank's inner state is the optimizer's initial one and alike on every rank:
+        the states this rank keeps become copies of its own, which is what :meth:`hand_over` would receive, without
+        communicating (so no loss at the start can leave a state unkept)."""
+        survivors = self.survivors
+        plan = handover_plan(survivors.members, survivors.world_size, survivors.options.state_copies)
+        own = self.replicas.states(self.rank)[self.rank]
+        kept = [r for targets in plan.values() for r in targets.get(self.rank, [])]
+        self.handed = {r: copy.deepcopy(own) for r in kept}
+        self.point, self.periods, self._flight, self._arrived = 0, [], None, None
 
     def finish(self) -> None:
         """Before a synchronisation averages: wait for the states in flight (polled)."""

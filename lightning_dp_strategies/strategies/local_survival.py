@@ -113,8 +113,9 @@ class LocalSurvival(SurvivalHooks):
 
     # ------------------------------------------------------------------ setup
     def start(self) -> None:
-        """At the start of training (after the survival's): average through this object, and hand the inner states
-        over once, so that a rank lost in the first period can be rebuilt."""
+        """At the start of training (after the survival's): average through this object, and give every rank the
+        inner states it keeps, so that a rank lost in the first period can be rebuilt: on a fresh start copies of its
+        own initial state (alike on every rank, nothing sent), on a resumed one by a hand-over."""
         local = self.local
         local.survivor = self
         local.averager.interrupt = self.survival.survivors.interrupted
@@ -122,15 +123,18 @@ class LocalSurvival(SurvivalHooks):
             optimizer = self.strategy.optimizers[0]
             self.replicas = Replicas(local.params, local.buffers, optimizer)
             self.handovers = HandOvers(self.survival.survivors, self.replicas, self.rank)
+            if local.steps == 0:  # no step taken, nothing resumed: the same on every rank
+                self.handovers.start_alike()
+                return
             try:
                 self.handovers.hand_over()
             except Exception as failure:
                 if not is_peer_failure(failure):
                     raise
                 raise RuntimeError(
-                    "Fault-tolerant local SGD could not hand the inner optimizer states over at the start of training "
-                    f"({failure}). A rank lost before this first hand-over completes cannot be rebuilt: no survivor "
-                    "holds its state yet. Restart the job (from the last checkpoint, if any)."
+                    "Fault-tolerant local SGD could not hand the inner optimizer states over at the start of the "
+                    f"resumed training ({failure}). A rank lost before this first hand-over completes cannot be "
+                    "rebuilt: no survivor holds its state yet. Restart the job from the last checkpoint."
                 ) from failure
 
     # ------------------------------------------------------------------ each inner step

@@ -244,7 +244,7 @@ class DiesRecovering(L.Callback):
     ``"take_over"``) or the take-over's exchanges (``"exchange"``: the first of each take-over says who needs what,
     the second sends the states and replicas); or, with ``where="_start"``, as it starts sending its states once a
     recovery in a synchronisation ended the period (its first ``HandOvers._start`` after a recovery); or, with
-    ``where="hand_over"``, as it starts the first hand-over, at the start of training. The ring: on
+    ``where="hand_over"``, as it starts a hand-over that waits (the first: at the start of a resumed run). The ring: on
     entering ``TrainerSurvival.catch_up`` (a completed step's state handed to a rank one step behind,
     ``"catch_up"``)."""
 

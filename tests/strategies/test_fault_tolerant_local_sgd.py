@@ -456,18 +456,33 @@ def test_a_rank_lost_with_the_member_that_kept_its_state_stops_every_survivor_na
         assert "FaultTolerance(state_copies=2)" in str(outcomes[rank])
 
 
-@pytest.mark.timeout(120)
-def test_a_rank_lost_in_the_first_hand_over_stops_every_survivor_saying_so(tmp_path: Path) -> None:
-    """Three ranks, rank 1 killed as it starts the hand-over of the inner states at the start of training: no
-    survivor holds its state, so both survivors stop at once with an error that says where and what to do (not the
-    backend's connection error alone)."""
-    run = ft.Run(sync_every=SYNC_EVERY, world=3, dies_recovering=("hand_over", 1))
-    outcomes, codes, _ = ft.launch(run, tmp_path, timeout=60)  # a survivor that waited would report nothing
+@pytest.mark.timeout(240)
+def test_a_fresh_start_hands_nothing_over_and_a_rank_lost_in_the_first_period_is_survived(
+    uninterrupted: torch.Tensor, tmp_path: Path
+) -> None:
+    """Three ranks from scratch: rank 1 would be killed if it entered a hand-over, and is killed at the start of
+    step 2, in the first period. Every rank's inner state is the optimizer's initial one, so its keeper holds a copy
+    of its own and nothing is sent at the start; the survivors rebuild rank 1 from it and end on the uninterrupted
+    run's parameters."""
+    run = ft.Run(sync_every=SYNC_EVERY, victim=1, fail_at=2, dies_recovering=("hand_over", 1))
+    outcomes, codes, _ = ft.launch(run, tmp_path)
+    ft.assert_survived(outcomes, codes, 1, uninterrupted, TOLERANCE)
+
+
+@pytest.mark.timeout(240)
+def test_a_rank_lost_in_a_resumed_runs_first_hand_over_stops_every_survivor_saying_so(tmp_path: Path) -> None:
+    """Three ranks resumed from a checkpoint, rank 1 killed as it starts the hand-over of the resumed inner states:
+    no survivor holds its state, so both survivors stop at once with an error that says where and what to do (not
+    the backend's connection error alone)."""
+    first, codes, _ = ft.launch(ft.Run(steps=ft.STEPS_PER_EPOCH, sync_every=SYNC_EVERY), tmp_path / "first")
+    assert codes == [0] * ft.WORLD, first
+    run = ft.Run(sync_every=SYNC_EVERY, resume_from=ft.result(first, 0)["best"], dies_recovering=("hand_over", 1))
+    outcomes, codes, _ = ft.launch(run, tmp_path / "resumed", timeout=60)  # a survivor that waited reports nothing
     assert codes == [0, -9, 0], outcomes
     for rank in (0, 2):
         assert isinstance(outcomes.get(rank), RuntimeError), outcomes
-        assert "could not hand the inner optimizer states over at the start of training" in str(outcomes[rank])
-        assert "Restart the job" in str(outcomes[rank])
+        assert "could not hand the inner optimizer states over at the start of the resumed" in str(outcomes[rank])
+        assert "Restart the job from the last checkpoint" in str(outcomes[rank])
 
 
 @pytest.mark.timeout(300)
