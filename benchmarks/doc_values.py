@@ -332,15 +332,7 @@ def _period_s(data: Result, variant: str) -> float:
     return float(statistics.median(b - a for a, b in itertools.pairwise(seconds)))
 
 
-def _first_period_s(data: Result, variant: str) -> float:
-    """The wall time from the start of training to the end of the first period (its evaluation left out)."""
-    cell = next(c for c in data["cells"] if c["nodes"] == 2)
-    return float(cell["curves"][variant][1]["seconds"])
-
-
 LOCAL_SGD_FT: dict[str, Value] = {
-    "first_period": lambda d: f"{_first_period_s(d, 'local_sgd_8_ft'):.1f} s",
-    "plain_first_period": lambda d: f"{_first_period_s(d, 'local_sgd_8'):.1f} s",
     "period": lambda d: f"{_period_s(d, 'local_sgd_8_ft'):.1f} s",
     "plain_period": lambda d: f"{_period_s(d, 'local_sgd_8'):.1f} s",
     "per_sync": lambda d: f"{_period_s(d, 'local_sgd_8_ft') - _period_s(d, 'local_sgd_8'):.1f} s",

@@ -1,7 +1,8 @@
 """Suite-wide collection order: the longest test files first.
 
-With ``-n 2 --dist loadfile`` (the README's command) each file runs whole on one worker, handed out in collection
-order; a long file collected last leaves the other worker idle until it ends. Files not named keep their order.
+With ``-n 2 --dist worksteal`` (the README's command) each worker starts on its share of the tests in collection
+order and takes tests from the other's queue once its own is empty; long tests collected last would leave one worker
+running them alone at the end. Files not named keep their order.
 """
 
 from __future__ import annotations
