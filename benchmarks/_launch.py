@@ -280,10 +280,16 @@ def parse_or_work(
 ) -> Any:
     """Parse the command line and return the arguments, or do what it asks for instead and return ``None``: a rank's
     work (``--worker VARIANT --out PATH``, hidden from ``--help``) is ``worker(args)``; with ``plot``, the options
-    ``--plot STORED`` and ``--figure PATH`` (default ``figure``) draw the figure from a stored result."""
+    ``--plot STORED`` and ``--figure PATH`` draw the figure from a stored result (at ``figure`` by default).
+
+    For a run, ``args.figure`` is where to draw its figure: the ``--figure`` given, else ``figure`` where the run's
+    ``--json`` is a stored result (in ``benchmarks/results``), else ``None``, so a scratch run leaves the docs'
+    figure alone."""
     if plot is not None:
         parser.add_argument("--plot", type=Path, help="draw the figure from this stored result and exit")
-        parser.add_argument("--figure", type=Path, default=figure)
+        parser.add_argument(
+            "--figure", type=Path, help=f"where to draw the figure (default: {figure} for --plot or a stored result)"
+        )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -291,8 +297,11 @@ def parse_or_work(
         worker(args)
         return None
     if plot is not None and args.plot:
-        plot(args.plot, args.figure)
+        plot(args.plot, args.figure or figure)
         return None
+    stored = getattr(args, "json", None) is not None and Path(args.json).resolve().parent == RESULTS
+    if plot is not None and args.figure is None and stored:
+        args.figure = figure
     return args
 
 

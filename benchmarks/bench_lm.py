@@ -607,7 +607,7 @@ def save(
     for sentence in report.data["quotes"].values():
         print(sentence)
     report.save(args.json)
-    if args.json is not None:
+    if args.json is not None and args.figure is not None:  # a scratch run (not in benchmarks/results) draws none
         plot(args.json, args.figure)
 
 

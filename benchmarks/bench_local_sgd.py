@@ -312,7 +312,7 @@ def main() -> None:
     report.table("Time to ddp's held-out loss on the simulated cluster", COLUMNS, rows, notes)
     report.data["cells"] = cells
     report.save(args.json)
-    if args.json is not None:
+    if args.json is not None and args.figure is not None:  # a scratch run (not in benchmarks/results) draws none
         plot(args.json, args.figure)
     return None
 

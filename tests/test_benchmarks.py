@@ -537,3 +537,26 @@ def test_every_documented_benchmark_command_parses(
 ) -> None:
     """A benchmark command the README or the docs tell a user to run is accepted by the script as written."""
     _check_parses(command, monkeypatch, capsys)
+
+
+def test_a_run_draws_the_docs_figure_only_for_a_stored_result(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A scratch run (``--json`` outside ``benchmarks/results``) draws no figure unless ``--figure`` names one, so it
+    never overwrites the figure the docs show; a stored result, and ``--plot``, draw the docs' figure by default."""
+    import argparse
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from _launch import RESULTS, parse_or_work
+
+    default, drawn = Path("docs/figures/example.png"), []
+
+    def parsed(*argv: str) -> Any:
+        parser = argparse.ArgumentParser()
+        parser.add_argument("--json", type=Path)
+        monkeypatch.setattr(sys, "argv", ["bench", *argv])
+        return parse_or_work(parser, lambda _: None, lambda stored, figure: drawn.append(figure), figure=default)
+
+    assert parsed("--json", "/tmp/scratch.json").figure is None
+    assert parsed().figure is None
+    assert parsed("--json", str(RESULTS / "example.json")).figure == default
+    assert parsed("--json", "/tmp/scratch.json", "--figure", "/tmp/mine.png").figure == Path("/tmp/mine.png")
+    assert parsed("--plot", str(RESULTS / "example.json")) is None and drawn == [default]
