@@ -161,8 +161,7 @@ def _auto_reduction(
         )
     candidates = choice.candidates(topology.nodes, topology.per_node)
     buckets = ring_buckets(work.tensor_bytes or (work.gradient_bytes,), work.shapes, caps)
-    backward = min(work.backward_seconds or 0.0, work.compute_seconds)
-    chosen, _ = choose(candidates, buckets, work.compute_seconds, backward, topology, work.cpu)
+    chosen, _ = choose(candidates, buckets, work.compute_seconds, work.backward_seconds or 0.0, topology, work.cpu)
     return candidates[chosen]
 
 

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_dp_strategies.core.fault_tolerance import Survivors
-from lightning_dp_strategies.core.handover import handover_plan, takeover_plan
+from lightning_dp_strategies.core.handover import Plan, handover_plan, takeover_plan
 from lightning_dp_strategies.local_sgd.replicas import InnerStates, Pending, Replicas, exchange, start_exchange
 from lightning_dp_strategies.strategies.control import all_reduce
 
@@ -81,10 +81,8 @@ class HandOvers:
         """At a fresh start, where every rank's inner state is the optimizer's initial one and alike on every rank:
         the states this rank keeps become copies of its own, which is what :meth:`hand_over` would receive, without
         communicating (so no loss at the start can leave a state unkept)."""
-        survivors = self.survivors
-        plan = handover_plan(survivors.members, survivors.world_size, survivors.options.state_copies)
         own = self.replicas.states(self.rank)[self.rank]
-        kept = [r for targets in plan.values() for r in targets.get(self.rank, [])]
+        kept = [r for targets in self._plan().values() for r in targets.get(self.rank, [])]
         self.handed = {r: copy.deepcopy(own) for r in kept}
         self.point, self.periods, self._flight, self._arrived = 0, [], None, None
 
@@ -150,11 +148,16 @@ class HandOvers:
         """Start sending every logical rank's inner state trained here to the members that keep it."""
         survivors, replicas = self.survivors, self.replicas
         assert survivors.group is not None
-        plan = handover_plan(survivors.members, survivors.world_size, survivors.options.state_copies)
+        plan = self._plan()
         states = replicas.states(self.rank)
         outgoing = {dst: {r: states[r] for r in held} for dst, held in plan.get(self.rank, {}).items()}
         sources = [src for src, targets in plan.items() if self.rank in targets]
         return start_exchange(outgoing, sources, survivors.group, survivors.interrupted)
+
+    def _plan(self) -> Plan:
+        """Who keeps whose inner states among the current members (:func:`handover_plan`)."""
+        survivors = self.survivors
+        return handover_plan(survivors.members, survivors.world_size, survivors.options.state_copies)
 
     @staticmethod
     def _received(parts: dict[int, Any]) -> InnerStates:
