@@ -1,18 +1,16 @@
-"""Run each strategy on the demo or the user's model in its own subprocess, then evaluate every result the same way in
+"""Run each strategy on the demo or the user's model in its own processes, then evaluate every result the same way in
 this process.
 
-Which strategies exist and can run here is :mod:`.catalogue`; what runs inside the launched processes is
-:mod:`.worker`. Their names are importable from here as well.
+Which strategies exist and can run here is :mod:`.catalogue`; how a strategy's processes start (forked from one
+process that has imported torch and Lightning, where the platform allows) is :mod:`.launch`; what runs inside them
+is :mod:`.worker`. Their names are importable from here as well.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -25,6 +23,8 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_dp_strategies.compare.catalogue import BASELINE, check_strategies, default_strategies, processes_for
 from lightning_dp_strategies.compare.demo import DemoClassifier, DemoConfig, make_dataset
+from lightning_dp_strategies.compare.forks import ForkServer, fork_server_available
+from lightning_dp_strategies.compare.launch import Session, launch
 from lightning_dp_strategies.compare.task import (
     Task,
     dump_task,
@@ -96,7 +96,8 @@ def _one_line(text: str, limit: int = 240) -> str:
 
 def _failure(name: str, work: Path, log: Path, code: int | None, timeout: float) -> tuple[str, str]:
     """The row's status and one-line reason: ``n/a`` for a configuration the strategy refuses before training."""
-    reports = sorted(work.glob(f"{name}.rank*.error.json"), key=_rank_of)
+    # the first rank to fail says why: the others' errors are mostly about losing it
+    reports = sorted(work.glob(f"{name}.rank*.error.json"), key=lambda p: (p.stat().st_mtime_ns, _rank_of(p)))
     if code is None:
         return "timeout", f"no result within {timeout:.0f} s (see {log.parent.name}/{log.name})"
     if reports:
@@ -111,48 +112,18 @@ _REFUSALS = {"ValueError", "TypeError", "NotImplementedError", "Misconfiguration
 """Exceptions raised before the first step that mean "this strategy cannot run this model or configuration"."""
 
 
-@dataclass
-class Session:
-    """What every strategy's run in one comparison shares: the task (and its pickle), the devices, where the workers
-    write (``work``, deleted afterwards) and where the logs stay, the timeout, and how progress is reported."""
-
-    task: Task
-    task_path: Path
-    devices: int
-    work: Path
-    logs: Path
-    timeout: float = 300.0
-    extra_imports: list[str] = field(default_factory=list)
-    progress: Callable[[str], None] = print
-    progress_every: float = 10.0
-
-
 def run_one(name: str, session: Session) -> RunResult:
-    """Run one strategy in a subprocess (crashes and hangs become this row's status) and summarise it."""
+    """Run one strategy in its own processes (crashes and hangs become this row's status) and summarise it."""
     devices, work, timeout = session.devices, session.work, session.timeout
     result = RunResult(name, processes_for(name, devices), 1 if name == BASELINE else devices)
-    cmd = [sys.executable, "-m", "lightning_dp_strategies", "compare", "--worker", name]
-    cmd += ["--task", str(session.task_path), "--output", str(work), "--devices", str(devices)]
-    for module in session.extra_imports:
-        cmd += ["--import", module]
     log = session.logs / f"{name}.log"
     start = time.perf_counter()
-    said = start
-    with open(log, "w") as handle:
-        proc = subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
-        code: int | None = None
-        try:
-            while (code := proc.poll()) is None and time.perf_counter() - start < timeout:
-                time.sleep(0.2)
-                if time.perf_counter() - said >= session.progress_every:
-                    said = time.perf_counter()
-                    done = _progress_line(work / f"{name}.progress", session.task.steps)
-                    session.progress(f"        ... {done} after {said - start:.0f} s")
-        finally:
-            try:
-                os.killpg(proc.pid, 9)  # no rank outlives its row
-            except ProcessLookupError:
-                pass
+
+    def report(seconds: float) -> None:
+        done = _progress_line(work / f"{name}.progress", session.task.steps)
+        session.progress(f"        ... {done} after {seconds:.0f} s")
+
+    code = launch(name, session, log, report)
     result.wall_seconds = time.perf_counter() - start
     ranks = sorted(work.glob(f"{name}.rank*.json"))
     ranks = [p for p in ranks if not p.name.endswith(".error.json")]
@@ -262,7 +233,7 @@ def compare(
         dump_task(task, task_path)
         extra = list(extra_imports or [])
         session = Session(task, task_path, devices, work, logs, timeout, extra, progress, progress_every)
-        results = [_announced(name, i, len(names), session) for i, name in enumerate(names, 1)]
+        results = _run_rows(names, session)
         _evaluate_all(results, task, work, first)
         _add_throughput(results, global_batch)
         if keep_checkpoints:
@@ -334,6 +305,16 @@ def _keep_checkpoints(work: Path, kept: Path) -> None:
     kept.mkdir(exist_ok=True)
     for ckpt in work.glob("*.ckpt"):
         shutil.move(str(ckpt), kept / ckpt.name)
+
+
+def _run_rows(names: list[str], session: Session) -> list[RunResult]:
+    """Every strategy's row in turn, their processes forked from one fork server where the platform allows."""
+    forks = session.forks = ForkServer() if fork_server_available() else None
+    try:
+        return [_announced(name, i, len(names), session) for i, name in enumerate(names, 1)]
+    finally:
+        if forks is not None:
+            forks.close()
 
 
 def _announced(name: str, i: int, count: int, session: Session) -> RunResult:

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dp_strategies import cli as lightning_dp_strategies_cli
-from lightning_dp_strategies.compare import compare, runner as runner_module
+from lightning_dp_strategies.compare import compare
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
 
@@ -26,7 +26,7 @@ def _never_starts_a_process(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("a worker process was started before the bad value was refused")
 
-    monkeypatch.setattr(runner_module.subprocess, "Popen", refuse)
+    monkeypatch.setattr(subprocess, "Popen", refuse)  # the fork server and every fresh worker start through it
 
 
 @pytest.mark.timeout(240)

@@ -1,8 +1,13 @@
-"""Registers ``"crashes_at_setup"``, a strategy that fails when training starts (for the comparison's isolation)."""
+"""Strategies that fail for the comparison's isolation tests: ``"crashes_at_setup"`` fails when training starts,
+``"rank1_crashes_at_setup"`` on one of its two ranks only, and ``"hangs_at_setup"`` never trains."""
 
+import os
+import subprocess
+import time
+from pathlib import Path
 from typing import Any
 
-from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, StrategyRegistry
 
 
 class CrashesAtSetup(SingleDeviceStrategy):
@@ -11,3 +16,35 @@ class CrashesAtSetup(SingleDeviceStrategy):
 
 
 StrategyRegistry.register("crashes_at_setup", CrashesAtSetup, override=True, device="cpu")
+
+
+def _record_pid(pid: int) -> None:
+    """Where the test asked for it (``LDPS_TEST_PID_DIR``): one file per process, so it can check none outlived its
+    row."""
+    folder = os.environ.get("LDPS_TEST_PID_DIR")
+    if folder:
+        (Path(folder) / str(pid)).touch()
+
+
+class Rank1CrashesAtSetup(DDPStrategy):
+    """Rank 1 fails at setup; rank 0 waits for it for ever (as a rank waits for a peer that never comes, where no
+    connection closes to tell it)."""
+
+    def setup(self, trainer: Any) -> None:
+        _record_pid(os.getpid())
+        if self.global_rank == 1:
+            raise RuntimeError("rank 1 fails at setup")
+        time.sleep(600)
+
+
+class HangsAtSetup(SingleDeviceStrategy):
+    """Starts a child process and never trains (for the comparison's timeout)."""
+
+    def setup(self, trainer: Any) -> None:
+        _record_pid(os.getpid())
+        _record_pid(subprocess.Popen(["sleep", "600"]).pid)
+        time.sleep(600)
+
+
+StrategyRegistry.register("rank1_crashes_at_setup", Rank1CrashesAtSetup, override=True)
+StrategyRegistry.register("hangs_at_setup", HangsAtSetup, override=True, device="cpu")

@@ -1,0 +1,216 @@
+"""A comparison's worker processes, forked from one process that has torch and Lightning imported already.
+
+Importing torch and Lightning takes seconds of CPU in every fresh interpreter, and a comparison starts one for every
+rank of every strategy. :class:`ForkServer` starts one interpreter (``python -m lightning_dp_strategies.compare.forks``)
+that imports them and computes nothing (no thread pool exists when it forks), then forks each rank from it on request:
+
+    parent ──request (JSON line)──▶ fork server ──fork──▶ rank: new session, its own environment, cwd and log
+           ◀──"started PID", "exited PID CODE"──
+
+A forked rank starts a new session (the parent kills its whole process group on a timeout), takes the parent's
+environment and working folder as they are at the request (``PYTHONPATH`` entries added since the server started
+are put on ``sys.path``), writes its output to the row's log, imports the comparison's extra modules and runs
+:func:`~lightning_dp_strategies.compare.worker.run_worker`, as ``python -m lightning_dp_strategies compare --worker``
+would. The server ends when the parent closes its input.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import subprocess
+import sys
+import threading
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+__all__ = ["ForkServer", "RankRequest", "fork_server_available"]
+
+_PRELOAD = ("torch", "torch.distributed", "lightning", "lightning_dp_strategies.compare.worker")
+
+
+def fork_server_available() -> bool:
+    """Whether ranks can be forked here (POSIX ``os.fork``); elsewhere each rank is a fresh interpreter."""
+    return hasattr(os, "fork") and sys.platform != "win32"
+
+
+@dataclass
+class RankRequest:
+    """One rank of one strategy's run: what :func:`~lightning_dp_strategies.compare.worker.run_worker` is given, the
+    extra modules to import first, and the process's environment, working folder and log."""
+
+    name: str
+    task: str
+    devices: int
+    output: str
+    log: str
+    imports: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: str = "."
+
+
+class ForkServer:
+    """The parent's side: start the server, ask it for ranks, read how they ended.
+
+    ``start`` returns the forked rank's process id; ``exit_code`` is ``None`` until the server has reaped it, then
+    its exit status (minus the signal's number for a rank killed by one).
+    """
+
+    def __init__(self) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "lightning_dp_strategies.compare.forks"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            text=True,
+            start_new_session=True,  # a Ctrl-C in the parent's terminal reaches the parent, which closes it
+        )
+        self._lock = threading.Condition()
+        self._started: list[int] = []
+        self._exits: dict[int, int] = {}
+        self._reader = threading.Thread(target=self._read, name="fork-server-replies", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self._proc.stdout is not None
+        for line in self._proc.stdout:
+            kind, *values = line.split()
+            with self._lock:
+                if kind == "started":
+                    self._started.append(int(values[0]))
+                elif kind == "exited":
+                    self._exits[int(values[0])] = int(values[1])
+                self._lock.notify_all()
+        with self._lock:
+            self._lock.notify_all()
+
+    def start(self, request: RankRequest, timeout: float = 120.0) -> int:
+        """Fork one rank; its process id. ``RuntimeError`` when the server is gone or does not answer."""
+        assert self._proc.stdin is not None
+        with self._lock:
+            try:
+                self._proc.stdin.write(json.dumps(asdict(request)) + "\n")
+                self._proc.stdin.flush()
+            except (BrokenPipeError, OSError) as err:
+                raise RuntimeError(f"the comparison's fork server is gone: {err}") from err
+            self._lock.wait_for(lambda: self._started or self._proc.poll() is not None, timeout)
+            if not self._started:
+                state = "exited" if self._proc.poll() is not None else f"did not answer in {timeout:.0f} s"
+                raise RuntimeError(f"the comparison's fork server {state}")
+            return self._started.pop(0)
+
+    def exit_code(self, pid: int) -> int | None:
+        """The rank's exit status once the server has reaped it, else ``None``."""
+        with self._lock:
+            return self._exits.get(pid)
+
+    def close(self) -> None:
+        """End the server (its ranks have ended or been killed by then)."""
+        if self._proc.stdin is not None:
+            try:
+                self._proc.stdin.close()
+            except OSError:
+                pass
+        try:
+            self._proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+
+
+# ---------------------------------------------------------------------------------------------- the server's side
+def _run_rank(request: RankRequest) -> int:
+    """In the forked rank: become the process the request describes, run the worker; its exit status."""
+    os.setsid()
+    log = os.open(request.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    os.close(devnull)
+    os.chdir(request.cwd)
+    os.environ.clear()
+    os.environ.update(request.env)
+    added = [p for p in request.env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+    sys.path[1:1] = added
+    sys.argv = [str(Path(__file__).parents[1] / "__main__.py"), "compare", "--worker", request.name]
+    import importlib
+
+    for module in request.imports:
+        try:
+            importlib.import_module(module)
+        except ImportError as err:
+            print(f"--import {module}: {err}", file=sys.stderr)
+            return 2
+    from lightning_dp_strategies.compare.worker import run_worker
+
+    run_worker(request.name, Path(request.task), request.devices, Path(request.output))
+    return 0
+
+
+def _fork(request: RankRequest) -> int:
+    """Fork a rank for ``request``; in the parent its process id (the child never returns)."""
+    sys.stdout.flush()
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        code = _run_rank(request)
+    except SystemExit as err:
+        code = err.code if isinstance(err.code, int) else 1
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        try:
+            import atexit
+
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def _reap(out: list[str]) -> None:
+    """Every ended rank, as ``exited PID CODE`` lines."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        out.append(f"exited {pid} {os.waitstatus_to_exitcode(status)}\n")
+
+
+def main() -> None:
+    """The server: import, then fork a rank per request line until the input ends."""
+    import importlib
+
+    for module in _PRELOAD:
+        importlib.import_module(module)
+    selector = selectors.DefaultSelector()
+    selector.register(sys.stdin.fileno(), selectors.EVENT_READ)
+    pending, open_input = b"", True
+    while open_input:
+        replies: list[str] = []
+        if selector.select(timeout=0.05):
+            chunk = os.read(sys.stdin.fileno(), 65536)
+            open_input = bool(chunk)
+            pending += chunk
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                replies.append(f"started {_fork(RankRequest(**json.loads(line)))}\n")
+        _reap(replies)
+        sys.stdout.write("".join(replies))
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""How a comparison starts a strategy's processes: forked from the fork server, each rank as torchrun would start it,
+with the same results as fresh interpreters; a failed rank ends its row, a hung row is killed with everything it
+started."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+import tests.helpers.crashing_strategy  # noqa: F401  (registers the failing strategies in this process too)
+from lightning_dp_strategies.compare import DemoConfig, compare, launch, runner
+from lightning_dp_strategies.compare.launch import torchrun_ranks
+
+SMALL = DemoConfig(steps=4, model_size="small")
+TOLERANCE = 1e-6  # the same arithmetic in a forked and in a fresh process; one thread in each
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+def _none_running(folder: Path) -> list[int]:
+    pids = [int(p.name) for p in folder.iterdir()]
+    assert pids, "the strategy never ran"
+    for _ in range(50):  # SIGKILL is delivered at once; the kernel may take a moment to tear a process down
+        if not any(_running(pid) for pid in pids):
+            return pids
+        time.sleep(0.1)
+    raise AssertionError(f"still running after their row ended: {[pid for pid in pids if _running(pid)]}")
+
+
+@pytest.mark.timeout(200)
+def test_forked_ranks_train_as_fresh_interpreters_do(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    single, forked = compare(["single", "ring_allreduce"], SMALL, 2, tmp_path / "a", progress=lambda m: None)
+    monkeypatch.setattr(runner, "fork_server_available", lambda: False)
+    (fresh,) = compare(["ring_allreduce"], SMALL, 2, tmp_path / "b", progress=lambda m: None)
+    assert (single.status, forked.status, fresh.status) == ("ok", "ok", "ok"), (forked.error, fresh.error)
+    assert forked.processes == fresh.processes == 2 and len(forked.peak_mb_by_rank) == 2, "both ranks reported"
+    assert len(forked.loss_curve) == len(fresh.loss_curve) == SMALL.steps
+    assert forked.loss_curve == pytest.approx(fresh.loss_curve, abs=TOLERANCE)
+    assert forked.final_loss == pytest.approx(fresh.final_loss, abs=TOLERANCE)
+    assert forked.comm_mb_per_step == pytest.approx(fresh.comm_mb_per_step)  # the same buckets, the same bytes
+    assert forked.max_param_diff is not None and forked.max_param_diff <= 1e-5  # at parity with the baseline
+
+
+def test_only_a_script_launch_gets_its_ranks_from_the_comparison() -> None:
+    assert torchrun_ranks("rank1_crashes_at_setup", 2) == 2  # a DDPStrategy: popen by default
+    assert torchrun_ranks("ddp_spawn", 2) == 1  # Lightning spawns its ranks itself
+    assert torchrun_ranks("ring_allreduce_notebook", 3) == 1
+    assert torchrun_ranks("hybrid_pipeline", 4) == 4
+
+
+@pytest.mark.timeout(200)
+def test_a_failed_rank_ends_its_row_and_the_rank_waiting_for_it_is_killed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(launch, "FAILED_RANK_GRACE", 1.0)
+    monkeypatch.setenv("LDPS_TEST_PID_DIR", str(tmp_path / "pids"))
+    (tmp_path / "pids").mkdir()
+    results = compare(
+        ["rank1_crashes_at_setup"],
+        SMALL,
+        devices=2,
+        out=tmp_path / "out",
+        timeout=150,
+        extra_imports=["tests.helpers.crashing_strategy"],
+        progress=lambda m: None,
+    )
+    (row,) = results
+    assert row.status == "failed" and row.error == "RuntimeError: rank 1 fails at setup"
+    # liveness, not speed: rank 0 was killed a grace after rank 1 failed, not at the row's timeout
+    assert row.wall_seconds < 100, "rank 0, waiting for rank 1 for ever, was left to run into the row's timeout"
+    assert len(_none_running(tmp_path / "pids")) == 2
+
+
+@pytest.mark.timeout(120)
+def test_a_row_past_its_timeout_is_killed_with_what_it_started(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LDPS_TEST_PID_DIR", str(tmp_path / "pids"))
+    (tmp_path / "pids").mkdir()
+    results = compare(
+        ["hangs_at_setup"],
+        SMALL,
+        devices=2,
+        out=tmp_path / "out",
+        timeout=8,
+        extra_imports=["tests.helpers.crashing_strategy"],
+        progress=lambda m: None,
+    )
+    assert [r.status for r in results] == ["timeout"]
+    assert "no result within 8 s" in (results[0].error or "")
+    assert len(_none_running(tmp_path / "pids")) == 2  # the rank and the process it started
+
+
+def test_the_row_says_why_the_first_rank_failed(tmp_path: Path) -> None:
+    """Rank 1 failed first; rank 0 then failed on losing it: the row gives rank 1's reason."""
+    import json
+    import os
+
+    first = {"type": "RuntimeError", "message": "rank 1 fails at setup", "steps_done": 0}
+    then = {"type": "RuntimeError", "message": "Connection closed by peer", "steps_done": 0}
+    (tmp_path / "x.rank1.error.json").write_text(json.dumps(first))
+    (tmp_path / "x.rank0.error.json").write_text(json.dumps(then))
+    os.utime(tmp_path / "x.rank1.error.json", ns=(1_000_000_000, 1_000_000_000))
+    log = tmp_path / "x.log"
+    log.write_text("")
+    assert runner._failure("x", tmp_path, log, 1, 10.0) == ("failed", "RuntimeError: rank 1 fails at setup")
