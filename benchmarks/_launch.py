@@ -277,14 +277,15 @@ def parse_or_work(
     worker: Callable[[argparse.Namespace], None],
     plot: Callable[[Path, Path], None] | None = None,
     figure: Path | None = None,
+    figure_from: str | None = None,
 ) -> Any:
     """Parse the command line and return the arguments, or do what it asks for instead and return ``None``: a rank's
     work (``--worker VARIANT --out PATH``, hidden from ``--help``) is ``worker(args)``; with ``plot``, the options
     ``--plot STORED`` and ``--figure PATH`` draw the figure from a stored result (at ``figure`` by default).
 
     For a run, ``args.figure`` is where to draw its figure: the ``--figure`` given, else ``figure`` where the run's
-    ``--json`` is a stored result (in ``benchmarks/results``), else ``None``, so a scratch run leaves the docs'
-    figure alone."""
+    ``--json`` is the stored result the docs' figure is drawn from (``benchmarks/results/{figure_from}``), else
+    ``None``: a scratch run, or another stored result of the same script, leaves the docs' figure alone."""
     if plot is not None:
         parser.add_argument("--plot", type=Path, help="draw the figure from this stored result and exit")
         parser.add_argument(
@@ -299,7 +300,8 @@ def parse_or_work(
     if plot is not None and args.plot:
         plot(args.plot, args.figure or figure)
         return None
-    stored = getattr(args, "json", None) is not None and Path(args.json).resolve().parent == RESULTS
+    json_path = getattr(args, "json", None)
+    stored = json_path is not None and figure_from is not None and Path(json_path).resolve() == RESULTS / figure_from
     if plot is not None and args.figure is None and stored:
         args.figure = figure
     return args

@@ -540,7 +540,9 @@ def main() -> None:
     from _launch import parse_or_work
 
     parser = arguments()
-    args = parse_or_work(parser, worker, plot, figure=ROOT / "docs" / "figures" / "lm_loss_time.png")
+    args = parse_or_work(
+        parser, worker, plot, figure=ROOT / "docs" / "figures" / "lm_loss_time.png", figure_from="lm.json"
+    )
     if args is None:
         return
     if args.quick:

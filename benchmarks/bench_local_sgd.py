@@ -273,7 +273,9 @@ def main() -> None:
     )
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--add-to", type=Path, help="keep the other layouts of this stored result in the new one")
-    args = parse_or_work(parser, worker, plot, figure=ROOT / "docs" / "figures" / "local_sgd.png")
+    args = parse_or_work(
+        parser, worker, plot, figure=ROOT / "docs" / "figures" / "local_sgd.png", figure_from="local_sgd.json"
+    )
     if args is None:
         return None
     if "ddp" not in args.variants:

@@ -390,7 +390,7 @@ def main() -> None:
         "--layouts", nargs="+", default=["2x1", "4x1"], help="NODESxPROCS a node (loopback: NODES*PROCS processes)"
     )
     add_comparison_arguments(parser, VARIANTS)
-    args = parse_or_work(parser, worker, plot, figure=ROOT / "docs" / "figures" / "zero.png")
+    args = parse_or_work(parser, worker, plot, figure=ROOT / "docs" / "figures" / "zero.png", figure_from="zero.json")
     if args is None:
         return None
     if "ring" not in args.variants:

@@ -539,9 +539,10 @@ def test_every_documented_benchmark_command_parses(
     _check_parses(command, monkeypatch, capsys)
 
 
-def test_a_run_draws_the_docs_figure_only_for_a_stored_result(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A scratch run (``--json`` outside ``benchmarks/results``) draws no figure unless ``--figure`` names one, so it
-    never overwrites the figure the docs show; a stored result, and ``--plot``, draw the docs' figure by default."""
+def test_a_run_draws_the_docs_figure_only_for_the_result_it_shows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A scratch run (``--json`` outside ``benchmarks/results``) draws no figure unless ``--figure`` names one, and
+    neither does another stored result of the same script (``local_sgd_ft.json`` beside ``local_sgd.json``), so
+    neither overwrites the figure the docs show; the stored result it shows, and ``--plot``, draw it by default."""
     import argparse
 
     monkeypatch.syspath_prepend(str(BENCHMARKS))
@@ -553,10 +554,12 @@ def test_a_run_draws_the_docs_figure_only_for_a_stored_result(monkeypatch: pytes
         parser = argparse.ArgumentParser()
         parser.add_argument("--json", type=Path)
         monkeypatch.setattr(sys, "argv", ["bench", *argv])
-        return parse_or_work(parser, lambda _: None, lambda stored, figure: drawn.append(figure), figure=default)
+        draw = lambda stored, figure: drawn.append(figure)  # noqa: E731
+        return parse_or_work(parser, lambda _: None, draw, figure=default, figure_from="example.json")
 
     assert parsed("--json", "/tmp/scratch.json").figure is None
     assert parsed().figure is None
     assert parsed("--json", str(RESULTS / "example.json")).figure == default
+    assert parsed("--json", str(RESULTS / "example_ft.json")).figure is None
     assert parsed("--json", "/tmp/scratch.json", "--figure", "/tmp/mine.png").figure == Path("/tmp/mine.png")
     assert parsed("--plot", str(RESULTS / "example.json")) is None and drawn == [default]
