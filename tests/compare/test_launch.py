@@ -12,6 +12,7 @@ import pytest
 import tests.helpers.crashing_strategy  # noqa: F401  (registers the failing strategies in this process too)
 from lightning_dp_strategies.compare import DemoConfig, compare, launch, runner
 from lightning_dp_strategies.compare.launch import torchrun_ranks
+from lightning_dp_strategies.compare.runner import RunResult
 
 SMALL = DemoConfig(steps=4, model_size="small")
 TOLERANCE = 1e-6  # the same arithmetic in a forked and in a fresh process; one thread in each
@@ -56,23 +57,21 @@ def test_only_a_script_launch_gets_its_ranks_from_the_comparison() -> None:
     assert torchrun_ranks("hybrid_pipeline", 4) == 4
 
 
+def _failing_row(name: str, timeout: float, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> RunResult:
+    """``name``'s row of a comparison, each of its processes recording its id in ``tmp_path / "pids"``."""
+    monkeypatch.setenv("LDPS_TEST_PID_DIR", str(tmp_path / "pids"))
+    (tmp_path / "pids").mkdir()
+    imports = ["tests.helpers.crashing_strategy"]
+    (row,) = compare([name], SMALL, 2, tmp_path / "out", timeout, imports, progress=lambda m: None)
+    return row
+
+
 @pytest.mark.timeout(200)
 def test_a_failed_rank_ends_its_row_and_the_rank_waiting_for_it_is_killed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(launch, "FAILED_RANK_GRACE", 1.0)
-    monkeypatch.setenv("LDPS_TEST_PID_DIR", str(tmp_path / "pids"))
-    (tmp_path / "pids").mkdir()
-    results = compare(
-        ["rank1_crashes_at_setup"],
-        SMALL,
-        devices=2,
-        out=tmp_path / "out",
-        timeout=150,
-        extra_imports=["tests.helpers.crashing_strategy"],
-        progress=lambda m: None,
-    )
-    (row,) = results
+    row = _failing_row("rank1_crashes_at_setup", 150, tmp_path, monkeypatch)
     assert row.status == "failed" and row.error == "RuntimeError: rank 1 fails at setup"
     # liveness, not speed: rank 0 was killed a grace after rank 1 failed, not at the row's timeout
     assert row.wall_seconds < 100, "rank 0, waiting for rank 1 for ever, was left to run into the row's timeout"
@@ -81,19 +80,8 @@ def test_a_failed_rank_ends_its_row_and_the_rank_waiting_for_it_is_killed(
 
 @pytest.mark.timeout(120)
 def test_a_row_past_its_timeout_is_killed_with_what_it_started(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LDPS_TEST_PID_DIR", str(tmp_path / "pids"))
-    (tmp_path / "pids").mkdir()
-    results = compare(
-        ["hangs_at_setup"],
-        SMALL,
-        devices=2,
-        out=tmp_path / "out",
-        timeout=8,
-        extra_imports=["tests.helpers.crashing_strategy"],
-        progress=lambda m: None,
-    )
-    assert [r.status for r in results] == ["timeout"]
-    assert "no result within 8 s" in (results[0].error or "")
+    row = _failing_row("hangs_at_setup", 8, tmp_path, monkeypatch)
+    assert row.status == "timeout" and "no result within 8 s" in (row.error or "")
     assert len(_none_running(tmp_path / "pids")) == 2  # the rank and the process it started
 
 
