@@ -30,9 +30,11 @@ __all__ = ["ForkServer", "RankRequest", "fork_server_available"]
 _PRELOAD = ("torch", "torch.distributed", "lightning", "lightning_dp_strategies.compare.worker")
 
 
-def fork_server_available() -> bool:
-    """Whether ranks can be forked here (POSIX ``os.fork``); elsewhere each rank is a fresh interpreter."""
-    return hasattr(os, "fork") and sys.platform != "win32"
+def fork_server_available(accelerator: str = "cpu") -> bool:
+    """Whether a comparison's ranks are forked here: on Linux, for CPU runs. Elsewhere each strategy starts in a fresh
+    interpreter: macOS's system libraries are not safe to fork once loaded, and a CUDA run keeps the path it has
+    always been tested on."""
+    return hasattr(os, "fork") and sys.platform.startswith("linux") and accelerator == "cpu"
 
 
 @dataclass

@@ -308,8 +308,8 @@ def _keep_checkpoints(work: Path, kept: Path) -> None:
 
 
 def _run_rows(names: list[str], session: Session) -> list[RunResult]:
-    """Every strategy's row in turn, their processes forked from one fork server where the platform allows."""
-    forks = session.forks = ForkServer() if fork_server_available() else None
+    """Every strategy's row in turn, their processes forked from one fork server where that is safe (Linux, CPU)."""
+    forks = session.forks = ForkServer() if fork_server_available(session.task.accelerator) else None
     try:
         return [_announced(name, i, len(names), session) for i, name in enumerate(names, 1)]
     finally:

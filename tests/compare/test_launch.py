@@ -39,7 +39,7 @@ def _none_running(folder: Path) -> list[int]:
 @pytest.mark.timeout(200)
 def test_forked_ranks_train_as_fresh_interpreters_do(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     single, forked = compare(["single", "ring_allreduce"], SMALL, 2, tmp_path / "a", progress=lambda m: None)
-    monkeypatch.setattr(runner, "fork_server_available", lambda: False)
+    monkeypatch.setattr(runner, "fork_server_available", lambda accelerator: False)
     (fresh,) = compare(["ring_allreduce"], SMALL, 2, tmp_path / "b", progress=lambda m: None)
     assert (single.status, forked.status, fresh.status) == ("ok", "ok", "ok"), (forked.error, fresh.error)
     assert forked.processes == fresh.processes == 2 and len(forked.peak_mb_by_rank) == 2, "both ranks reported"
@@ -98,3 +98,13 @@ def test_the_row_says_why_the_first_rank_failed(tmp_path: Path) -> None:
     log = tmp_path / "x.log"
     log.write_text("")
     assert runner._failure("x", tmp_path, log, 1, 10.0) == ("failed", "RuntimeError: rank 1 fails at setup")
+
+
+def test_only_cpu_runs_on_linux_are_forked() -> None:
+    """A CUDA run starts fresh processes (a process that forked after CUDA's driver loaded cannot use CUDA)."""
+    import sys
+
+    from lightning_dp_strategies.compare.forks import fork_server_available
+
+    assert not fork_server_available("cuda")
+    assert fork_server_available("cpu") == sys.platform.startswith("linux")
