@@ -162,8 +162,10 @@ def _fork(request: RankRequest) -> int:
     code = 1
     try:
         code = _run_rank(request)
-    except SystemExit as err:
-        code = err.code if isinstance(err.code, int) else 1
+    except SystemExit as err:  # as the interpreter would exit: None is success, a message is printed and fails
+        code = 0 if err.code is None else err.code if isinstance(err.code, int) else 1
+        if not isinstance(err.code, int | None):
+            print(err.code, file=sys.stderr)
     except BaseException:
         import traceback
 

@@ -108,3 +108,32 @@ def test_only_cpu_runs_on_linux_are_forked() -> None:
 
     assert not fork_server_available("cuda")
     assert fork_server_available("cpu") == sys.platform.startswith("linux")
+
+
+@pytest.mark.timeout(120)
+def test_a_forked_rank_exits_with_the_status_the_interpreter_would_give(tmp_path: Path) -> None:
+    """``sys.exit()`` is success, ``sys.exit(3)`` is 3, ``sys.exit("message")`` prints it and is 1."""
+    import os
+
+    from lightning_dp_strategies.compare.forks import ForkServer, RankRequest
+
+    server = ForkServer()
+    try:
+        pids = {}
+        for case, value in [("none", None), ("three", "3"), ("message", "cannot go on")]:
+            env = {k: v for k, v in os.environ.items() if k != "LDPS_TEST_EXIT"}
+            env.update({} if value is None else {"LDPS_TEST_EXIT": value})
+            log = tmp_path / f"{case}.log"
+            request = RankRequest(
+                "x", "-", 1, str(tmp_path), str(log), ["tests.helpers.exits_at_import"], env, os.getcwd()
+            )
+            pids[case] = server.start(request)
+        for _ in range(600):
+            codes = {case: server.exit_code(pid) for case, pid in pids.items()}
+            if None not in codes.values():
+                break
+            time.sleep(0.1)
+    finally:
+        server.close()
+    assert codes == {"none": 0, "three": 3, "message": 1}
+    assert "cannot go on" in (tmp_path / "message.log").read_text()
