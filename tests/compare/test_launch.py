@@ -122,7 +122,7 @@ def test_a_forked_rank_exits_with_the_status_the_interpreter_would_give(tmp_path
         pids = {}
         for case, value in [("none", None), ("three", "3"), ("message", "cannot go on")]:
             env = {k: v for k, v in os.environ.items() if k != "LDPS_TEST_EXIT"}
-            env.update({} if value is None else {"LDPS_TEST_EXIT": value})
+            env.update({"LDPS_TEST_EXIT_AT_IMPORT": "1"}, **({} if value is None else {"LDPS_TEST_EXIT": value}))
             log = tmp_path / f"{case}.log"
             request = RankRequest(
                 "x", "-", 1, str(tmp_path), str(log), ["tests.helpers.exits_at_import"], env, os.getcwd()
