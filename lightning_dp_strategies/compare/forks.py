@@ -16,13 +16,16 @@ would. The server ends when the parent closes its input.
 
 from __future__ import annotations
 
+import atexit
+import importlib
 import json
 import os
 import selectors
 import subprocess
 import sys
 import threading
-from dataclasses import asdict, dataclass, field
+import traceback
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 __all__ = ["ForkServer", "RankRequest", "fork_server_available"]
@@ -34,7 +37,7 @@ def fork_server_available(accelerator: str = "cpu") -> bool:
     """Whether a comparison's ranks are forked here: on Linux, for CPU runs. Elsewhere each strategy starts in a fresh
     interpreter: macOS's system libraries are not safe to fork once loaded, and a CUDA run keeps the path it has
     always been tested on."""
-    return hasattr(os, "fork") and sys.platform.startswith("linux") and accelerator == "cpu"
+    return sys.platform.startswith("linux") and accelerator == "cpu"
 
 
 @dataclass
@@ -47,9 +50,9 @@ class RankRequest:
     devices: int
     output: str
     log: str
-    imports: list[str] = field(default_factory=list)
-    env: dict[str, str] = field(default_factory=dict)
-    cwd: str = "."
+    imports: list[str]
+    env: dict[str, str]
+    cwd: str
 
 
 class ForkServer:
@@ -139,8 +142,6 @@ def _run_rank(request: RankRequest) -> int:
     added = [p for p in request.env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
     sys.path[1:1] = added
     sys.argv = [str(Path(__file__).parents[1] / "__main__.py"), "compare", "--worker", request.name]
-    import importlib
-
     for module in request.imports:
         try:
             importlib.import_module(module)
@@ -167,13 +168,9 @@ def _fork(request: RankRequest) -> int:
         if not isinstance(err.code, int | None):
             print(err.code, file=sys.stderr)
     except BaseException:
-        import traceback
-
         traceback.print_exc()
     finally:
         try:
-            import atexit
-
             atexit._run_exitfuncs()
             sys.stdout.flush()
             sys.stderr.flush()
@@ -195,8 +192,6 @@ def _reap(out: list[str]) -> None:
 
 def main() -> None:
     """The server: import, then fork a rank per request line until the input ends."""
-    import importlib
-
     for module in _PRELOAD:
         importlib.import_module(module)
     selector = selectors.DefaultSelector()

@@ -13,7 +13,6 @@ from __future__ import annotations
 import inspect
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 
 from lightning_dp_strategies.compare.catalogue import BASELINE, processes_for
@@ -73,33 +73,19 @@ def torchrun_ranks(name: str, devices: int) -> int:
     return processes if start == "popen" else 1
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _requests(name: str, session: Session, log: Path) -> list[RankRequest]:
     ranks = torchrun_ranks(name, session.devices)
     base = dict(os.environ)
     if ranks > 1:
-        base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(ranks), NODE_RANK="0")
+        port = str(find_free_network_port())
+        base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=str(ranks), NODE_RANK="0")
         base["LOCAL_WORLD_SIZE"] = str(ranks)
     requests = []
     for rank in range(ranks):
         env = dict(base, LOCAL_RANK=str(rank), RANK=str(rank)) if ranks > 1 else base
-        requests.append(
-            RankRequest(
-                name,
-                str(session.task_path),
-                session.devices,
-                str(session.work),
-                str(log),
-                list(session.extra_imports),
-                env,
-                os.getcwd(),
-            )
-        )
+        task, work, imports = str(session.task_path), str(session.work), list(session.extra_imports)
+        request = RankRequest(name, task, session.devices, work, str(log), imports, env=env, cwd=os.getcwd())
+        requests.append(request)
     return requests
 
 
@@ -115,53 +101,51 @@ def launch(name: str, session: Session, log: Path, report: Callable[[float], Non
     """Run ``name``'s processes until they end: the exit status (the first failed rank's, else 0), ``None`` when they
     ran past the session's timeout. ``report`` is called about every ``progress_every`` seconds with the time so
     far; no process outlives the call."""
-    start = said = time.perf_counter()
-    if session.forks is None:
-        return _launch_fresh(name, session, log, report, start)
-    log.write_text("")
-    pids: list[int] = []
-    try:
-        pids += [session.forks.start(request) for request in _requests(name, session, log)]
-    except RuntimeError as err:  # the server is gone: this row and the rest start fresh interpreters
-        for pid in pids:
-            _kill_group(pid)
-        session.progress(f"        ({err}; starting fresh processes instead)")
-        session.forks = None
-        return _launch_fresh(name, session, log, report, start)
-    deadline = start + session.timeout
-    try:
-        while True:
-            codes = [session.forks.exit_code(pid) for pid in pids]
-            failed = [code for code in codes if code not in (None, 0)]
-            if None not in codes or time.perf_counter() >= deadline:
-                return failed[0] if failed else (0 if None not in codes else None)
-            if failed:
-                deadline = min(deadline, time.perf_counter() + FAILED_RANK_GRACE)
-            time.sleep(0.05)
-            if time.perf_counter() - said >= session.progress_every:
-                said = time.perf_counter()
-                report(said - start)
-    finally:
-        for pid in pids:
-            if session.forks.exit_code(pid) is None:
+    start = time.perf_counter()
+    forks = session.forks
+    if forks is not None:
+        log.write_text("")
+        pids: list[int] = []
+        try:
+            pids += [forks.start(request) for request in _requests(name, session, log)]
+        except RuntimeError as err:  # the server is gone: this row and the rest start fresh interpreters
+            for pid in pids:
                 _kill_group(pid)
-
-
-def _launch_fresh(name: str, session: Session, log: Path, report: Callable[[float], None], start: float) -> int | None:
+            session.progress(f"        ({err}; starting fresh processes instead)")
+            session.forks = forks = None
+    if forks is not None:
+        try:
+            return _wait(lambda: [forks.exit_code(pid) for pid in pids], session, report, start)
+        finally:
+            for pid in pids:
+                if forks.exit_code(pid) is None:
+                    _kill_group(pid)
     cmd = [sys.executable, "-m", "lightning_dp_strategies", "compare", "--worker", name]
     cmd += ["--task", str(session.task_path), "--output", str(session.work), "--devices", str(session.devices)]
     for module in session.extra_imports:
         cmd += ["--import", module]
-    said = start
     with open(log, "w") as handle:
         proc = subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
-        code: int | None = None
         try:
-            while (code := proc.poll()) is None and time.perf_counter() - start < session.timeout:
-                time.sleep(0.2)
-                if time.perf_counter() - said >= session.progress_every:
-                    said = time.perf_counter()
-                    report(said - start)
+            return _wait(lambda: [proc.poll()], session, report, start)
         finally:
             _kill_group(proc.pid)  # no rank outlives its row
-    return code
+
+
+def _wait(
+    codes: Callable[[], list[int | None]], session: Session, report: Callable[[float], None], start: float
+) -> int | None:
+    """Poll the processes' exit codes (``None``: running) until all have ended, or the timeout has passed, or a grace
+    period after one failed; the first failed code, 0, or ``None`` for a timeout."""
+    said, deadline = start, start + session.timeout
+    while True:
+        now = codes()
+        failed = [code for code in now if code not in (None, 0)]
+        if None not in now or time.perf_counter() >= deadline:
+            return failed[0] if failed else (0 if None not in now else None)
+        if failed:
+            deadline = min(deadline, time.perf_counter() + FAILED_RANK_GRACE)
+        time.sleep(0.05)
+        if time.perf_counter() - said >= session.progress_every:
+            said = time.perf_counter()
+            report(said - start)

@@ -70,11 +70,10 @@ def _failing_row(name: str, timeout: float, tmp_path: Path, monkeypatch: pytest.
 def test_a_failed_rank_ends_its_row_and_the_rank_waiting_for_it_is_killed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The row's timeout (an hour) is far past the test's (200 s): only the grace after rank 1's failure ends it."""
     monkeypatch.setattr(launch, "FAILED_RANK_GRACE", 1.0)
-    row = _failing_row("rank1_crashes_at_setup", 150, tmp_path, monkeypatch)
+    row = _failing_row("rank1_crashes_at_setup", 3600, tmp_path, monkeypatch)
     assert row.status == "failed" and row.error == "RuntimeError: rank 1 fails at setup"
-    # liveness, not speed: rank 0 was killed a grace after rank 1 failed, not at the row's timeout
-    assert row.wall_seconds < 100, "rank 0, waiting for rank 1 for ever, was left to run into the row's timeout"
     assert len(_none_running(tmp_path / "pids")) == 2
 
 
