@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Generic, Literal, TypedDict, TypeVar, overload
 
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 
-from lightning_dp_strategies.plan import CostModel
 from lightning_dp_strategies.reducers import (
-    AutoReducer,
     CommHook,
     NativeReducer,
     Reducer,
@@ -253,25 +251,6 @@ class ReductionOptions:
         if isinstance(self.reducer, str) and self.reducer in ("ring", "native"):
             return None
         return f"reducer={self.reducer!r}"
-
-    def priced(self, model: CostModel) -> CostModel:
-        """``model`` as a strategy reducing this way carries it: a bucketed model holds ``reducer="auto"``'s options,
-        whose choice the planner prices (:attr:`CostModel.auto`), or names another :attr:`custom` reduction, which its
-        formula does not price (:attr:`CostModel.reducer`).
-
-        Examples:
-            >>> from lightning_dp_strategies.plan import RING_ALLREDUCE
-            >>> ReductionOptions(reducer="per_tensor").priced(RING_ALLREDUCE).reducer
-            "reducer='per_tensor'"
-            >>> ReductionOptions(reducer="auto").priced(RING_ALLREDUCE).auto
-            AutoChoice(allow=('none', 'bf16', 'powersgd'), rank=4, two_level=None)
-        """
-        if not model.bucketed:
-            return model
-        auto = AutoReducer() if self.reducer == "auto" else self.reducer
-        if isinstance(auto, AutoReducer) and self.ddp_comm_hook is None:
-            return replace(model, auto=auto.choice)
-        return model if self.custom is None else replace(model, reducer=self.custom)
 
 
 def check_sharding(config: RingAllReduceConfig, reduction: ReductionOptions) -> None:

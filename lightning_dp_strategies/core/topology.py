@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import torch
+
 from lightning_dp_strategies.core.options import ReductionOptions
-from lightning_dp_strategies.reducers import AutoReducer, PowerSGD, Reducer
+from lightning_dp_strategies.plan import CostModel, Reduction
+from lightning_dp_strategies.reducers import AutoReducer, NativeReducer, PowerSGD, Reducer, RingReducer
+from lightning_dp_strategies.reducers.casts import CastCompression
 from lightning_dp_strategies.reducers.comm_hooks import CommHookReducer
 from lightning_dp_strategies.reducers.two_level import TwoLevelReducer
 
-__all__ = ["check_own_reducer", "check_two_level", "layout_reducer"]
+__all__ = ["check_own_reducer", "check_two_level", "layout_reducer", "priced", "priced_reduction"]
 
 
 def check_two_level(two_level: bool | None, reduction: ReductionOptions) -> None:
@@ -95,3 +101,61 @@ def check_own_reducer(strategy: type, base: type, shard_optimizer_state: bool) -
             "state the strategy reduces the buckets itself and a reducer of your own would never run. Pass "
             "`shard_optimizer_state=False` to keep your reducer, or drop the `configure_reducer` override."
         )
+
+
+_CASTS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def priced_reduction(reducer: object, two_level: bool | None) -> Reduction | None:
+    """The planner's :class:`~lightning_dp_strategies.plan.Reduction` for buckets reduced by ``reducer`` (the
+    ``reducer=`` option as written, or a reducer) with ``two_level``, or ``None`` where it has none: the plain ring
+    or the backend's all-reduce, a 16-bit cast over either, and PowerSGD over either (one level, its default
+    ``min_compression``) are priced; any other reducer is not.
+
+    Examples:
+        >>> from lightning_dp_strategies.reducers import bf16_compress
+        >>> priced_reduction("ring", True).label, priced_reduction(bf16_compress("ring"), None).label
+        ('two-level plain', 'flat bf16')
+        >>> priced_reduction(PowerSGD("ring", rank=2), None).label, priced_reduction("int8", None)
+        ('flat powersgd r2', None)
+    """
+    plain = (RingReducer, NativeReducer)
+    levels = bool(two_level)
+    if reducer is None or reducer in ("ring", "native") or type(reducer) in plain:
+        return Reduction(two_level=levels)
+    inner = getattr(reducer, "inner", None)
+    if type(inner) not in plain:
+        return None
+    if type(reducer) is CastCompression and reducer.dtype in _CASTS:
+        return Reduction(_CASTS[reducer.dtype], two_level=levels)
+    if type(reducer) is PowerSGD and reducer.min_compression == 2.0 and not levels:
+        return Reduction("powersgd", rank=reducer.rank)
+    return None
+
+
+def priced(model: CostModel, reduction: ReductionOptions, two_level: bool | None) -> CostModel:
+    """``model`` as a strategy reducing its buckets this way carries it: a bucketed model holds ``reducer="auto"``'s
+    options (with the strategy's ``two_level``), whose choice the planner prices (:attr:`CostModel.auto`), the
+    reduction it prices (:attr:`CostModel.reduction`, :func:`priced_reduction`), or the name of one it cannot price
+    (:attr:`CostModel.reducer`).
+
+    Examples:
+        >>> from lightning_dp_strategies.plan import RING_ALLREDUCE
+        >>> priced(RING_ALLREDUCE, ReductionOptions(reducer="per_tensor"), None).reducer
+        "reducer='per_tensor'"
+        >>> priced(RING_ALLREDUCE, ReductionOptions(reducer="auto"), True).auto
+        AutoChoice(allow=('none', 'bf16', 'powersgd'), rank=4, two_level=True)
+        >>> priced(RING_ALLREDUCE, ReductionOptions(), True).reduction.label
+        'two-level plain'
+    """
+    if not model.bucketed:
+        return model
+    auto = AutoReducer() if reduction.reducer == "auto" else reduction.reducer
+    if reduction.ddp_comm_hook is None and isinstance(auto, AutoReducer):
+        return replace(model, auto=auto.with_layout(auto.per_node, two_level).choice)
+    if reduction.custom is None and not two_level:
+        return model
+    how = None if reduction.ddp_comm_hook is not None else priced_reduction(reduction.reducer, two_level)
+    if how is not None:
+        return replace(model, reduction=how)
+    return replace(model, reducer=reduction.custom)

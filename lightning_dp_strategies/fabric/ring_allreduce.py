@@ -44,7 +44,7 @@ from lightning_dp_strategies.core.options import (
     lightning_arguments,
 )
 from lightning_dp_strategies.core.registry import register_name, register_with_launchers
-from lightning_dp_strategies.core.topology import check_own_reducer, check_two_level, layout_reducer
+from lightning_dp_strategies.core.topology import check_own_reducer, check_two_level, layout_reducer, priced
 from lightning_dp_strategies.fabric._checkpoints import load_sharded, save_sharded
 from lightning_dp_strategies.fabric.options import FABRIC_PLUGINS, FabricOptions
 from lightning_dp_strategies.plan import RING_ALLREDUCE, CostModel
@@ -122,7 +122,6 @@ class FabricRingAllReduceStrategy(DDPStrategy):
             type(self).__name__, options, FabricOptions, FABRIC_PLUGINS
         )  # validated before Fabric does anything
         self.reduction = ReductionOptions(reducer, ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper)
-        self.cost_model = self.reduction.priced(type(self).cost_model)  # type: ignore[misc]  # this instance's
         self.config = RingAllReduceConfig(
             bucket_cap_mb,
             first_bucket_cap_mb,
@@ -131,6 +130,7 @@ class FabricRingAllReduceStrategy(DDPStrategy):
             shard_optimizer_state=shard_optimizer_state,
         )
         check_two_level(self.config.two_level, self.reduction)
+        self.cost_model = priced(type(self).cost_model, self.reduction, two_level)  # type: ignore[misc]  # its own
         check_sharding(self.config, self.reduction)
         check_own_reducer(type(self), FabricRingAllReduceStrategy, shard_optimizer_state)
         super().__init__(**fabric_options)

@@ -62,7 +62,15 @@ from lightning_dp_strategies.plan.measure import ComputeTimes, measure_compute
 from lightning_dp_strategies.plan.model import Prediction, Workload, bucket_count
 from lightning_dp_strategies.plan.predict import cost_model_of, plan, predict
 from lightning_dp_strategies.plan.sizing import MiB, bucket_boundaries, divisors, ring_bytes_per_rank
-from lightning_dp_strategies.plan.step import COMPRESSIONS, Reduction, StepTimes, buckets_step, ring_buckets, ring_step
+from lightning_dp_strategies.plan.step import (
+    COMPRESSIONS,
+    Reduction,
+    StepTimes,
+    buckets_step,
+    buckets_traffic,
+    ring_buckets,
+    ring_step,
+)
 from lightning_dp_strategies.plan.tables import format_table, text_table
 
 __all__ = [
@@ -87,6 +95,7 @@ __all__ = [
     "bucket_boundaries",
     "bucket_count",
     "buckets_step",
+    "buckets_traffic",
     "compression_pays",
     "cost_model_of",
     "divisors",

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from lightning_dp_strategies.plan.auto import AutoChoice
 from lightning_dp_strategies.plan.model import Link, Workload, bucket_count
 from lightning_dp_strategies.plan.sizing import ring_bytes_per_rank
+from lightning_dp_strategies.plan.step import Reduction
 from lightning_dp_strategies.plan.streaming import BYTES_PER_VALUE, choose_period
 
 __all__ = [
@@ -55,8 +56,11 @@ class CostModel:
     """Whether its step is the bucketed ring's (:func:`~lightning_dp_strategies.plan.step.ring_step`), so a
     ``reduction`` and a workload's ``topology`` apply."""
     reducer: str | None = None
-    """A strategy instance's own reduction where it is not the plain ring's (its reducer or hook, as written): the
-    formula prices the plain ring, so :func:`~lightning_dp_strategies.plan.predict` asks for a ``reduction``."""
+    """A strategy instance's own reduction where the planner cannot price it (its reducer or hook, as written):
+    :func:`~lightning_dp_strategies.plan.predict` asks for a ``reduction``."""
+    reduction: Reduction | None = None
+    """A strategy instance's own reduction where the planner prices it (two levels, a 16-bit cast, PowerSGD):
+    :func:`~lightning_dp_strategies.plan.predict` prices it unless given another."""
     auto: AutoChoice | None = None
     """A strategy instance's ``reducer="auto"``: :func:`~lightning_dp_strategies.plan.predict` prices the reduction
     it would choose (:mod:`lightning_dp_strategies.plan.auto`)."""

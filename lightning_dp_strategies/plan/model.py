@@ -129,8 +129,8 @@ class Prediction:
     bubble_fraction: float
     step_seconds: float | None = None
     """One optimizer step: ``Workload.compute_seconds`` plus the exposed communication (``None`` without it). For
-    the ring it is the only figure that prices a ``reduction`` (or ``reducer="auto"``'s choice): the bytes, messages
-    and times above are its formula's, the plain fp32 flat ring's."""
+    the ring under a ``reduction`` (given, the strategy's own, or ``reducer="auto"``'s choice) every figure is that
+    reduction's: its bytes and ring steps as the reducers count them, its times the step model's."""
 
     def as_row(self) -> dict[str, Any]:
         """The figures rounded for a table: S x D stages x replicas, M micro-batches, MB (10^6 bytes), milliseconds."""

@@ -9,7 +9,7 @@ from lightning_dp_strategies.plan.cluster import Topology
 from lightning_dp_strategies.plan.formulas import COST_MODELS, STRATEGIES, CostModel
 from lightning_dp_strategies.plan.model import Link, Prediction, Workload
 from lightning_dp_strategies.plan.sizing import divisors
-from lightning_dp_strategies.plan.step import Reduction, ring_buckets, ring_step
+from lightning_dp_strategies.plan.step import Reduction, buckets_step, buckets_traffic, ring_buckets, ring_step
 
 __all__ = ["cost_model_of", "name_strategy", "plan", "predict"]
 
@@ -88,8 +88,10 @@ def predict(
         micro_batches: micro-batches per step (``hybrid_pipeline`` only).
         bucket_cap_mb: gradient bucket cap in MiB, as the strategies take it.
         first_bucket_cap_mb: the first bucket's cap in MiB.
-        reduction: how the ring's buckets are reduced (compression, one or two levels) for ``step_seconds``; the
-            plain flat ring by default, or with ``reducer="auto"`` the reduction it would choose (named in the row).
+        reduction: how the ring's buckets are reduced (compression, one or two levels): by default the strategy's
+            own (``two_level=True``, ``reducer=bf16_compress("ring")``, ``PowerSGD(...)``), the plain flat ring, or
+            with ``reducer="auto"`` the reduction it would choose (named in the row). The row's bytes, steps and
+            times are that reduction's.
 
     Examples:
         >>> from lightning_dp_strategies.plan import MiB
@@ -105,11 +107,27 @@ def predict(
     nbytes, messages, comm, exposed, bubble = model.formula(workload, world_size, link, stages, micro_batches, caps)
     builtin = isinstance(strategy, str) and _ALIASES.get(strategy, strategy) in COST_MODELS
     name = model.name if builtin else label  # a registered name as written
+    reduction = reduction or model.reduction
     if model.auto is not None and reduction is None:  # reducer="auto": the reduction it would choose
         reduction = _auto_reduction(model.auto, workload, _topology(workload, world_size, link), caps, label)
         name = f"{name}: {reduction.label}"
     step = _step_seconds(model, workload, world_size, link, exposed, reduction, caps)
+    if reduction is not None and reduction != Reduction():  # its own figures, not the plain ring's formula
+        nbytes, messages, comm, exposed = _reduced(workload, _topology(workload, world_size, link), reduction, caps)
     return Prediction(name, world_size, stages, micro_batches, nbytes, messages, comm, exposed, bubble, step)
+
+
+def _reduced(
+    work: Workload, topology: Topology, how: Reduction, caps: tuple[float, float]
+) -> tuple[float, int, float, float]:
+    """``(bytes, ring steps, comm seconds, exposed seconds)`` of a rank reducing ``work``'s buckets as ``how`` says:
+    the bytes and steps as the reducers count them, the seconds the step model's (with no compute, all exposed)."""
+    buckets = ring_buckets(work.tensor_bytes or (work.gradient_bytes,), work.shapes, caps)
+    nbytes, steps = buckets_traffic(buckets, topology, how)
+    compute = work.compute_seconds or 0.0
+    backward = min(work.backward_seconds or 0.0, compute)
+    times = buckets_step(buckets, compute, backward, topology, how, work.cpu)
+    return nbytes, steps, times.comm_seconds, times.exposed_seconds
 
 
 def _check(

@@ -54,9 +54,9 @@ from dataclasses import dataclass
 
 from lightning_dp_strategies.plan.cluster import CpuCosts, Topology
 from lightning_dp_strategies.plan.link import Link
-from lightning_dp_strategies.plan.sizing import bucket_boundaries
+from lightning_dp_strategies.plan.sizing import bucket_boundaries, ring_bytes_per_rank
 
-__all__ = ["COMPRESSIONS", "Reduction", "StepTimes", "buckets_step", "ring_buckets", "ring_step"]
+__all__ = ["COMPRESSIONS", "Reduction", "StepTimes", "buckets_step", "buckets_traffic", "ring_buckets", "ring_step"]
 
 COMPRESSIONS = ("none", "bf16", "fp16", "powersgd")
 """What :class:`Reduction` compresses with: nothing, a 16-bit cast of what crosses the link, or PowerSGD."""
@@ -298,3 +298,37 @@ def buckets_step(
     return StepTimes(
         comm_seconds=finish - (first or 0.0), exposed_seconds=exposed, step_seconds=compute_seconds + stolen + exposed
     )
+
+
+def buckets_traffic(
+    buckets: Sequence[tuple[float, Sequence[Sequence[int]]]], topology: Topology, how: Reduction
+) -> tuple[float, int]:
+    """What one rank sends a step reducing ``buckets`` (``(fp32 bytes, parameter shapes)`` each) as ``how`` says:
+    ``(bytes over every link it uses, ring steps)``, as the reducers' counters count them.
+
+    A flat ring sends ``2(N-1)/N`` of what crosses in ``2(N-1)`` steps: the fp32 bucket, half of it cast to 16
+    bits, or PowerSGD's two rounds of factors and uncompressed rest (its payload, in ``4(N-1)`` steps). Two levels
+    send ``2(n-1)/n`` of the bucket inside the node (its reduce-scatter and all-gather) and ``2(m-1)/m`` of the
+    rank's shard (``1/n`` of it, compressed) across ``m`` nodes, each piece in ``2(n-1) + 2(m-1)`` steps.
+
+    Examples:
+        >>> gbe = Link(0.0, 1.25e8)
+        >>> buckets_traffic([(8e6, [])], Topology(2, 1, gbe), Reduction("bf16"))  # half of 8 MB, once
+        (4000000.0, 2)
+        >>> buckets_traffic([(8e6, [])], Topology(2, 4, gbe), Reduction(two_level=True))  # 12 MB inside, 2 across
+        (14000000.0, 16)
+    """
+    n, m, world = topology.per_node, topology.nodes, topology.world_size
+    sent, steps = 0.0, 0
+    for nbytes, shapes in buckets:
+        wire = nbytes / 2 if how.compression in ("bf16", "fp16") else nbytes
+        if how.compression == "powersgd":
+            payload = _payload(shapes, how.rank)[1] if shapes else nbytes
+            sent, steps = sent + ring_bytes_per_rank(payload, world), steps + 4 * (world - 1)
+        elif how.two_level and world > 1:
+            pieces = math.ceil(nbytes / (how.piece_mb * 2**20))
+            sent += ring_bytes_per_rank(nbytes, n) + ring_bytes_per_rank(wire / n, m)
+            steps += pieces * (2 * (n - 1) + 2 * (m - 1))
+        elif world > 1:
+            sent, steps = sent + ring_bytes_per_rank(wire, world), steps + 2 * (world - 1)
+    return sent, steps

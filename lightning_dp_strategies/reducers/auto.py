@@ -157,8 +157,17 @@ class AutoReducer(ReducerBase):
         self._run = _Runtime()
 
     def with_layout(self, per_node: int, two_level: bool | None) -> AutoReducer:
-        """The same reducer, not yet set up, for nodes of ``per_node`` processes."""
-        return AutoReducer(self.allow, self.warmup_steps, self.rank, per_node, two_level)
+        """The same reducer, not yet set up, for nodes of ``per_node`` processes, its levels ``two_level`` (the
+        strategy's option) where that is not ``None``.
+
+        Examples:
+            >>> AutoReducer(two_level=True).with_layout(2, None).two_level
+            True
+            >>> AutoReducer(two_level=True).with_layout(2, False).two_level
+            False
+        """
+        levels = self.two_level if two_level is None else two_level
+        return AutoReducer(self.allow, self.warmup_steps, self.rank, per_node, levels)
 
     # ------------------------------------------------------------------ setup
     @property

@@ -64,7 +64,7 @@ from lightning_dp_strategies.core.options import (
     lightning_arguments,
 )
 from lightning_dp_strategies.core.registry import register_with_launchers
-from lightning_dp_strategies.core.topology import check_own_reducer
+from lightning_dp_strategies.core.topology import check_own_reducer, priced
 from lightning_dp_strategies.plan import RING_ALLREDUCE, CostModel
 from lightning_dp_strategies.reducers import CommHook, Reducer
 from lightning_dp_strategies.sharding import OptimizerSharding
@@ -132,7 +132,7 @@ class BucketedDataParallel(DDPStrategy):
         check_own_reducer(type(self), BucketedDataParallel, bool(getattr(config, "shard_optimizer_state", False)))
         super().__init__(**lightning_options)
         self.config, self.reduction = config, reduction  # configuration
-        self.cost_model = reduction.priced(type(self).cost_model)  # type: ignore[misc]  # names an unpriced reducer
+        self.cost_model = priced(type(self).cost_model, reduction, getattr(config, "two_level", None))  # type: ignore[misc]
         self.engine = BucketedEngine(config, reduction, options.get("nonfinite_grads"))
         self._clipping: GlobalNormClipping | None = None
 

@@ -22,6 +22,7 @@ from lightning_dp_strategies.plan import (
     plan,
     predict,
 )
+from lightning_dp_strategies.plan.auto import AutoChoice
 from lightning_dp_strategies.plan.formulas import local_sgd_cost_model
 
 WORK = Workload(gradient_bytes=30 * MiB, compute_seconds=0.4, backward_seconds=0.25)
@@ -88,10 +89,44 @@ def test_fabric_strategies_carry_the_trainer_strategies_cost_models() -> None:
 
 
 @pytest.mark.parametrize(
+    ("strategy", "label"),
+    [
+        pytest.param(lambda: ldp.RingAllReduceStrategy(reducer=ldp.PowerSGD("ring", rank=4)), "flat powersgd r4"),
+        pytest.param(lambda: ldp.FabricRingAllReduceStrategy(reducer=ldp.bf16_compress("ring")), "flat bf16"),
+        pytest.param(lambda: ldp.RingAllReduceStrategy(two_level=True), "two-level plain"),
+        pytest.param(lambda: ldp.FabricRingAllReduceStrategy(two_level=True, reducer="native"), "two-level plain"),
+        pytest.param(lambda: ldp.RingAllReduceStrategy(two_level=True, reducer=ldp.fp16_compress()), "two-level fp16"),
+    ],
+    ids=["trainer-powersgd", "fabric-bf16", "trainer-two-level", "fabric-two-level-native", "trainer-two-level-fp16"],
+)
+def test_a_strategy_is_priced_with_its_own_reduction(strategy: Any, label: str) -> None:
+    topology = Topology(nodes=2, per_node=2, inter=LINK, intra=Link(latency_s=5e-6, bandwidth_bytes_per_s=5e9))
+    sizes = (4 * 2**20,) * 7 + (2 * 2**20,)
+    shapes = [(1024, 1024)] * 7 + [(512, 1024)]
+    work = Workload(sum(sizes), tensor_bytes=sizes, shapes=shapes, compute_seconds=0.4, topology=topology)
+    how = cost_model_of(strategy()).reduction
+    assert how is not None and how.label == label
+    row, given = predict(strategy(), work, 4, LINK), predict("ring_allreduce", work, 4, LINK, reduction=how)
+    assert (row.bytes_per_rank, row.messages_per_rank, row.step_seconds) == (
+        given.bytes_per_rank,
+        given.messages_per_rank,
+        given.step_seconds,
+    )
+    plain = predict("ring_allreduce", work, 4, LINK)  # two levels send as many bytes, across the node in more steps
+    assert (row.bytes_per_rank, row.messages_per_rank) != (plain.bytes_per_rank, plain.messages_per_rank)
+
+
+def test_auto_takes_the_strategys_levels_and_keeps_its_own_where_the_strategy_leaves_them_open() -> None:
+    assert cost_model_of(ldp.RingAllReduceStrategy(reducer="auto", two_level=True)).auto == AutoChoice(two_level=True)
+    forced = ldp.FabricRingAllReduceStrategy(reducer=ldp.AutoReducer(two_level=False))
+    assert cost_model_of(forced).auto == AutoChoice(two_level=False)
+
+
+@pytest.mark.parametrize(
     "strategy",
     [
-        pytest.param(lambda: ldp.RingAllReduceStrategy(reducer=ldp.PowerSGD("ring", rank=4)), id="trainer-powersgd"),
-        pytest.param(lambda: ldp.FabricRingAllReduceStrategy(reducer=ldp.bf16_compress("ring")), id="fabric-bf16"),
+        pytest.param(lambda: ldp.RingAllReduceStrategy(reducer=ldp.PowerSGD(rank=4, min_compression=3.0)), id="psgd3"),
+        pytest.param(lambda: ldp.FabricRingAllReduceStrategy(reducer="int8"), id="fabric-int8"),
         pytest.param(lambda: ldp.RingAllReduceStrategy(reducer="per_tensor"), id="per-tensor"),
     ],
 )
