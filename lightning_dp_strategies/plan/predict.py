@@ -89,9 +89,9 @@ def predict(
         bucket_cap_mb: gradient bucket cap in MiB, as the strategies take it.
         first_bucket_cap_mb: the first bucket's cap in MiB.
         reduction: how the ring's buckets are reduced (compression, one or two levels): by default the strategy's
-            own (``two_level=True``, ``reducer=bf16_compress("ring")``, ``PowerSGD(...)``), the plain flat ring, or
-            with ``reducer="auto"`` the reduction it would choose (named in the row). The row's bytes, steps and
-            times are that reduction's.
+            own (``two_level=True``, ``reducer=bf16_compress("ring")``, ``PowerSGD(...)``; named in the row), the
+            plain flat ring, or with ``reducer="auto"`` the reduction it would choose (named in the row). The row's
+            bytes, steps and times are that reduction's.
 
     Examples:
         >>> from lightning_dp_strategies.plan import MiB
@@ -107,7 +107,8 @@ def predict(
     nbytes, messages, comm, exposed, bubble = model.formula(workload, world_size, link, stages, micro_batches, caps)
     builtin = isinstance(strategy, str) and _ALIASES.get(strategy, strategy) in COST_MODELS
     name = model.name if builtin else label  # a registered name as written
-    reduction = reduction or model.reduction
+    if reduction is None and model.reduction is not None:  # the strategy's own: named in the row
+        reduction, name = model.reduction, f"{name}: {model.reduction.label}"
     if model.auto is not None and reduction is None:  # reducer="auto": the reduction it would choose
         reduction = _auto_reduction(model.auto, workload, _topology(workload, world_size, link), caps, label)
         name = f"{name}: {reduction.label}"

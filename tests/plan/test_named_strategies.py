@@ -107,6 +107,7 @@ def test_a_strategy_is_priced_with_its_own_reduction(strategy: Any, label: str) 
     how = cost_model_of(strategy()).reduction
     assert how is not None and how.label == label
     row, given = predict(strategy(), work, 4, LINK), predict("ring_allreduce", work, 4, LINK, reduction=how)
+    assert row.strategy == f"ring_allreduce: {label}"  # the model's name, then the reduction it is priced with
     assert (row.bytes_per_rank, row.messages_per_rank, row.step_seconds) == (
         given.bytes_per_rank,
         given.messages_per_rank,
