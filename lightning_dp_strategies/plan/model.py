@@ -129,8 +129,10 @@ class Prediction:
     bubble_fraction: float
     step_seconds: float | None = None
     """One optimizer step: ``Workload.compute_seconds`` plus the exposed communication (``None`` without it). For
-    the ring under a ``reduction`` (given, the strategy's own, or ``reducer="auto"``'s choice) every figure is that
-    reduction's: its bytes and ring steps as the reducers count them, its times the step model's."""
+    the ring, with a ``compute_seconds`` or under a ``reduction`` (given, the strategy's own, or ``reducer="auto"``'s
+    choice), every figure is the step model's for that reduction: its bytes and ring steps as the reducers count
+    them, ``comm_seconds`` and ``exposed_seconds`` those of this step (the buckets handed over as backward makes
+    them); otherwise they are the plain ring's formula, which hides communication behind all of backward."""
 
     def as_row(self) -> dict[str, Any]:
         """The figures rounded for a table: S x D stages x replicas, M micro-batches, MB (10^6 bytes), milliseconds."""

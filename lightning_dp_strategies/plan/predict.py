@@ -91,7 +91,8 @@ def predict(
         reduction: how the ring's buckets are reduced (compression, one or two levels): by default the strategy's
             own (``two_level=True``, ``reducer=bf16_compress("ring")``, ``PowerSGD(...)``; named in the row), the
             plain flat ring, or with ``reducer="auto"`` the reduction it would choose (named in the row). The row's
-            bytes, steps and times are that reduction's.
+            bytes, steps and times are that reduction's; with a ``compute_seconds``, its times are those of the step
+            it predicts (``step_seconds`` = compute + exposed, plus any CPU the reduction takes from backward).
 
     Examples:
         >>> from lightning_dp_strategies.plan import MiB
@@ -113,8 +114,10 @@ def predict(
         reduction = _auto_reduction(model.auto, workload, _topology(workload, world_size, link), caps, label)
         name = f"{name}: {reduction.label}"
     step = _step_seconds(model, workload, world_size, link, exposed, reduction, caps)
-    if reduction is not None and reduction != Reduction():  # its own figures, not the plain ring's formula
-        nbytes, messages, comm, exposed = _reduced(workload, _topology(workload, world_size, link), reduction, caps)
+    priced = reduction is not None and reduction != Reduction()
+    if model.bucketed and (priced or workload.compute_seconds is not None):  # the step model's, not the formula's
+        how = reduction or Reduction()
+        nbytes, messages, comm, exposed = _reduced(workload, _topology(workload, world_size, link), how, caps)
     return Prediction(name, world_size, stages, micro_batches, nbytes, messages, comm, exposed, bubble, step)
 
 
@@ -122,7 +125,8 @@ def _reduced(
     work: Workload, topology: Topology, how: Reduction, caps: tuple[float, float]
 ) -> tuple[float, int, float, float]:
     """``(bytes, ring steps, comm seconds, exposed seconds)`` of a rank reducing ``work``'s buckets as ``how`` says:
-    the bytes and steps as the reducers count them, the seconds the step model's (with no compute, all exposed)."""
+    the bytes and steps as the reducers count them, the seconds the step model's, the same that price
+    ``step_seconds`` (with no compute, all exposed)."""
     buckets = ring_buckets(work.tensor_bytes or (work.gradient_bytes,), work.shapes, caps)
     nbytes, steps = buckets_traffic(buckets, topology, how)
     compute = work.compute_seconds or 0.0

@@ -121,6 +121,20 @@ def test_predict_keeps_its_old_answers_and_adds_a_step_with_compute_seconds() ->
     assert bf16.step_seconds is not None and bf16.step_seconds < new.step_seconds
 
 
+def test_with_compute_the_rings_row_is_the_step_it_predicts() -> None:
+    """One bucket, handed over when backward ends: nothing of it hides, so the row's exposed time is all of its
+    communication and the step is compute plus that (the formula alone would hide backward's 30 ms of it)."""
+    sizes = (4 * 2**20, 40 * 1024)
+    plain = Workload(sum(sizes), tensor_bytes=sizes)
+    formula = predict("ring_allreduce", plain, 2, GBE)
+    assert formula.exposed_seconds == pytest.approx(formula.comm_seconds)  # no backward given: nothing hidden
+    work = Workload(sum(sizes), tensor_bytes=sizes, compute_seconds=0.05, backward_seconds=0.03)
+    row = predict("ring_allreduce", work, 2, GBE)
+    assert row.step_seconds == pytest.approx(0.05 + row.exposed_seconds)
+    assert row.exposed_seconds == pytest.approx(row.comm_seconds) and row.exposed_seconds > formula.comm_seconds - 0.03
+    assert (row.bytes_per_rank, row.messages_per_rank) == (formula.bytes_per_rank, formula.messages_per_rank)
+
+
 def test_other_strategies_add_compute_to_their_exposed_time() -> None:
     work = Workload(gradient_bytes=10**6, compute_seconds=0.2)
     p = predict("scatter_gather", work, 2, GBE)
