@@ -153,9 +153,7 @@ def priced(model: CostModel, reduction: ReductionOptions, two_level: bool | None
     auto = AutoReducer() if reduction.reducer == "auto" else reduction.reducer
     if reduction.ddp_comm_hook is None and isinstance(auto, AutoReducer):
         return replace(model, auto=auto.with_layout(auto.per_node, two_level).choice)
-    if reduction.custom is None and not two_level:
-        return model
     how = None if reduction.ddp_comm_hook is not None else priced_reduction(reduction.reducer, two_level)
-    if how is not None:
-        return replace(model, reduction=how)
-    return replace(model, reducer=reduction.custom)
+    if how == Reduction():  # the plain flat ring: the formula's own
+        return model
+    return replace(model, reducer=reduction.custom) if how is None else replace(model, reduction=how)

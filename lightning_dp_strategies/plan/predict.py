@@ -9,7 +9,7 @@ from lightning_dp_strategies.plan.cluster import Topology
 from lightning_dp_strategies.plan.formulas import COST_MODELS, STRATEGIES, CostModel
 from lightning_dp_strategies.plan.model import Link, Prediction, Workload
 from lightning_dp_strategies.plan.sizing import divisors
-from lightning_dp_strategies.plan.step import Reduction, buckets_step, buckets_traffic, ring_buckets, ring_step
+from lightning_dp_strategies.plan.step import Reduction, StepTimes, buckets_step, buckets_traffic, ring_buckets
 
 __all__ = ["cost_model_of", "name_strategy", "plan", "predict"]
 
@@ -108,31 +108,31 @@ def predict(
     nbytes, messages, comm, exposed, bubble = model.formula(workload, world_size, link, stages, micro_batches, caps)
     builtin = isinstance(strategy, str) and _ALIASES.get(strategy, strategy) in COST_MODELS
     name = model.name if builtin else label  # a registered name as written
+    topology = _topology(workload, world_size, link)
     if reduction is None and model.reduction is not None:  # the strategy's own: named in the row
         reduction, name = model.reduction, f"{name}: {model.reduction.label}"
     if model.auto is not None and reduction is None:  # reducer="auto": the reduction it would choose
-        reduction = _auto_reduction(model.auto, workload, _topology(workload, world_size, link), caps, label)
+        reduction = _auto_reduction(model.auto, workload, topology, caps, label)
         name = f"{name}: {reduction.label}"
-    step = _step_seconds(model, workload, world_size, link, exposed, reduction, caps)
-    priced = reduction is not None and reduction != Reduction()
-    if model.bucketed and (priced or workload.compute_seconds is not None):  # the step model's, not the formula's
-        how = reduction or Reduction()
-        nbytes, messages, comm, exposed = _reduced(workload, _topology(workload, world_size, link), how, caps)
+    compute = workload.compute_seconds
+    step = None if compute is None else compute + exposed
+    if model.bucketed and (reduction not in (None, Reduction()) or compute is not None):  # the step model's figures
+        nbytes, messages, times = _reduced(workload, topology, reduction or Reduction(), caps)
+        comm, exposed = times.comm_seconds, times.exposed_seconds
+        step = None if compute is None else times.step_seconds
     return Prediction(name, world_size, stages, micro_batches, nbytes, messages, comm, exposed, bubble, step)
 
 
 def _reduced(
     work: Workload, topology: Topology, how: Reduction, caps: tuple[float, float]
-) -> tuple[float, int, float, float]:
-    """``(bytes, ring steps, comm seconds, exposed seconds)`` of a rank reducing ``work``'s buckets as ``how`` says:
-    the bytes and steps as the reducers count them, the seconds the step model's, the same that price
-    ``step_seconds`` (with no compute, all exposed)."""
+) -> tuple[float, int, StepTimes]:
+    """``(bytes, ring steps, the step)`` of a rank reducing ``work``'s buckets as ``how`` says: the bytes and steps
+    as the reducers count them, the step the bucket flow shop's (with no compute, all communication exposed)."""
     buckets = ring_buckets(work.tensor_bytes or (work.gradient_bytes,), work.shapes, caps)
     nbytes, steps = buckets_traffic(buckets, topology, how)
     compute = work.compute_seconds or 0.0
     backward = min(work.backward_seconds or 0.0, compute)
-    times = buckets_step(buckets, compute, backward, topology, how, work.cpu)
-    return nbytes, steps, times.comm_seconds, times.exposed_seconds
+    return nbytes, steps, buckets_step(buckets, compute, backward, topology, how, work.cpu)
 
 
 def _check(
@@ -148,6 +148,8 @@ def _check(
             f"stages and micro_batches apply to pipelined strategies such as 'hybrid_pipeline' only; leave them at 1 "
             f"for {label!r}."
         )
+    if reduction is not None and not model.bucketed:
+        raise ValueError(f"`reduction` applies to bucketed strategies such as 'ring_allreduce', not {model.name!r}.")
     if model.reducer is not None and reduction is None:
         raise ValueError(
             f"{label!r} reduces its buckets with {model.reducer}, which its cost model does not price: pass the "
@@ -186,29 +188,6 @@ def _auto_reduction(
     buckets = ring_buckets(work.tensor_bytes or (work.gradient_bytes,), work.shapes, caps)
     chosen, _ = choose(candidates, buckets, work.compute_seconds, work.backward_seconds or 0.0, topology, work.cpu)
     return candidates[chosen]
-
-
-def _step_seconds(
-    model: CostModel,
-    work: Workload,
-    world_size: int,
-    link: Link,
-    exposed: float,
-    reduction: Reduction | None,
-    caps: tuple[float, float],
-) -> float | None:
-    """The predicted step: the bucketed ring's flow shop, or compute plus the formula's exposed time."""
-    topology = _topology(work, world_size, link)
-    if reduction is not None and not model.bucketed:
-        raise ValueError(f"`reduction` applies to bucketed strategies such as 'ring_allreduce', not {model.name!r}.")
-    if work.compute_seconds is None:
-        return None
-    if not model.bucketed:
-        return work.compute_seconds + exposed
-    sizes = work.tensor_bytes or (work.gradient_bytes,)
-    backward = min(work.backward_seconds or 0.0, work.compute_seconds)
-    how = reduction or Reduction()
-    return ring_step(sizes, work.shapes, work.compute_seconds, backward, topology, how, work.cpu, caps).step_seconds
 
 
 def plan(
