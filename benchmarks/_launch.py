@@ -2,7 +2,7 @@
 
 Launching side:
 
-- :func:`run_ranks`: a function on N spawned local processes joined in one gloo group on loopback;
+- :func:`run_ranks`: a function on N local processes joined in one gloo group on loopback;
 - :func:`run_together`: several commands at once, each in its own session, every process group killed at the end;
 - :func:`torchrun_local`: ``torchrun`` with N processes on this machine;
 - :func:`simulated_cluster`, :func:`link_bandwidth` and :func:`torchrun_on_cluster`: the simulated cluster
@@ -113,16 +113,21 @@ def release_groups() -> None:
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float | None = None) -> None:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes joined in one gloo group on loopback.
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes joined in one gloo group on loopback.
 
-    ``fn`` must be a module-level function (the script's own are found again in the spawned processes). Raises with
+    The processes are forked from ``multiprocessing``'s fork server, which imports torch and the script once for
+    all of a run's launches (a spawned rank would import them again at every launch); each rank is a process of
+    its own, started after the server's imports and nothing else. ``fn`` must be a module-level function. Raises with
     the failing rank's traceback; with ``timeout`` (seconds), kills every rank and raises ``TimeoutError`` when they
     have not all finished by then, so a hung collective cannot hang the benchmark.
     """
+    import multiprocessing
+
     import torch.multiprocessing as mp
 
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "__main__"])
     context = mp.start_processes(
-        _rank, args=(fn, world_size, free_port(), args), nprocs=world_size, start_method="spawn", join=False
+        _rank, args=(fn, world_size, free_port(), args), nprocs=world_size, start_method="forkserver", join=False
     )
     deadline = math.inf if timeout is None else time.monotonic() + timeout
     try:

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.helpers.distributed import run_script
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
@@ -78,15 +79,8 @@ def test_counters_parse_and_training_traffic_leaves_out_pauses() -> None:
 def test_dry_run_prints_the_plan_and_names_every_variant_once() -> None:
     assert len(set(bench_lm.VARIANTS)) == len(bench_lm.VARIANTS)
     assert all(v.startswith(("ddp", "ring", "powersgd", "local", "diloco", "streaming")) for v in bench_lm.VARIANTS)
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "bench_lm.py"), "--dry-run", "--links", "200mbit", "--nodes", "2"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("200mbit x 2 nodes: ddp, ring_allreduce,"), done.stdout
+    out = run_script([str(BENCHMARKS / "bench_lm.py"), "--dry-run", "--links", "200mbit", "--nodes", "2"], 120)
+    assert out.startswith("200mbit x 2 nodes: ddp, ring_allreduce,"), out
 
 
 def test_time_to_target_interpolates_between_evaluations_and_says_when_never() -> None:
@@ -183,16 +177,9 @@ def test_steps_benchmark_builds_every_variant_and_its_dry_run_names_them_per_see
         make_outer = getattr(getattr(strategy, "local_config", None), "outer_optimizer", None)
         if make_outer is not None:  # a factory in the line runs (a lambda sees the names it was evaluated over)
             assert isinstance(make_outer([torch.zeros(2, requires_grad=True)]), torch.optim.Optimizer)
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "bench_lm_steps.py"), "--dry-run", "--seeds", "3"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
+    out = run_script([str(BENCHMARKS / "bench_lm_steps.py"), "--dry-run", "--seeds", "3"], 120)
     expected = [f"seed 3: {v:22s} {bench_lm_steps.VARIANTS[v]}" for v in bench_lm_steps.DEFAULT_VARIANTS]
-    assert done.stdout.splitlines() == expected
+    assert out.splitlines() == expected
 
 
 def test_steps_benchmark_quotes_every_variants_steps_seed_by_seed() -> None:

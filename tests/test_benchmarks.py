@@ -17,16 +17,15 @@ from typing import Any
 import pytest
 import torch
 
+from tests.helpers.distributed import run_script
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 TINY = ["--width", "32", "--depth", "1"]
 
 
 def _run(script: str, *args: str) -> str:
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True, timeout=240, check=False
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    return done.stdout
+    """``python benchmarks/SCRIPT ARGS...``: its output (stdout and stderr); fails on a non-zero exit status."""
+    return run_script([str(BENCHMARKS / script), *args], timeout=240)
 
 
 @pytest.mark.timeout(300)

@@ -1,10 +1,12 @@
 """The test helpers that start ranks: the one that starts Trainer scripts the way ``torchrun`` does
 (:func:`run_ranks`), what each rank sees, and that a hung or failed rank fails the test within its bounds instead of
-hanging the suite; and :func:`run_distributed`'s fresh start when no rank could join the group."""
+hanging the suite; :func:`run_script`, which runs ``python ...`` forked from the fork server as the interpreter
+would; and :func:`run_distributed`'s fresh start when no rank could join the group."""
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -13,7 +15,7 @@ import torch.distributed as dist
 from pytest_mock import MockerFixture
 
 from tests.helpers import distributed
-from tests.helpers.distributed import REPO_ROOT, run_ranks
+from tests.helpers.distributed import REPO_ROOT, run_ranks, run_script
 
 
 @pytest.mark.timeout(120)
@@ -51,6 +53,72 @@ def test_a_failed_rank_fails_the_run_and_the_others_are_killed_after_the_grace(t
     assert time.monotonic() - start < 60  # the deadline was 100 s: the grace after the failure ended it
     message = str(failure.value)
     assert "RuntimeError: probe rank 1 refuses" in message and "ranks [0] killed" in message
+
+
+SEEN = """
+import json, os, sys
+print("script says hello")
+print("to stderr", file=sys.stderr)
+seen = {"name": __name__, "argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(), "var": os.environ.get("PROBE")}
+seen["extra_on_path"] = os.path.join(os.environ["PROBE"], "lib") in sys.path
+open(os.path.join(os.environ["PROBE"], "seen.json"), "w").write(json.dumps(seen))
+sys.exit(int(sys.argv[-1]))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_script_runs_as_the_interpreter_would_run_it(tmp_path: Path) -> None:
+    script = tmp_path / "probe_script.py"
+    script.write_text(SEEN)
+    env = {"PROBE": str(tmp_path), "PYTHONPATH": str(tmp_path / "lib")}
+    output = run_script([str(script), "a", "0"], timeout=60, env=env)
+    seen = json.loads((tmp_path / "seen.json").read_text())
+    assert "script says hello" in output and "to stderr" in output
+    assert seen == {
+        "name": "__main__",
+        "argv": [str(script), "a", "0"],
+        "path0": str(tmp_path),  # the script's folder, as `python script.py` puts it first
+        "cwd": str(REPO_ROOT),
+        "var": str(tmp_path),
+        "extra_on_path": True,  # PYTHONPATH from `env`, which a forked process has to apply itself
+    }
+    run_script(["-c", SEEN, "b", "0"], timeout=60, env=env)
+    seen = json.loads((tmp_path / "seen.json").read_text())
+    assert seen["name"] == "__main__" and seen["argv"] == ["-c", "b", "0"]
+    with pytest.raises(AssertionError, match=r"exit statuses \[3\]") as failure:
+        run_script([str(script), "3"], timeout=60, env=env)
+    assert "script says hello" in str(failure.value)
+
+
+@pytest.mark.timeout(120)
+def test_a_script_past_its_deadline_is_killed_with_the_processes_it_started(tmp_path: Path) -> None:
+    pid_file = tmp_path / "child.pid"
+    code = (
+        "import subprocess, sys, time; "
+        f"child = subprocess.Popen(['sleep', '3600']); open({str(pid_file)!r}, 'w').write(str(child.pid)); "
+        "time.sleep(3600)"
+    )
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="did not finish within 5"):
+        run_script(["-c", code], timeout=5)
+    assert time.monotonic() - start < 60
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # killed: gone once its parent (init, after the kill) reaps it
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the script's own child {child} outlived the deadline")
+
+
+@pytest.mark.timeout(120)
+def test_a_variable_read_at_interpreter_start_gets_a_new_interpreter() -> None:
+    """``PYTHONHASHSEED=0`` turns hash randomization off, which only a new interpreter can show."""
+    code = "import sys; print('randomized', sys.flags.hash_randomization)"
+    assert "randomized 0" in run_script(["-c", code], timeout=60, env={"PYTHONHASHSEED": "0"})
 
 
 def _joined(rank: int, world_size: int) -> None:

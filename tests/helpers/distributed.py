@@ -249,25 +249,87 @@ def run_commands(
     return outputs
 
 
-def run_script(argv: Sequence[str], timeout: float = 240.0, env: dict[str, str] | None = None) -> str:
-    """Run ``python argv...`` (see :func:`run_commands`); for Trainer runs whose launcher starts further ranks."""
-    return run_commands([[sys.executable, *argv]], timeout=timeout, env=env)[0]
+def run_script(
+    argv: Sequence[str], timeout: float = 240.0, env: dict[str, str] | None = None, fresh: bool = False
+) -> str:
+    """Run ``python argv...`` (a script, ``-m module`` or ``-c code``) from the repository root, as the interpreter
+    would: ``__main__``, ``sys.argv`` and ``sys.path[0]`` set the same way, the caller's environment (with the
+    repository on ``PYTHONPATH``), output unbuffered into one log, its own session (so that a Trainer's launcher
+    starts further ranks as it does from a shell, and they are killed with it).
+
+    The process is forked from the fork server of :func:`run_distributed` instead of started fresh: torch and
+    Lightning are imported already, which saves each call the seconds a new interpreter spends importing them. The
+    processes a launcher starts from it are fresh interpreters, as under a shell. A new interpreter runs it instead
+    (:func:`run_commands`) with ``fresh``, for a script that must act before torch or Lightning is imported, and when
+    ``env`` sets a ``PYTHON*`` variable that only an interpreter's start reads (``PYTHONHASHSEED``). A non-zero exit
+    status raises ``AssertionError`` and the deadline ``TimeoutError``, each with the output; returns the output.
+    """
+    if fresh or any(k.startswith("PYTHON") and k not in _READ_AFTER_START for k in env or {}):
+        return run_commands([[sys.executable, *argv]], timeout=timeout, env=env)[0]
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), full_env.get("PYTHONPATH", "")]))
+    full_env.setdefault("MASTER_PORT", str(free_port()))
+    with tempfile.TemporaryDirectory(prefix="script-") as folder:
+        log = os.path.join(folder, "output.log")
+        process = ctx.Process(target=_as_main, args=(list(argv), full_env, log, True))
+        process.start()
+        try:
+            process.join(timeout)
+            timed_out = process.is_alive()
+        finally:  # also when the test is interrupted (pytest-timeout)
+            try:
+                os.killpg(process.pid, 9)  # the script on the deadline, and any rank a launcher left behind
+            except ProcessLookupError:
+                pass
+            if process.is_alive():  # killed before it made its session
+                process.kill()
+            process.join()
+        output = Path(log).read_text(errors="replace") if os.path.exists(log) else ""
+    shown = f"--- python {' '.join(argv)}\n{output[-6000:]}"
+    if timed_out:
+        raise TimeoutError(f"did not finish within {timeout} s; output:\n{shown}")
+    if process.exitcode != 0:
+        raise AssertionError(f"exit statuses [{process.exitcode}]; output:\n{shown}")  # as run_commands says
+    return output
 
 
-def _external_rank(module: str, argv: list[str], env: dict[str, str], log: str) -> None:
-    """One rank of :func:`run_ranks`: output to ``log``, then ``module`` run as ``__main__`` with ``argv``."""
+_READ_AFTER_START = ("PYTHONPATH", "PYTHONUNBUFFERED")
+"""The ``PYTHON*`` variables a forked :func:`run_script` honours (:func:`_as_main` applies them)."""
+
+
+def _as_main(argv: list[str], env: dict[str, str], log: str, own_session: bool = False) -> None:
+    """``python argv...`` in this (forked) process: output to ``log``, then the script, ``-m`` module or ``-c``
+    code run as ``__main__``, with ``env`` as the environment and the repository root as the working directory."""
     import runpy
 
+    if own_session:
+        os.setsid()
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]  # as PYTHONUNBUFFERED does
     os.environ.clear()
     os.environ.update(env)
     os.chdir(REPO_ROOT)
-    sys.argv = [module, *argv]
+    extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+    sys.path[:0] = extra  # as the interpreter puts them: after the script's folder, inserted below
     try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        if argv[0] == "-m":
+            sys.argv = [argv[1], *argv[2:]]
+            sys.path.insert(0, os.getcwd())
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        elif argv[0] == "-c":
+            sys.argv = ["-c", *argv[2:]]
+            sys.path.insert(0, "")
+            exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+        else:
+            sys.argv = list(argv)
+            sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+            runpy.run_path(argv[0], run_name="__main__")
     except SystemExit as exit_:
         if exit_.code not in (None, 0):
             raise
@@ -314,7 +376,7 @@ def run_ranks(
                 rank_env.update(LOCAL_RANK=str(local), RANK=str(rank), NODE_RANK=str(node))
             logs.append(os.path.join(folder, f"rank{rank}.log"))
             # not daemonic, as under torchrun: a rank may start processes of its own (DataLoader workers)
-            procs.append(ctx.Process(target=_external_rank, args=(module, list(argv), rank_env, logs[-1])))
+            procs.append(ctx.Process(target=_as_main, args=(["-m", module, *argv], rank_env, logs[-1])))
         failed = False
         try:
             for p in procs:

@@ -1,7 +1,9 @@
 """Determinism: runs with the same seed end with bitwise-identical parameters, for each strategy, on CPU.
 
 Each strategy is launched twice (:mod:`tests.reliability.scenarios`, ``seeded`` mode; two processes apart, with
-different ``PYTHONHASHSEED``), and each launch trains twice in the same process, the second run after the first
+different hash seeds and launch paths: the first's ranks forked from the test's fork server as ``torchrun`` would start
+them, the second through Lightning's own launcher in new interpreters with another ``PYTHONHASHSEED``), and each
+launch trains twice in the same process, the second run after the first
 (another autograd and allocator history), every run after ``seed_everything``, with dropout. The four results must be
 equal with ``torch.equal`` (tolerance: none) on every rank.
 
@@ -12,12 +14,13 @@ the replicas' gradients used to depend on what the process had run before.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers.distributed import run_script
+from tests.helpers.distributed import run_ranks, run_script
 from tests.reliability.scenarios import SETUPS
 
 # numerically sensitive: CI runs this file again under other CPU kernel paths and thread counts
@@ -27,12 +30,14 @@ pytestmark = pytest.mark.numerics
 STRATEGIES = ["dp", "ring_allreduce", "hybrid_pipeline"]
 
 
-def launch(strategy: str, out: Path, tag: str, hash_seed: str) -> None:
-    run_script(
-        ["-m", "tests.reliability.scenarios", "seeded", strategy, str(out), tag],
-        timeout=200,
-        env={"PYTHONHASHSEED": hash_seed},
-    )
+def launch(strategy: str, out: Path, tag: str, hash_seed: str | None) -> None:
+    """One launch: with ``hash_seed``, through Lightning's launcher in new interpreters started with that
+    ``PYTHONHASHSEED``; without, forked from the fork server (its hash seed)."""
+    argv = ["seeded", strategy, str(out), tag]
+    if hash_seed is None:
+        run_ranks("tests.reliability.scenarios", argv, 1 if strategy == "dp" else SETUPS[strategy].devices, 200)
+    else:
+        run_script(["-m", "tests.reliability.scenarios", *argv], timeout=200, env={"PYTHONHASHSEED": hash_seed})
 
 
 def assert_bitwise_equal(out: Path, runs: list[str], world: int) -> None:
@@ -49,8 +54,8 @@ def assert_bitwise_equal(out: Path, runs: list[str], world: int) -> None:
 @pytest.mark.timeout(480)
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_same_seed_gives_bitwise_identical_parameters(strategy: str, tmp_path: Path) -> None:
-    launch(strategy, tmp_path, "first", hash_seed="0")
-    launch(strategy, tmp_path, "second", hash_seed="1")
+    launch(strategy, tmp_path, "first", hash_seed=None)  # the fork server's: random unless the session sets one
+    launch(strategy, tmp_path, "second", hash_seed="1" if os.environ.get("PYTHONHASHSEED") != "1" else "2")
     world = 1 if strategy == "dp" else SETUPS[strategy].devices
     assert_bitwise_equal(tmp_path, ["first-a", "first-b", "second-a", "second-b"], world)
     if strategy == "dp":

@@ -8,14 +8,13 @@ end with ``FloatingPointError`` instead of NaN parameters, and within the time b
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from lightning_dp_strategies.core.nonfinite import NonfiniteGuard, check_nonfinite_mode
-from tests.helpers.distributed import run_commands, run_distributed, run_ranks
+from tests.helpers.distributed import run_distributed, run_ranks, run_script
 
 # numerically sensitive: CI runs this file again under other CPU kernel paths and thread counts
 pytestmark = pytest.mark.numerics
@@ -49,10 +48,7 @@ def test_skip_leaves_the_bad_step_out_on_every_rank(strategy: str, tmp_path: Pat
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_raise_stops_every_rank_with_an_error_that_names_the_fix(strategy: str, tmp_path: Path) -> None:
     with pytest.raises(AssertionError, match="exit statuses") as failure:
-        run_commands(
-            [[sys.executable, "-m", "tests.reliability.nonfinite_scenario", strategy, "raise", str(tmp_path)]],
-            timeout=240,
-        )
+        run_script(["-m", "tests.reliability.nonfinite_scenario", strategy, "raise", str(tmp_path)], timeout=240)
     assert "FloatingPointError" in str(failure.value) and "nonfinite_grads='skip'" in str(failure.value)
     assert "Trainer(gradient_clip_val=...)" in str(failure.value) and "fabric.clip_gradients" in str(failure.value)
 

@@ -6,14 +6,13 @@ hang), and a different bucket cap pairs up all-reduces of different buckets: sil
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 from torch import nn
 
 from lightning_dp_strategies.core.agreement import RankMismatchError, check_ranks_agree, model_fingerprint
-from tests.helpers.distributed import run_commands, run_distributed
+from tests.helpers.distributed import run_distributed, run_script
 
 
 def test_the_fingerprint_sees_names_shapes_dtypes_trainability_buffers_and_options() -> None:
@@ -74,8 +73,6 @@ def test_agreeing_ranks_pass() -> None:
 )
 def test_the_strategies_check_at_setup_before_any_step(strategy: str, what: str, tmp_path: Path) -> None:
     with pytest.raises(AssertionError, match="exit statuses") as failure:
-        run_commands(
-            [[sys.executable, "-m", "tests.reliability.mismatch_scenario", strategy, what, str(tmp_path)]], 240
-        )
+        run_script(["-m", "tests.reliability.mismatch_scenario", strategy, what, str(tmp_path)], 240)
     assert "RankMismatchError" in str(failure.value), str(failure.value)[-3000:]
     assert not list(tmp_path.glob("stepped-rank*")), "a training step ran although the ranks disagree"
