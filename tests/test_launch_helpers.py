@@ -116,9 +116,14 @@ def test_a_script_past_its_deadline_is_killed_with_the_processes_it_started(tmp_
 
 @pytest.mark.timeout(120)
 def test_a_variable_read_at_interpreter_start_gets_a_new_interpreter() -> None:
-    """``PYTHONHASHSEED=0`` turns hash randomization off, which only a new interpreter can show."""
+    """``PYTHONHASHSEED=0`` turns hash randomization off, and ``OMP_NUM_THREADS`` sets torch's threads when OpenMP
+    starts, which only a new interpreter can show."""
     code = "import sys; print('randomized', sys.flags.hash_randomization)"
     assert "randomized 0" in run_script(["-c", code], timeout=60, env={"PYTHONHASHSEED": "0"})
+    code = "import torch; print('threads', torch.get_num_threads())"
+    assert "threads 1" in run_script(["-c", code], timeout=60, env={"OMP_NUM_THREADS": "1"})  # the fork: all cores
+    with pytest.raises(ValueError, match="OMP_NUM_THREADS"):  # forked ranks could not honour it: refused
+        run_ranks("tests.helpers.rank_probe", ["env", "."], 2, timeout=60, env={"OMP_NUM_THREADS": "1"})
 
 
 def _joined(rank: int, world_size: int) -> None:

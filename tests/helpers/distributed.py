@@ -261,10 +261,11 @@ def run_script(
     Lightning are imported already, which saves each call the seconds a new interpreter spends importing them. The
     processes a launcher starts from it are fresh interpreters, as under a shell. A new interpreter runs it instead
     (:func:`run_commands`) with ``fresh``, for a script that must act before torch or Lightning is imported, and when
-    ``env`` sets a ``PYTHON*`` variable that only an interpreter's start reads (``PYTHONHASHSEED``). A non-zero exit
-    status raises ``AssertionError`` and the deadline ``TimeoutError``, each with the output; returns the output.
+    ``env`` sets a variable only a start reads (``PYTHONHASHSEED``, ``OMP_NUM_THREADS``: :data:`_READ_AT_START`). A
+    non-zero exit status raises ``AssertionError`` and the deadline ``TimeoutError``, each with the output; returns
+    the output.
     """
-    if fresh or any(k.startswith("PYTHON") and k not in _READ_AFTER_START for k in env or {}):
+    if fresh or any(k.startswith(_READ_AT_START) and k not in _READ_AFTER_START for k in env or {}):
         return run_commands([[sys.executable, *argv]], timeout=timeout, env=env)[0]
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
@@ -295,6 +296,9 @@ def run_script(
     return output
 
 
+_READ_AT_START = ("PYTHON", "OMP_", "KMP_", "GOMP_", "MKL_", "ATEN_CPU_CAPABILITY", "ONEDNN_", "DNNL_")
+"""Prefixes of the variables the interpreter, OpenMP, MKL or ATen read when they start (in the fork server, before the
+call): a forked process would ignore them."""
 _READ_AFTER_START = ("PYTHONPATH", "PYTHONUNBUFFERED")
 """The ``PYTHON*`` variables a forked :func:`run_script` honours (:func:`_as_main` applies them)."""
 
@@ -357,8 +361,16 @@ def run_ranks(
     :func:`run_distributed`, which has torch and Lightning imported already; a Trainer script launched this way skips
     the seconds each of Lightning's spawned ranks spends importing them. When a rank fails, the others get
     ``grace`` seconds to fail too (a refusal is raised on every rank) before they are killed. Returns the ranks'
-    combined output; raises ``AssertionError`` (with it) on a failed rank and ``TimeoutError`` on the deadline.
+    combined output; raises ``AssertionError`` (with it) on a failed rank and ``TimeoutError`` on the deadline. An
+    ``env`` that sets a variable only a process's start reads (:data:`_READ_AT_START`) is refused: a forked rank
+    would ignore it.
     """
+    started = [k for k in env or {} if k.startswith(_READ_AT_START) and k not in _READ_AFTER_START]
+    if started:
+        raise ValueError(
+            f"run_ranks forks its ranks from the fork server, which started without {started}: they would not take "
+            "effect. Start new interpreters instead (torchrun through run_commands)."
+        )
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     base = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
