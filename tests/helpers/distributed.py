@@ -198,6 +198,14 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
         raise AssertionError(f"ranks exited abnormally: {failed}")
 
 
+def _child_env(env: dict[str, str] | None) -> dict[str, str]:
+    """The environment a command or rank starts with: this process's, unbuffered output, then ``env``, with the
+    repository first on ``PYTHONPATH``."""
+    full = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    full["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), full.get("PYTHONPATH", "")]))
+    return full
+
+
 def run_commands(
     commands: Sequence[Sequence[str]], timeout: float = 240.0, env: dict[str, str] | None = None
 ) -> list[str]:
@@ -206,8 +214,7 @@ def run_commands(
     On timeout every process group is killed and a ``TimeoutError`` carries their output; a non-zero exit status
     raises ``AssertionError`` with the output. Returns each command's combined stdout/stderr.
     """
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), full_env.get("PYTHONPATH", "")]))
+    full_env = _child_env(env)
     full_env.setdefault("MASTER_PORT", str(free_port()))
     procs = [
         subprocess.Popen(
@@ -249,9 +256,7 @@ def run_commands(
     return outputs
 
 
-def run_script(
-    argv: Sequence[str], timeout: float = 240.0, env: dict[str, str] | None = None, fresh: bool = False
-) -> str:
+def run_script(argv: Sequence[str], timeout: float = 240.0, env: dict[str, str] | None = None) -> str:
     """Run ``python argv...`` (a script, ``-m module`` or ``-c code``) from the repository root, as the interpreter
     would: ``__main__``, ``sys.argv`` and ``sys.path[0]`` set the same way, the caller's environment (with the
     repository on ``PYTHONPATH``), output unbuffered into one log, its own session (so that a Trainer's launcher
@@ -260,17 +265,15 @@ def run_script(
     The process is forked from the fork server of :func:`run_distributed` instead of started fresh: torch and
     Lightning are imported already, which saves each call the seconds a new interpreter spends importing them. The
     processes a launcher starts from it are fresh interpreters, as under a shell. A new interpreter runs it instead
-    (:func:`run_commands`) with ``fresh``, for a script that must act before torch or Lightning is imported, and when
-    ``env`` sets a variable only a start reads (``PYTHONHASHSEED``, ``OMP_NUM_THREADS``: :data:`_READ_AT_START`). A
-    non-zero exit status raises ``AssertionError`` and the deadline ``TimeoutError``, each with the output; returns
-    the output.
+    (:func:`run_commands`) when ``env`` sets a variable that must act before the server's imports
+    (``PYTHONHASHSEED``, ``OMP_NUM_THREADS``: :data:`_READ_AT_START`). A non-zero exit status raises
+    ``AssertionError`` and the deadline ``TimeoutError``, each with the output; returns the output.
     """
-    if fresh or any(k.startswith(_READ_AT_START) and k not in _READ_AFTER_START for k in env or {}):
+    if _read_at_start(env):
         return run_commands([[sys.executable, *argv]], timeout=timeout, env=env)[0]
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), full_env.get("PYTHONPATH", "")]))
+    full_env = _child_env(env)
     full_env.setdefault("MASTER_PORT", str(free_port()))
     with tempfile.TemporaryDirectory(prefix="script-") as folder:
         log = os.path.join(folder, "output.log")
@@ -296,11 +299,19 @@ def run_script(
     return output
 
 
-_READ_AT_START = ("PYTHON", "OMP_", "KMP_", "GOMP_", "MKL_", "ATEN_CPU_CAPABILITY", "ONEDNN_", "DNNL_")
-"""Prefixes of the variables the interpreter, OpenMP, MKL or ATen read when they start (in the fork server, before the
-call): a forked process would ignore them."""
+_READ_AT_START = (
+    *("PYTHON", "OMP_", "KMP_", "GOMP_", "MKL_", "ATEN_CPU_CAPABILITY", "ONEDNN_", "DNNL_"),
+    "LDPS_SIMULATE_NOTEBOOK",  # the scenarios' own: sets sys.ps1, which Lightning reads when it is imported
+)
+"""Prefixes of the variables read when the interpreter, OpenMP, MKL, ATen or Lightning start (in the fork server,
+before the call): a forked process would ignore them."""
 _READ_AFTER_START = ("PYTHONPATH", "PYTHONUNBUFFERED")
-"""The ``PYTHON*`` variables a forked :func:`run_script` honours (:func:`_as_main` applies them)."""
+"""The ``PYTHON*`` variables a forked process honours (:func:`_as_main` applies them)."""
+
+
+def _read_at_start(env: dict[str, str] | None) -> list[str]:
+    """The variables of ``env`` that a process forked from the fork server would ignore (:data:`_READ_AT_START`)."""
+    return [k for k in env or {} if k.startswith(_READ_AT_START) and k not in _READ_AFTER_START]
 
 
 def _as_main(argv: list[str], env: dict[str, str], log: str, own_session: bool = False) -> None:
@@ -365,16 +376,16 @@ def run_ranks(
     ``env`` that sets a variable only a process's start reads (:data:`_READ_AT_START`) is refused: a forked rank
     would ignore it.
     """
-    started = [k for k in env or {} if k.startswith(_READ_AT_START) and k not in _READ_AFTER_START]
+    started = _read_at_start(env)
     if started:
         raise ValueError(
             f"run_ranks forks its ranks from the fork server, which started without {started}: they would not take "
-            "effect. Start new interpreters instead (torchrun through run_commands)."
+            "effect. Start new interpreters instead: run_script (a script whose launcher starts the other ranks), or "
+            "torchrun through run_commands."
         )
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
-    base = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    base["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), base.get("PYTHONPATH", "")]))
+    base = _child_env(env)
     if world_size > 1:
         base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world_size), NODE_RANK="0")
         base["LOCAL_WORLD_SIZE"] = str(per_node or world_size)

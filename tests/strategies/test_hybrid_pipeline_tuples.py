@@ -24,9 +24,8 @@ BF16_PARAMS, BF16_LOSSES = 3e-3, 5e-3
 
 def run(tmp: Path, stages: int, world: int, bad: str | None = None, timeout: float = 240, **env: str) -> dict[str, Any]:
     argv = [str(stages), str(world), str(tmp), *([bad] if bad else [])]
-    if "LDPS_SIMULATE_NOTEBOOK" in env:  # Lightning's own launcher, whose start method the notebook names choose;
-        # the variable acts before Lightning is imported: a new interpreter
-        run_script(["-m", "tests.strategies.pipeline_tuples", *argv], timeout=timeout, env=env, fresh=True)
+    if "LDPS_SIMULATE_NOTEBOOK" in env:  # Lightning's own launcher, whose start method the notebook names choose
+        run_script(["-m", "tests.strategies.pipeline_tuples", *argv], timeout=timeout, env=env)
     else:
         run_ranks("tests.strategies.pipeline_tuples", argv, world, timeout=timeout, env=env)
     result: dict[str, Any] = torch.load(tmp / "result.pt", weights_only=False)

@@ -39,8 +39,7 @@ def launch(names: list[str], out: Path, strategy: str = "ring_allreduce", **env:
     argv = [",".join(names), str(out), strategy]
     (world,) = {SCENARIOS[name.partition("@")[0]].world for name in names}
     if world == 2:
-        fresh = "LDPS_SIMULATE_NOTEBOOK" in env  # acts before Lightning is imported: a new interpreter
-        run_script(["-m", "tests.strategies.ring_scenarios", *argv], timeout=420, env=env, fresh=fresh)
+        run_script(["-m", "tests.strategies.ring_scenarios", *argv], timeout=420, env=env)
     else:
         run_ranks("tests.strategies.ring_scenarios", argv, world, timeout=420, env=env)
 
