@@ -2,12 +2,12 @@
 
 The task is ``benchmarks/lm_task.py``: a 7.2 M-parameter byte-level causal Transformer (4 blocks of width 384, tied
 byte embedding, context 128) trained with AdamW, its learning rate warmed up over ``--warmup`` steps, on the standard
-library's ``pydoc_data.topics`` text, the last 10% held out. Every variant trains the same model from the same seed on
-the same global batch sequence (8 windows a process and step) for the same training-time budget (``--budget``
-seconds, evaluations left out), one process a simulated node with one thread. Every ``--eval-seconds`` of training
-the ranks' averaged model (for local SGD mid-period: the mean of the ranks' parameters, in a copy) is scored on 64
-held-out windows; the clock stops meanwhile (the score at step 0 runs on every rank, which warms every rank's forward
-pass before the clock starts). ``--add-to`` refuses a stored result whose cells trained with other
+library's ``pydoc_data.topics`` text, the last 10% held out. Every variant trains the same model from the same seed
+(``--seed``) on the same global batch sequence (8 windows a process and step) for the same training-time budget
+(``--budget`` seconds, evaluations left out), one process a simulated node with one thread. Every ``--eval-seconds``
+of training the ranks' averaged model (for local SGD mid-period: the mean of the ranks' parameters, in a copy) is
+scored on 64 held-out windows; the clock stops meanwhile (the score at step 0 runs on every rank, which warms every
+rank's forward pass before the clock starts). ``--add-to`` refuses a stored result whose cells trained with other
 settings.
 Variants (one line each in :data:`VARIANTS`):
 
@@ -110,12 +110,12 @@ def worker(args: argparse.Namespace) -> None:
     config = lm_config(args)
     train, val = corpus()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    L.seed_everything(0)
+    L.seed_everything(args.seed)
     module = lightning_module(config)
     clock = clock_callback(args.budget, args.eval_seconds, val_batches(val, config.context, count=64))
     profile = profile_callback(os.environ["LM_PROFILE"]) if os.environ.get("LM_PROFILE") else None
     trainer = cluster_trainer(make_strategy(args.worker), args.max_steps, [clock] + [profile] * bool(profile))
-    data = DataLoader(TrainWindows(train, config, rank, world, seed=1), batch_size=None)
+    data = DataLoader(TrainWindows(train, config, rank, world, seed=args.seed + 1), batch_size=None)
     trainer.fit(module, data)
     if trainer.global_rank == 0:
         tokens = world * config.tokens_per_step
@@ -330,7 +330,7 @@ def profile_callback(mode: str) -> Any:
 
 # ---------------------------------------------------------------------- launching
 WORKER_SETTINGS = ("d_model", "layers", "heads", "context", "batch", "lr", "warmup", "budget", "eval_seconds")
-WORKER_SETTINGS += ("max_steps",)
+WORKER_SETTINGS += ("max_steps", "seed")
 
 
 def launch(variant: str, args: argparse.Namespace, folder: Path, nodes: int) -> dict[str, Any]:
@@ -524,6 +524,9 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW's learning rate")
     parser.add_argument("--warmup", type=int, default=20, help="steps of linear learning-rate warm-up (0: none)")
     parser.add_argument("--sample-interval", type=float, default=0.05, help="seconds between link samples")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="the model's initialisation (this seed) and the batches' (this seed + 1)"
+    )
     parser.add_argument("--quick", action="store_true", help="one cell (200mbit x 2), ddp and local_sgd, 20 s each")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     parser.add_argument(
@@ -614,13 +617,18 @@ def save(
 
 
 TRAINING = ("budget", "eval_seconds", "d_model", "layers", "heads", "context", "batch", "lr", "warmup")
-TRAINING += ("sample_interval",)
+TRAINING += ("sample_interval", "seed")
 """The settings every cell of one stored result must share (``--add-to`` refuses a result that differs)."""
+
+BEFORE_SETTING = {"seed": 0}
+"""The value a setting had before it could be set: a stored result without it trained with this."""
 
 
 def check_same_training(stored: dict[str, Any], new: dict[str, Any], path: Path) -> None:
     """Refuse to add cells to ``path`` when the stored cells trained or were measured otherwise (``SystemExit``
-    naming the settings that differ); a result stored before a setting existed counts as differing in it."""
+    naming the settings that differ); a result stored before a setting existed counts as differing in it, unless
+    :data:`BEFORE_SETTING` holds the value it had then."""
+    stored = {**BEFORE_SETTING, **stored}
     differ = [f"{k}: stored {stored.get(k)!r}, now {new[k]!r}" for k in TRAINING if stored.get(k) != new[k]]
     if differ:
         raise SystemExit(

@@ -193,3 +193,45 @@ def test_steps_benchmark_quotes_every_variants_steps_seed_by_seed() -> None:
         "Over seeds 0, 1, the steps to ddp's loss after 39 steps were: ddp itself a mean of 38.0 (37, 39); "
         "`streaming_diloco` no mean (a seed fell short) (42, not within the run)."
     )
+
+
+def test_a_seed_reaches_the_workers_and_a_result_stored_before_seeds_counts_as_seed_0(tmp_path: Path) -> None:
+    """``--seed`` goes on every worker's command line; ``--add-to`` takes a stored result without a seed as trained
+    from seed 0 (the seed it always used) and refuses another seed."""
+    import _launch
+
+    args = bench_lm.arguments().parse_args(["--seed", "3"])
+    command = _launch.worker_command(bench_lm.__file__, "ddp", tmp_path / "out.json", args, bench_lm.WORKER_SETTINGS)
+    assert command[command.index("--seed") + 1] == "3"
+    training = {k: getattr(args, k) for k in bench_lm.TRAINING}
+    before = {k: v for k, v in training.items() if k != "seed"}
+    bench_lm.check_same_training(before, {**training, "seed": 0}, tmp_path / "lm.json")
+    with pytest.raises(SystemExit, match="seed: stored 0, now 3"):
+        bench_lm.check_same_training(before, training, tmp_path / "lm.json")
+
+
+def test_seeds_benchmark_gives_each_seeds_share_of_its_own_ddp_and_their_median() -> None:
+    """``bench_lm_seeds.py``: a row per seed and run, each share against the seed's own ddp run, the median counting
+    a seed that fell short as the longest; its runs use ``bench_lm.py``'s settings with the seed and budget given."""
+    import bench_lm_seeds
+
+    stored = json.loads((BENCHMARKS / "results" / "lm.json").read_text())
+    cell = next(c for c in stored["cells"] if (c["link"], c["nodes"]) == ("200mbit", 2))
+    runs = {v: cell["runs"][v] for v in ("ddp", "streaming_diloco")}
+    first = {**cell, "runs": runs, **bench_lm.summarize(runs), "seed": 0}
+    slow = json.loads(json.dumps(first))
+    slow["seed"], slow["variants"]["streaming_diloco"]["ratio_to_ddp"] = 1, 0.5
+    never = json.loads(json.dumps(first))
+    never["seed"], never["variants"]["streaming_diloco"]["ratio_to_ddp"] = 2, None
+    share = first["variants"]["streaming_diloco"]["ratio_to_ddp"]
+    assert 0 < share < 0.5
+    rows = bench_lm_seeds.table([first, slow, never])
+    assert [row[:2] for row in rows] == [[s, v] for s in (0, 1, 2) for v in ("ddp", "streaming_diloco")]
+    assert rows[1][-1] == f"{share:.2f}" and rows[5][-1] == "-"
+    said = bench_lm_seeds.quote([first, slow, never], ["streaming_diloco"])
+    assert f"in {share:.2f}, 0.50, not reached of ddp's time (median 0.50)" in said, said
+    assert "no median" in bench_lm_seeds.quote([first, never, never], ["streaming_diloco"])
+    args = bench_lm_seeds.arguments().parse_args(["--seeds", "4", "--budget", "30"])
+    lm = bench_lm_seeds.training(args, 4)
+    assert (lm.seed, lm.budget, lm.d_model, lm.lr) == (4, 30.0, 384, 1e-3)
+    assert bench_lm_seeds.plan(args) == ["seed 4: 200mbit x 2 nodes: ddp, streaming_diloco (30 s of training each)"]

@@ -1,0 +1,146 @@
+"""Time to ddp's held-out loss seed by seed on the simulated cluster: ddp and ``streaming_diloco`` on one link, each
+seed a pair of ``bench_lm.py`` runs.
+
+One ``bench_lm.py`` cell trains every variant from one seed, and a variant's time to ddp's final loss rests on where
+one noisy loss curve first crosses another. Here each seed (the model's initialisation and the global batch sequence,
+``bench_lm.py --seed``) runs ddp and each of ``--variants`` one after another on the same simulated link, with
+``bench_lm.py``'s task and training settings (its defaults; ``--budget`` and ``--eval-seconds`` as given). A seed's
+target is its own ddp run's final held-out loss, and a variant's share is its training time to that loss over ddp's
+(interpolated between evaluations, as ``bench_lm.py`` does). Steps, step times and shares all come from the same
+runs on the same machine. The JSON holds every run (one ``bench_lm.py`` cell a seed, with ``"seed"``), a table with
+a row per seed and variant, and the shares' median. Needs root (network namespaces); without it the script says so
+and exits with status 0. Always leaves the cluster down.
+
+Usage::
+
+    python benchmarks/bench_lm_seeds.py --seeds 0 1 2 3 --json benchmarks/results/lm_seeds.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+from pathlib import Path
+from typing import Any
+
+import bench_lm  # its workers train every run (the script's folder is on the path: run it as a script)
+
+COLUMNS = ["seed", "variant", "steps", "s/step", "final loss", "s to ddp's loss", "/ ddp"]
+
+
+def arguments() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3], help="the seeds, one pair of runs each")
+    parser.add_argument("--link", default="200mbit", help="the tc rate of the links")
+    parser.add_argument("--nodes", type=int, default=2, help="nodes (one process each)")
+    others = [v for v in bench_lm.VARIANTS if v != "ddp"]
+    parser.add_argument("--variants", nargs="+", default=["streaming_diloco"], choices=others, help="besides ddp")
+    parser.add_argument("--budget", type=float, default=60.0, help="training seconds of every run")
+    parser.add_argument("--eval-seconds", type=float, default=5.0, help="training seconds between evaluations")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan and exit")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    return parser
+
+
+def training(args: argparse.Namespace, seed: int) -> argparse.Namespace:
+    """``bench_lm.py``'s arguments (its defaults) for one seed's runs, with this run's budget and evaluations."""
+    lm = bench_lm.arguments().parse_args([])
+    lm.budget, lm.eval_seconds, lm.seed = args.budget, args.eval_seconds, seed
+    return lm
+
+
+def plan(args: argparse.Namespace) -> list[str]:
+    """What a run would do, one line a seed."""
+    runs = f"{', '.join(['ddp', *args.variants])} ({args.budget:.0f} s of training each)"
+    return [f"seed {s}: {args.link} x {args.nodes} nodes: {runs}" for s in args.seeds]
+
+
+def shares(cells: list[dict[str, Any]], variant: str) -> list[float | None]:
+    """``variant``'s time to its seed's ddp loss over ddp's, one a cell (``None`` where it never got there)."""
+    return [c["variants"][variant]["ratio_to_ddp"] for c in cells]
+
+
+def median_share(values: list[float | None]) -> float | None:
+    """The median of ``values``, a seed that never reached its target counted as the longest; ``None`` when that
+    puts the median among them.
+
+    Examples:
+        >>> median_share([0.3, 0.2, None]), median_share([0.3, None, None])
+        (0.3, None)
+    """
+    middle = statistics.median(math.inf if v is None else v for v in values)
+    return None if math.isinf(middle) else middle
+
+
+def table(cells: list[dict[str, Any]]) -> list[list[Any]]:
+    """One row per seed and run."""
+    rows = []
+    for cell in cells:
+        for variant, row in cell["variants"].items():
+            reached, ratio = row["seconds_to_target"], row["ratio_to_ddp"]
+            rows.append(
+                [
+                    cell["seed"],
+                    variant,
+                    row["steps"],
+                    f"{row['seconds_per_step']:.2f}",
+                    f"{row['final_loss']:.3f}",
+                    f"{reached:.0f}" if reached is not None else "not reached",
+                    f"{ratio:.2f}" if ratio is not None else "-",
+                ]
+            )
+    return rows
+
+
+def quote(cells: list[dict[str, Any]], variants: list[str]) -> str:
+    """The sentence the docs quote: each variant's share of ddp's time seed by seed, and their median."""
+    cell = cells[0]
+    seeds = ", ".join(str(c["seed"]) for c in cells)
+    said = []
+    for variant in variants:
+        values = shares(cells, variant)
+        each = ", ".join("not reached" if v is None else f"{v:.2f}" for v in values)
+        middle = median_share(values)
+        median = f"median {middle:.2f}" if middle is not None else "no median: most seeds fell short"
+        said.append(f"`{variant}` reached its seed's ddp loss in {each} of ddp's time ({median})")
+    ddp_steps = [c["variants"]["ddp"]["seconds_per_step"] for c in cells]
+    return (
+        f"Over {cell['link']} between {cell['nodes']} nodes, seeds {seeds}, each against its own ddp run: "
+        f"{'; '.join(said)}. ddp's step took {min(ddp_steps):.2f} to {max(ddp_steps):.2f} s."
+    )
+
+
+def main() -> None:
+    args = arguments().parse_args()
+    for line in plan(args):
+        print(line)
+    if args.dry_run:
+        return
+    if os.geteuid() != 0:
+        print("bench_lm_seeds.py needs root for the simulated cluster (network namespaces and tc); nothing measured.")
+        return
+    from _results import Report, machine
+
+    started = machine()
+    cells = []
+    for seed in args.seeds:
+        cell = bench_lm.measure_cell(args.link, args.nodes, ["ddp", *args.variants], training(args, seed))
+        cells.append({**cell, "seed": seed})
+    settings = {"seeds": args.seeds, "link": args.link, "nodes": args.nodes, "variants": args.variants}
+    lm = training(args, args.seeds[0])
+    settings.update({k: getattr(lm, k) for k in bench_lm.TRAINING if k != "seed"})
+    report = Report("lm_seeds", settings, started)
+    notes = [f"seed {c['seed']}: {bench_lm.cell_note(c)}" for c in cells]
+    report.table("Time to each seed's ddp held-out loss", COLUMNS, table(cells), notes)
+    report.data["quotes"] = {"shares": quote(cells, args.variants)}
+    report.data["cells"] = cells
+    for row in table(cells):
+        print("  ".join(str(c) for c in row))
+    print(report.data["quotes"]["shares"])
+    report.save(args.json)
+
+
+if __name__ == "__main__":
+    main()
