@@ -95,7 +95,8 @@ def table(cells: list[dict[str, Any]]) -> list[list[Any]]:
 
 
 def quote(cells: list[dict[str, Any]], variants: list[str]) -> str:
-    """The sentence the docs quote: each variant's share of ddp's time seed by seed, and their median."""
+    """The sentence the docs quote: each variant's share of ddp's time seed by seed, their median, and the range of
+    its step over ddp's (the share it would take needing as many steps as ddp)."""
     cell = cells[0]
     seeds = ", ".join(str(c["seed"]) for c in cells)
     said = []
@@ -104,7 +105,11 @@ def quote(cells: list[dict[str, Any]], variants: list[str]) -> str:
         each = ", ".join("not reached" if v is None else f"{v:.2f}" for v in values)
         middle = median_share(values)
         median = f"median {middle:.2f}" if middle is not None else "no median: most seeds fell short"
-        said.append(f"`{variant}` reached its seed's ddp loss in {each} of ddp's time ({median})")
+        steps = [c["variants"][variant]["seconds_per_step"] / c["variants"]["ddp"]["seconds_per_step"] for c in cells]
+        said.append(
+            f"`{variant}` reached its seed's ddp loss in {each} of ddp's time ({median}), a step taking "
+            f"{min(steps):.2f} to {max(steps):.2f} of ddp's"
+        )
     ddp_steps = [c["variants"]["ddp"]["seconds_per_step"] for c in cells]
     return (
         f"Over {cell['link']} between {cell['nodes']} nodes, seeds {seeds}, each against its own ddp run: "

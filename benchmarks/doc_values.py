@@ -530,21 +530,6 @@ def _compute_share(data: Result, link: str, nodes: int) -> str:
     return f"{rows['local_sgd']['median_step_s'] / rows['ddp']['seconds_per_step']:.2f}"
 
 
-def _streaming_shares(data: Result, cells: Result | None = None) -> str:
-    """``streaming_diloco``'s time to ddp's loss as a share of ddp's, seed by seed, and their median: each seed's
-    steps to its target (``lm_steps.json``) times the variant's mean step in the 200 Mbit x 2-node cell of
-    ``cells`` (``lm.json`` unless given), over ddp's steps times ddp's mean step there."""
-    cell = next(c for c in (cells or load("lm"))["cells"] if c["link"] == "200mbit" and c["nodes"] == 2)
-    step = {v: cell["variants"][v]["seconds_per_step"] for v in ("ddp", "streaming_diloco")}
-    shares = []
-    for seed in sorted(data["seeds"], key=int):
-        steps = data["seeds"][seed]["steps_to_target"]
-        if steps.get("streaming_diloco") is None or steps.get("ddp") is None:
-            return f"not to be had (seed {seed} did not reach its target within the run)"
-        shares.append(steps["streaming_diloco"] * step["streaming_diloco"] / (steps["ddp"] * step["ddp"]))
-    return f"{', '.join(decimals2(x) for x in shares)} (median {decimals2(statistics.median(shares))})"
-
-
 LOCAL_VARIANTS = ("local_sgd", "diloco", "streaming_diloco", "streaming_diloco_int8", "streaming_nesterov")
 """The language model's variants a ``LocalSGDStrategy`` runs, which the cost model prices."""
 
@@ -640,7 +625,6 @@ VALUES: dict[str, dict[str, Value]] = {
     "ring_allreduce_c": RING_ALLREDUCE_C,
     "survive": SURVIVE,
     "lm": LM,
-    "lm_steps": {"streaming_shares": _streaming_shares},
     "lm_amd": {"compute_share_200mbit_2": LM["compute_share_200mbit_2"], "predictions": _lm_predictions},
     "compare": COMPARE,
     "compare_user": COMPARE,

@@ -229,7 +229,8 @@ def test_seeds_benchmark_gives_each_seeds_share_of_its_own_ddp_and_their_median(
     assert [row[:2] for row in rows] == [[s, v] for s in (0, 1, 2) for v in ("ddp", "streaming_diloco")]
     assert rows[1][-1] == f"{share:.2f}" and rows[5][-1] == "-"
     said = bench_lm_seeds.quote([first, slow, never], ["streaming_diloco"])
-    assert f"in {share:.2f}, 0.50, not reached of ddp's time (median 0.50)" in said, said
+    step = first["variants"]["streaming_diloco"]["seconds_per_step"] / first["variants"]["ddp"]["seconds_per_step"]
+    assert f"in {share:.2f}, 0.50, not reached of ddp's time (median 0.50), a step taking {step:.2f} to" in said, said
     assert "no median" in bench_lm_seeds.quote([first, never, never], ["streaming_diloco"])
     args = bench_lm_seeds.arguments().parse_args(["--seeds", "4", "--budget", "30"])
     lm = bench_lm_seeds.training(args, 4)

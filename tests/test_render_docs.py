@@ -245,17 +245,3 @@ def test_the_compute_share_is_local_sgds_median_step_over_ddps_step() -> None:
     other = {"variants": {"local_sgd": {"median_step_s": 0.5}, "ddp": {"seconds_per_step": 1.0}}}
     data = {"cells": [{"link": "1gbit", "nodes": 2, **other}, {"link": "200mbit", "nodes": 2, **cell}]}
     assert doc_values.VALUES["lm"]["compute_share_200mbit_2"](data) == "0.25"
-
-
-def test_streamings_share_by_seed_is_its_steps_times_its_step_over_ddps() -> None:
-    """Each seed's steps to its target times the 200 Mbit x 2 cell's mean steps; a seed short of it is said."""
-    cell = {"variants": {"ddp": {"seconds_per_step": 2.0}, "streaming_diloco": {"seconds_per_step": 0.5}}}
-    other = {"variants": {"ddp": {"seconds_per_step": 1.0}, "streaming_diloco": {"seconds_per_step": 1.0}}}
-    cells = {"cells": [{"link": "1gbit", "nodes": 2, **other}, {"link": "200mbit", "nodes": 2, **cell}]}
-    steps = {"0": {"ddp": 40, "streaming_diloco": 48}, "1": {"ddp": 40, "streaming_diloco": 32}}
-    steps["2"] = {"ddp": 40, "streaming_diloco": 40}
-    data = {"seeds": {seed: {"steps_to_target": s} for seed, s in steps.items()}}
-    shares = doc_values.VALUES["lm_steps"]["streaming_shares"]
-    assert shares(data, cells) == "0.30, 0.20, 0.25 (median 0.25)"
-    data["seeds"]["1"]["steps_to_target"]["streaming_diloco"] = None
-    assert shares(data, cells).startswith("not to be had (seed 1")
