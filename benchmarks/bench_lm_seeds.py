@@ -57,20 +57,37 @@ def plan(args: argparse.Namespace) -> list[str]:
     return [f"seed {s}: {args.link} x {args.nodes} nodes: {runs}" for s in args.seeds]
 
 
-def shares(cells: list[dict[str, Any]], variant: str) -> list[float | None]:
-    """``variant``'s time to its seed's ddp loss over ddp's, one a cell (``None`` where it never got there)."""
-    return [c["variants"][variant]["ratio_to_ddp"] for c in cells]
+def shares(cells: list[dict[str, Any]], variant: str) -> list[float | str]:
+    """``variant``'s time to its seed's ddp loss over ddp's, one a cell, or why there is none: ``"not reached"``
+    (it trained but never got there), ``"failed"`` (its run failed), ``"no ddp run"`` (the seed's ddp run failed)."""
+    said: list[float | str] = []
+    for cell in cells:
+        rows = cell["variants"]
+        if "ddp" not in rows:
+            said.append("no ddp run")
+        elif variant not in rows:
+            said.append("failed")
+        else:
+            ratio = rows[variant]["ratio_to_ddp"]
+            said.append("not reached" if ratio is None else ratio)
+    return said
 
 
-def median_share(values: list[float | None]) -> float | None:
-    """The median of ``values``, a seed that never reached its target counted as the longest; ``None`` when that
-    puts the median among them.
+def median_share(values: list[float | str]) -> float | None:
+    """The median of the shares among ``values`` (see :func:`shares`), a seed that trained but never reached its
+    target counted as the longest and a failed run left out; ``None`` when the median falls among those never
+    reached, or nothing ran.
 
     Examples:
-        >>> median_share([0.3, 0.2, None]), median_share([0.3, None, None])
+        >>> median_share([0.3, 0.2, "not reached"]), median_share([0.3, "not reached", "not reached"])
         (0.3, None)
+        >>> median_share([0.3, "failed", 0.5]), median_share(["failed"])
+        (0.4, None)
     """
-    middle = statistics.median(math.inf if v is None else v for v in values)
+    ran = [math.inf if v == "not reached" else v for v in values if isinstance(v, float) or v == "not reached"]
+    if not ran:
+        return None
+    middle = statistics.median(ran)
     return None if math.isinf(middle) else middle
 
 
@@ -87,7 +104,7 @@ def table(cells: list[dict[str, Any]]) -> list[list[Any]]:
                     row["steps"],
                     f"{row['seconds_per_step']:.2f}",
                     f"{row['final_loss']:.3f}",
-                    f"{reached:.0f}" if reached is not None else "not reached",
+                    f"{reached:.0f}" if reached is not None else "not reached" if cell["target_loss"] else "-",
                     f"{ratio:.2f}" if ratio is not None else "-",
                 ]
             )
@@ -96,24 +113,28 @@ def table(cells: list[dict[str, Any]]) -> list[list[Any]]:
 
 def quote(cells: list[dict[str, Any]], variants: list[str]) -> str:
     """The sentence the docs quote: each variant's share of ddp's time seed by seed, their median, and the range of
-    its step over ddp's (the share it would take needing as many steps as ddp)."""
+    its step over ddp's (the share it would take needing as many steps as ddp); a run that failed is named."""
     cell = cells[0]
     seeds = ", ".join(str(c["seed"]) for c in cells)
+    ran = [c for c in cells if "ddp" in c["variants"]]
     said = []
     for variant in variants:
         values = shares(cells, variant)
-        each = ", ".join("not reached" if v is None else f"{v:.2f}" for v in values)
+        each = ", ".join(v if isinstance(v, str) else f"{v:.2f}" for v in values)
         middle = median_share(values)
         median = f"median {middle:.2f}" if middle is not None else "no median: most seeds fell short"
-        steps = [c["variants"][variant]["seconds_per_step"] / c["variants"]["ddp"]["seconds_per_step"] for c in cells]
-        said.append(
-            f"`{variant}` reached its seed's ddp loss in {each} of ddp's time ({median}), a step taking "
-            f"{min(steps):.2f} to {max(steps):.2f} of ddp's"
-        )
-    ddp_steps = [c["variants"]["ddp"]["seconds_per_step"] for c in cells]
+        steps = [
+            c["variants"][variant]["seconds_per_step"] / c["variants"]["ddp"]["seconds_per_step"]
+            for c in ran
+            if variant in c["variants"]
+        ]
+        step = f", a step taking {min(steps):.2f} to {max(steps):.2f} of ddp's" if steps else ""
+        said.append(f"`{variant}` reached its seed's ddp loss in {each} of ddp's time ({median}){step}")
+    ddp_steps = [c["variants"]["ddp"]["seconds_per_step"] for c in ran]
+    ddp = f" ddp's step took {min(ddp_steps):.2f} to {max(ddp_steps):.2f} s." if ddp_steps else ""
     return (
         f"Over {cell['link']} between {cell['nodes']} nodes, seeds {seeds}, each against its own ddp run: "
-        f"{'; '.join(said)}. ddp's step took {min(ddp_steps):.2f} to {max(ddp_steps):.2f} s."
+        f"{'; '.join(said)}.{ddp}"
     )
 
 
@@ -131,6 +152,7 @@ def main() -> None:
     started = machine()
     cells = []
     for seed in args.seeds:
+        print(f"seed {seed}:", flush=True)
         cell = bench_lm.measure_cell(args.link, args.nodes, ["ddp", *args.variants], training(args, seed))
         cells.append({**cell, "seed": seed})
     settings = {"seeds": args.seeds, "link": args.link, "nodes": args.nodes, "variants": args.variants}
@@ -138,6 +160,7 @@ def main() -> None:
     settings.update({k: getattr(lm, k) for k in bench_lm.TRAINING if k != "seed"})
     report = Report("lm_seeds", settings, started)
     notes = [f"seed {c['seed']}: {bench_lm.cell_note(c)}" for c in cells]
+    notes += [f"seed {c['seed']}: {run} failed (its error is in the JSON)" for c in cells for run in c["failed"]]
     report.table("Time to each seed's ddp held-out loss", COLUMNS, table(cells), notes)
     report.data["quotes"] = {"shares": quote(cells, args.variants)}
     report.data["cells"] = cells

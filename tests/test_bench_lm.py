@@ -232,6 +232,16 @@ def test_seeds_benchmark_gives_each_seeds_share_of_its_own_ddp_and_their_median(
     step = first["variants"]["streaming_diloco"]["seconds_per_step"] / first["variants"]["ddp"]["seconds_per_step"]
     assert f"in {share:.2f}, 0.50, not reached of ddp's time (median 0.50), a step taking {step:.2f} to" in said, said
     assert "no median" in bench_lm_seeds.quote([first, never, never], ["streaming_diloco"])
+    # a failed run is named and left out of the median; a seed whose ddp run failed has no share to give
+    failed = json.loads(json.dumps(first))
+    failed["seed"], failed["runs"] = 3, {"ddp": first["runs"]["ddp"]}
+    failed.update(bench_lm.summarize(failed["runs"]))
+    alone = json.loads(json.dumps(first))
+    alone["seed"], alone["runs"] = 4, {"streaming_diloco": first["runs"]["streaming_diloco"]}
+    alone.update(bench_lm.summarize(alone["runs"]))
+    said = bench_lm_seeds.quote([first, slow, failed, alone], ["streaming_diloco"])
+    assert f"in {share:.2f}, 0.50, failed, no ddp run of ddp's time (median {(share + 0.5) / 2:.2f})" in said, said
+    assert bench_lm_seeds.table([alone])[0][5:] == ["-", "-"]
     args = bench_lm_seeds.arguments().parse_args(["--seeds", "4", "--budget", "30"])
     lm = bench_lm_seeds.training(args, 4)
     assert (lm.seed, lm.budget, lm.d_model, lm.lr) == (4, 30.0, 384, 1e-3)
