@@ -1,5 +1,5 @@
-"""Time to ddp's held-out loss seed by seed on the simulated cluster: ddp and ``streaming_diloco`` on one link, each
-seed a pair of ``bench_lm.py`` runs.
+"""Time to ddp's held-out loss seed by seed on the simulated cluster: ddp and ``streaming_diloco`` (or other variants)
+on one link, each a ``bench_lm.py`` run a seed.
 
 One ``bench_lm.py`` cell trains every variant from one seed, and a variant's time to ddp's final loss rests on where
 one noisy loss curve first crosses another. Here each seed (the model's initialisation and the global batch sequence,
@@ -32,11 +32,20 @@ COLUMNS = ["seed", "variant", "steps", "s/step", "final loss", "s to ddp's loss"
 
 def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3], help="the seeds, one pair of runs each")
+    parser.add_argument(
+        "--seeds", nargs="+", type=int, default=[0, 1, 2, 3], help="ddp and each variant run once a seed"
+    )
     parser.add_argument("--link", default="200mbit", help="the tc rate of the links")
     parser.add_argument("--nodes", type=int, default=2, help="nodes (one process each)")
     others = [v for v in bench_lm.VARIANTS if v != "ddp"]
-    parser.add_argument("--variants", nargs="+", default=["streaming_diloco"], choices=others, help="besides ddp")
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=["streaming_diloco"],
+        choices=others,
+        metavar="VARIANT",
+        help=f"what runs beside ddp (default: streaming_diloco; any of {', '.join(others)})",
+    )
     parser.add_argument("--budget", type=float, default=60.0, help="training seconds of every run")
     parser.add_argument("--eval-seconds", type=float, default=5.0, help="training seconds between evaluations")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and exit")
