@@ -138,7 +138,8 @@ def quote(cells: list[dict[str, Any]], variants: list[str]) -> str:
             if variant in c["variants"]
         ]
         step = f", a step taking {min(steps):.2f} to {max(steps):.2f} of ddp's" if steps else ""
-        said.append(f"`{variant}` reached its seed's ddp loss in {each} of ddp's time ({median}){step}")
+        name = bench_lm.NAMES.get(variant, f"`{variant}`")
+        said.append(f"{name} reached its seed's ddp loss in {each} of ddp's time ({median}){step}")
     ddp_steps = [c["variants"]["ddp"]["seconds_per_step"] for c in ran]
     ddp = f" ddp's step took {min(ddp_steps):.2f} to {max(ddp_steps):.2f} s." if ddp_steps else ""
     return (

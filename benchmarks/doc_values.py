@@ -582,6 +582,28 @@ LM["plain_sooner"] = _plain_sooner
 LM["compute_share_200mbit_2"] = lambda d: _compute_share(d, "200mbit", 2)
 
 
+def _first_per_seed(data: Result) -> str:
+    """Which variant reached its seed's ddp loss first (``lm_seeds.json``), over the seeds: "`NAME` on every seed",
+    or each variant with the seeds it was first on.
+
+    Examples:
+        >>> cell = lambda seed, a, b: {"seed": seed, "variants": {"a": {"ratio_to_ddp": a}, "b": {"ratio_to_ddp": b}}}
+        >>> _first_per_seed({"cells": [cell(0, 0.3, 0.4), cell(1, 0.5, None)]})
+        '`a` on every seed'
+        >>> _first_per_seed({"cells": [cell(0, 0.3, 0.4), cell(1, 0.5, 0.2), cell(2, None, None)]})
+        '`a` on seed 0, `b` on seed 1, none on seed 2'
+    """
+    firsts: dict[str, list[int]] = {}
+    for cell in data["cells"]:
+        reached = {v: r["ratio_to_ddp"] for v, r in cell["variants"].items() if v != "ddp" and r["ratio_to_ddp"]}
+        name = f"`{min(reached, key=reached.__getitem__)}`" if reached else "none"
+        firsts.setdefault(name, []).append(cell["seed"])
+    if len(firsts) == 1:
+        return f"{next(iter(firsts))} on every seed"
+    said = [f"{name} on seed{'s' * (len(seeds) > 1)} {', '.join(map(str, seeds))}" for name, seeds in firsts.items()]
+    return ", ".join(said)
+
+
 # ---- compare.json, compare_user.json: store_compare.py, the README's `lightning-dp-strategies compare` runs
 
 
@@ -625,6 +647,7 @@ VALUES: dict[str, dict[str, Value]] = {
     "ring_allreduce_c": RING_ALLREDUCE_C,
     "survive": SURVIVE,
     "lm": LM,
+    "lm_seeds": {"first": _first_per_seed},
     "lm_amd": {"compute_share_200mbit_2": LM["compute_share_200mbit_2"], "predictions": _lm_predictions},
     "compare": COMPARE,
     "compare_user": COMPARE,

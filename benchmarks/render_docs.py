@@ -68,7 +68,9 @@ COMMANDS = {
     "zero": "python benchmarks/bench_zero.py",
     "lm": "python benchmarks/bench_lm.py --links 200mbit 1gbit --nodes 2 4",
     "lm_amd": "python benchmarks/bench_lm.py --links 200mbit --nodes 2",
-    "lm_seeds": "python benchmarks/bench_lm_seeds.py --seeds 0 1 2 3",
+    "lm_seeds": (
+        "python benchmarks/bench_lm_seeds.py --seeds 0 1 2 3 --variants streaming_diloco ring_allreduce_auto local_sgd"
+    ),
     "lm_steps": "python benchmarks/bench_lm_steps.py --seeds 0 1 2 3",
     "lm_steps_knobs": (
         "python benchmarks/bench_lm_steps.py --seeds 0 1 2 3 --variants ddp streaming_diloco streaming_outer_lr_1.2 "

@@ -245,3 +245,17 @@ def test_the_compute_share_is_local_sgds_median_step_over_ddps_step() -> None:
     other = {"variants": {"local_sgd": {"median_step_s": 0.5}, "ddp": {"seconds_per_step": 1.0}}}
     data = {"cells": [{"link": "1gbit", "nodes": 2, **other}, {"link": "200mbit", "nodes": 2, **cell}]}
     assert doc_values.VALUES["lm"]["compute_share_200mbit_2"](data) == "0.25"
+
+
+def test_the_first_to_ddps_loss_is_named_per_seed_and_a_seed_nobody_reached_is_said() -> None:
+    """``lm_seeds/first``: one name when one variant was first on every seed, else each with its seeds; a variant
+    that never reached the target is never first."""
+    first = doc_values.VALUES["lm_seeds"]["first"]
+
+    def cell(seed: int, a: float | None, b: float | None) -> dict[str, object]:
+        rows = {"ddp": {"ratio_to_ddp": 1.0}, "a": {"ratio_to_ddp": a}, "b": {"ratio_to_ddp": b}}
+        return {"seed": seed, "variants": rows}
+
+    assert first({"cells": [cell(0, 0.3, 0.4), cell(1, 0.5, None)]}) == "`a` on every seed"
+    cells = [cell(0, 0.3, 0.4), cell(1, 0.5, 0.2), cell(2, None, None), cell(3, 0.1, 0.9)]
+    assert first({"cells": cells}) == "`a` on seeds 0, 3, `b` on seed 1, none on seed 2"
