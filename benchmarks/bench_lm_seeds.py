@@ -27,7 +27,7 @@ from typing import Any
 
 import bench_lm  # its workers train every run (the script's folder is on the path: run it as a script)
 
-COLUMNS = ["seed", "variant", "steps", "s/step", "final loss", "s to ddp's loss", "/ ddp"]
+COLUMNS = ["seed", *bench_lm.COLUMNS[2:]]
 
 
 def arguments() -> argparse.ArgumentParser:
@@ -101,23 +101,8 @@ def median_share(values: list[float | str]) -> float | None:
 
 
 def table(cells: list[dict[str, Any]]) -> list[list[Any]]:
-    """One row per seed and run."""
-    rows = []
-    for cell in cells:
-        for variant, row in cell["variants"].items():
-            reached, ratio = row["seconds_to_target"], row["ratio_to_ddp"]
-            rows.append(
-                [
-                    cell["seed"],
-                    variant,
-                    row["steps"],
-                    f"{row['seconds_per_step']:.2f}",
-                    f"{row['final_loss']:.3f}",
-                    f"{reached:.0f}" if reached is not None else "not reached" if cell["target_loss"] else "-",
-                    f"{ratio:.2f}" if ratio is not None else "-",
-                ]
-            )
-    return rows
+    """One row per seed and run: ``bench_lm.py``'s row, the seed in place of the link and node count."""
+    return [[cell["seed"], *row[2:]] for cell in cells for row in bench_lm.table([cell])]
 
 
 def quote(cells: list[dict[str, Any]], variants: list[str]) -> str:
@@ -131,7 +116,8 @@ def quote(cells: list[dict[str, Any]], variants: list[str]) -> str:
         values = shares(cells, variant)
         each = ", ".join(v if isinstance(v, str) else f"{v:.2f}" for v in values)
         middle = median_share(values)
-        median = f"median {middle:.2f}" if middle is not None else "no median: most seeds fell short"
+        short = "most seeds fell short" if "not reached" in values else "no run to take it from"
+        median = f"median {middle:.2f}" if middle is not None else f"no median: {short}"
         steps = [
             c["variants"][variant]["seconds_per_step"] / c["variants"]["ddp"]["seconds_per_step"]
             for c in ran
