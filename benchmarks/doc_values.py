@@ -21,6 +21,7 @@ import json
 import math
 import re
 import statistics
+import textwrap
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -146,7 +147,11 @@ def _auto_vs_best(data: Result) -> list[float]:
 
 
 def _auto_log(data: Result) -> str:
-    """The first auto launch of the 2 x 2 cell over 1 GbE, as ``AutoDecision.describe`` logs it (wrapped once)."""
+    """The first auto launch of the 2 x 2 cell over 1 GbE, as ``AutoDecision.describe`` logs it (its first line wrapped
+    once, its last at 116 characters)."""
+    from lightning_dp_strategies.plan.auto import AutoChoice
+    from lightning_dp_strategies.reducers.auto import repeat_hint
+
     cell = _cell(data, "1gbit", 2, 2)
     inputs, chosen = cell["auto_inputs"][0], cell["auto_chose"][0]
     lines = [
@@ -157,6 +162,8 @@ def _auto_log(data: Result) -> str:
     ]
     for label, ms in sorted(inputs["predicted_ms"].items(), key=lambda kv: kv[1]):
         lines.append(f"  {label:22s} {ms:9.1f} ms predicted" + (" <-" if label == chosen else ""))
+    hint = repeat_hint(AutoChoice().candidates(cell["nodes"], cell["per_node"])[chosen])
+    lines += textwrap.wrap(hint, 116)
     return "\n```text\n" + "\n".join(lines) + "\n```\n"
 
 

@@ -200,7 +200,9 @@ class LocalSGD:
             visible(log).info(
                 f"Local SGD (sync_every='auto'): sync_every={self.sync_every}, delay={self.delay}. A fragment's change "
                 f"({megabytes:.3g} MB as {self.config.outer_precision}) took {fragment * 1e3:.0f} ms to average; an "
-                f"inner step {step * 1e3:.0f} ms."
+                f"inner step {step * 1e3:.0f} ms. The choice follows these timings, so another launch may choose "
+                f"otherwise: for a run that repeats in every launch, pass sync_every={self.sync_every}, "
+                f"delay={self.delay}."
             )
 
     def synchronize(self) -> None:

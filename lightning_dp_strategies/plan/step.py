@@ -92,6 +92,23 @@ class Reduction:
             f" r{self.rank}" if self.compression == "powersgd" else ""
         )
 
+    @property
+    def arguments(self) -> str:
+        """The ring strategy's arguments (Trainer or Fabric) that reduce every step this way, as Python: what to pass
+        in place of ``reducer="auto"`` for a run that reduces alike in every launch.
+
+        Examples:
+            >>> Reduction("bf16", two_level=True).arguments, Reduction("powersgd", rank=2).arguments
+            ('two_level=True, reducer=bf16_compress("ring")', 'two_level=False, reducer=PowerSGD("ring", rank=2)')
+        """
+        reducer = {
+            "none": '"ring"',
+            "bf16": 'bf16_compress("ring")',
+            "fp16": 'fp16_compress("ring")',
+            "powersgd": f'PowerSGD("ring", rank={self.rank})',
+        }[self.compression]
+        return f"two_level={self.two_level}, reducer={reducer}"
+
 
 @dataclass(frozen=True)
 class StepTimes:

@@ -55,6 +55,14 @@ def visible(logger: logging.Logger) -> logging.Logger:
     return logger
 
 
+def repeat_hint(how: Reduction) -> str:
+    """The log's last line: the fixed arguments that reduce as ``how`` in every launch."""
+    return (
+        "The choice follows these timings, so another launch may choose otherwise: for a run that reduces alike in "
+        f'every launch, pass {how.arguments} in place of reducer="auto".'
+    )
+
+
 @dataclass(frozen=True)
 class AutoDecision:
     """What :class:`AutoReducer` chose, and the measurements and predictions it chose by.
@@ -68,6 +76,11 @@ class AutoDecision:
         link between nodes 1250 MB/s, inside a node 1250 MB/s.
           flat bf16                  150.0 ms predicted <-
           flat plain                 200.0 ms predicted
+        >>> from dataclasses import replace
+        >>> print(replace(decision, reduction=Reduction("bf16")).describe().splitlines()[-1])
+        ... # doctest: +NORMALIZE_WHITESPACE
+        The choice follows these timings, so another launch may choose otherwise: for a run that reduces alike in
+        every launch, pass two_level=False, reducer=bf16_compress("ring") in place of reducer="auto".
     """
 
     chosen: str
@@ -76,6 +89,8 @@ class AutoDecision:
     backward_seconds: float
     topology: Topology
     cpu: CpuCosts
+    reduction: Reduction | None = None
+    """The chosen reduction (``None``: not known, and the log does not say how to fix it)."""
 
     def describe(self) -> str:
         """A few lines for the log: the choice, the measured inputs, every candidate's predicted step."""
@@ -93,6 +108,8 @@ class AutoDecision:
         ]
         for label, seconds in sorted(self.predicted_step_seconds.items(), key=lambda kv: kv[1]):
             lines.append(f"  {label:22s} {seconds * 1e3:9.1f} ms predicted" + (" <-" if label == self.chosen else ""))
+        if self.reduction is not None:
+            lines.append(repeat_hint(self.reduction))
         return "\n".join(lines)
 
 
@@ -291,7 +308,7 @@ class AutoReducer(ReducerBase):
         chosen = labels[int(choice.item())]
         how, reducer = run.candidates[chosen]
         run.active = PowerSGD(reducer, rank=self.rank) if how.compression == "powersgd" else reducer
-        self.decision = AutoDecision(chosen, predicted, compute, backward, run.topology, cpu)
+        self.decision = AutoDecision(chosen, predicted, compute, backward, run.topology, cpu, how)
         if dist.get_rank(run.group) == 0:
             visible(log).info(self.decision.describe())
 

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
+import lightning_dp_strategies as ldp
+from lightning_dp_strategies import FabricRingAllReduceStrategy, RingAllReduceStrategy
 from lightning_dp_strategies.bucketing.sync import GradientSync
 from lightning_dp_strategies.plan import CpuCosts, Link, Reduction, Topology
 from lightning_dp_strategies.reducers import AutoReducer, GradBucket, ReducerBase, StepTiming, setup_reducer
-from lightning_dp_strategies.reducers.auto import choose
+from lightning_dp_strategies.reducers.auto import AutoChoice, choose
 from tests.helpers.distributed import run_distributed
 
 BUCKETS = [(4.0 * 2**20, [(1024, 1024)])] * 12  # 50 MB of fp32 gradients, twelve 1024 x 1024 matrices
@@ -117,8 +120,24 @@ def _decide(rank: int, world_size: int, logs: str) -> None:
 @pytest.mark.timeout(120)
 def test_two_ranks_decide_alike_after_the_timed_steps_and_only_rank_0_logs(tmp_path: Path) -> None:
     run_distributed(_decide, 2, str(tmp_path))
-    assert "reducer='auto' chose" in (tmp_path / "rank0.log").read_text()
+    log = (tmp_path / "rank0.log").read_text()
+    chosen = re.search(r"reducer='auto' chose '([^']+)'", log)
+    assert chosen is not None, log
+    how = AutoChoice().candidates(nodes=1, per_node=2)[chosen.group(1)]
+    assert f'pass {how.arguments} in place of reducer="auto"' in log, "the log does not name the fixed reducer"
     assert (tmp_path / "rank1.log").read_text() == ""
+
+
+@pytest.mark.parametrize("strategy", [RingAllReduceStrategy, FabricRingAllReduceStrategy])
+def test_the_fixed_arguments_the_log_names_reduce_as_the_choice(strategy: type) -> None:
+    """Every candidate's ``Reduction.arguments``, passed to a ring strategy, make a strategy that the planner prices
+    with that very reduction (the plain flat ring, the default, as ``None``)."""
+    candidates = list(AutoChoice().candidates(nodes=2, per_node=2).values())
+    candidates += [Reduction("fp16"), Reduction("fp16", two_level=True), Reduction("powersgd", rank=2)]
+    names = {n: getattr(ldp, n) for n in ldp.__all__}
+    for how in candidates:
+        made = eval(f"strategy({how.arguments})", {"strategy": strategy, **names})  # as a user would paste it
+        assert (made.cost_model.reduction or Reduction()) == how, how.arguments
 
 
 def _decide_on_two_nodes(rank: int, world_size: int) -> None:
