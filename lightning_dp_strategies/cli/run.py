@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,6 +31,8 @@ def _listing(out: Path, kept: bool, wrote_png: bool) -> list[str]:
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Run a checked ``compare`` command: the worker of one strategy (``--worker``), or the whole comparison."""
+    if os.getcwd() not in sys.path:  # as `python -m` does, and as for --model: modules beside the user are importable
+        sys.path.insert(0, os.getcwd())
     for module in args.imports:
         try:
             importlib.import_module(module)

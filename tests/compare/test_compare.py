@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -87,6 +88,17 @@ def test_short_run_writes_table_json_and_png_and_isolates_a_crash(
     assert 0.0 <= ddp["accuracy"] <= 1.0 and ddp["final_loss"] == pytest.approx(rows["single"]["final_loss"])
     assert not list(tmp_path.rglob("*.ckpt")), "checkpoints are kept only when asked for"
     assert (tmp_path / "comparison.png").stat().st_size > 10_000
+
+
+def test_import_takes_a_module_from_the_working_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--import my_names`` finds ``my_names.py`` in the folder the command runs in, as ``--model`` does, also when
+    started by the console script (whose ``sys.path`` has no working folder)."""
+    (tmp_path / "names_beside_the_user.py").write_text('raise RuntimeError("imported from the working folder")\n')
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "names_beside_the_user", raising=False)
+    with pytest.raises(RuntimeError, match="imported from the working folder"):
+        main(["compare", "--import", "names_beside_the_user", "--output", str(tmp_path / "out")])
 
 
 def test_processes_come_from_the_registered_strategy_class() -> None:
