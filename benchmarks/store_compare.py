@@ -7,13 +7,16 @@ Usage::
     python benchmarks/store_compare.py --json benchmarks/results/compare.json --figure docs/figures/comparison.png
     # docs/examples' model (README: cd docs/examples && lightning-dp-strategies compare --model ... --data ...)
     python benchmarks/store_compare.py --user --json benchmarks/results/compare_user.json
+    # the demo with streaming DiLoCo's merge knobs (benchmarks/streaming_variants.py), for the local SGD page
+    python benchmarks/store_compare.py --streaming --json benchmarks/results/compare_streaming.json
     # the figure again from the stored run, with the installed package's drawing code (nothing runs)
     python benchmarks/store_compare.py --redraw --json benchmarks/results/compare.json \
         --figure docs/figures/comparison.png
 
-The command runs with its defaults, its ``--output`` a temporary folder, from the repository's root (the demo) or
-``docs/examples`` (``--user``). The stored file is the command's ``comparison.json`` (configuration, devices, every
-row with its curves) with what every stored result names: ``benchmark``, ``command`` (this script's command line),
+The command runs with its defaults, its ``--output`` a temporary folder, from the repository's root (the demo),
+``docs/examples`` (``--user``) or ``benchmarks`` (``--streaming``: the demo with :data:`STREAMING`'s arguments).
+The stored file is the command's ``comparison.json`` (configuration, devices, every row with its curves) with what
+every stored result names: ``benchmark``, ``command`` (this script's command line),
 ``ran`` (the compare command and the folder it ran in, relative to the repository) and ``machine`` (the benchmarks'
 block of ``_results.machine()``, taken just before the run: usable cores and the load average included); the
 command's own shorter block is kept as ``compare_machine``. Machine paths are relativised: the temporary output
@@ -37,12 +40,19 @@ from doc_values import compare_printed
 
 DEMO: list[str] = []
 USER = ["--model", "my_models:Forecaster", "--data", "my_models:SeriesData"]
+STREAMING = ["--import", "streaming_variants", "--strategies"]
+STREAMING += ["single,local_sgd,streaming_delay_1,streaming_delay_0,streaming_mixing_half"]
+RUNS = {  # what each kind of run passes, the folder it runs in, the stored benchmark's name
+    "demo": (DEMO, ROOT, "compare"),
+    "user": (USER, ROOT / "docs" / "examples", "compare_user"),
+    "streaming": (STREAMING, ROOT / "benchmarks", "compare_streaming"),
+}
 
 
-def run_compare(user: bool, output: Path) -> tuple[str, list[str], Path]:
-    """Run the comparison into ``output``: what it printed, its arguments and the folder it ran in."""
-    args = USER if user else DEMO
-    where = ROOT / "docs" / "examples" if user else ROOT
+def run_compare(kind: str, output: Path) -> tuple[str, list[str], Path]:
+    """Run the comparison of ``kind`` (a key of :data:`RUNS`) into ``output``: what it printed, its arguments and the
+    folder it ran in."""
+    args, where, _ = RUNS[kind]
     cmd = [sys.executable, "-m", "lightning_dp_strategies", "compare", *args, "--output", str(output)]
     done = subprocess.run(cmd, cwd=where, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False)
     print(done.stdout, end="")
@@ -74,7 +84,9 @@ def redraw(stored: Path, figure: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--user", action="store_true", help="docs/examples' Forecaster instead of the built-in demo")
+    kind = parser.add_mutually_exclusive_group()
+    kind.add_argument("--user", action="store_true", help="docs/examples' Forecaster instead of the built-in demo")
+    kind.add_argument("--streaming", action="store_true", help="the demo with streaming DiLoCo's merge knobs")
     parser.add_argument("--json", type=Path, required=True, help="where to store the run")
     parser.add_argument("--figure", type=Path, help="also copy the run's comparison.png here")
     parser.add_argument("--redraw", action="store_true", help="only draw --figure from the stored --json; run nothing")
@@ -87,12 +99,13 @@ def main() -> None:
     at_start = machine()
     with tempfile.TemporaryDirectory(prefix="store-compare-") as tmp:
         output = Path(tmp) / "comparison"
-        printed, compare_args, where = run_compare(args.user, output)
+        kind = "user" if args.user else "streaming" if args.streaming else "demo"
+        printed, compare_args, where = run_compare(kind, output)
         data = json.loads((output / "comparison.json").read_text())
         if f"\n{compare_printed(data)}\n\nwrote to " not in printed:
             sys.exit("format_table of comparison.json is not the table the command printed: nothing stored")
         stored = {
-            "benchmark": "compare_user" if args.user else "compare",
+            "benchmark": RUNS[kind][2],
             "command": command_line(),
             "ran": {
                 "command": shlex.join(["lightning-dp-strategies", "compare", *compare_args]),

@@ -104,6 +104,27 @@ def test_cluster_benchmark_builds_every_variant_without_a_cluster() -> None:
     assert "--links" in _run("bench_cluster.py", "--help")
 
 
+def test_streaming_variants_register_names_that_build_their_options() -> None:
+    """The names ``store_compare.py --streaming`` compares build local SGD with each name's options (the period
+    ``"streaming_diloco"`` chooses on a slow link, fixed)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import streaming_variants
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from lightning_dp_strategies import LocalSGDStrategy
+
+    try:
+        built = {name: StrategyRegistry.get(name) for name in streaming_variants.VARIANTS}
+    finally:  # the names stay out of the other tests' registry
+        for name in streaming_variants.VARIANTS:
+            StrategyRegistry.remove(name)
+    assert all(isinstance(s, LocalSGDStrategy) for s in built.values())
+    delays = {name: (s.local_config.delay, s.local_config.mixing) for name, s in built.items()}
+    assert delays == {"streaming_delay_1": (1, 0.0), "streaming_delay_0": (0, 0.0), "streaming_mixing_half": (1, 0.5)}
+    configs = {(s.local_config.sync_every, s.local_config.fragments) for s in built.values()}
+    assert configs == {(4, 4)} and {s.local_config.outer_precision for s in built.values()} == {"int4"}
+
+
 def test_local_sgd_benchmark_variants_turn_fault_tolerance_on_by_suffix() -> None:
     sys.path.insert(0, str(BENCHMARKS))
     import bench_local_sgd
