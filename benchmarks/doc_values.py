@@ -643,6 +643,20 @@ COMPARE: dict[str, Value] = {
 }
 
 
+def _final_loss(strategy: str) -> Value:
+    """A row's final loss as the comparison's table prints it."""
+    return lambda d: next(f"{r['final_loss']:.2f}" for r in d["results"] if r["strategy"] == strategy)
+
+
+COMPARE_STREAMING: dict[str, Value] = {
+    **COMPARE,
+    **{
+        f"loss_{name}": _final_loss(name)
+        for name in ("single", "local_sgd", "streaming_delay_1", "streaming_delay_0", "streaming_mixing_half")
+    },
+}
+
+
 VALUES: dict[str, dict[str, Value]] = {
     "cluster": CLUSTER,
     "zero": ZERO,
@@ -658,5 +672,6 @@ VALUES: dict[str, dict[str, Value]] = {
     "lm_amd": {"compute_share_200mbit_2": LM["compute_share_200mbit_2"], "predictions": _lm_predictions},
     "compare": COMPARE,
     "compare_user": COMPARE,
+    "compare_streaming": COMPARE_STREAMING,
 }
 """Every value a page may quote: ``VALUES[NAME][KEY]`` of ``benchmarks/results/NAME.json``."""

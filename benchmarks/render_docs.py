@@ -82,6 +82,7 @@ COMMANDS = {
     "survive_local_sgd": "python benchmarks/bench_survive.py --strategy local_sgd",
     "compare": "python benchmarks/store_compare.py --figure docs/figures/comparison.png",
     "compare_user": "python benchmarks/store_compare.py --user",
+    "compare_streaming": "python benchmarks/store_compare.py --streaming",
 }
 """The command that produces each result file (without ``--json``), shown where the file is missing."""
 
