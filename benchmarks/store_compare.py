@@ -16,13 +16,13 @@ Usage::
 The command runs with its defaults, its ``--output`` a temporary folder, from the repository's root (the demo),
 ``docs/examples`` (``--user``) or ``benchmarks`` (``--streaming``: the demo with :data:`STREAMING`'s arguments).
 The stored file is the command's ``comparison.json`` (configuration, devices, every row with its curves) with what
-every stored result names: ``benchmark``, ``command`` (this script's command line),
-``ran`` (the compare command and the folder it ran in, relative to the repository) and ``machine`` (the benchmarks'
-block of ``_results.machine()``, taken just before the run: usable cores and the load average included); the
-command's own shorter block is kept as ``compare_machine``. Machine paths are relativised: the temporary output
+every stored result names: ``benchmark``, ``command`` (this script's command line), ``ran`` (the compare command and
+the folder it ran in, relative to the repository) and ``machine`` (the benchmarks' block of ``_results.machine()``,
+taken just before the run: usable cores and the load average included); the command's own shorter block is kept as
+``compare_machine``. Machine paths are relativised: the temporary output
 folder reads ``comparison`` (the command's default), the repository ``.``; the script refuses to store a file that
 still names one. It also refuses a run whose JSON does not give back, through the package's ``format_table``, the
-table the command printed: that is what the README shows.
+table the command printed: that is what the README and the docs show.
 """
 
 from __future__ import annotations
@@ -84,9 +84,9 @@ def redraw(stored: Path, figure: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    kind = parser.add_mutually_exclusive_group()
-    kind.add_argument("--user", action="store_true", help="docs/examples' Forecaster instead of the built-in demo")
-    kind.add_argument("--streaming", action="store_true", help="the demo with streaming DiLoCo's merge knobs")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--user", action="store_true", help="docs/examples' Forecaster instead of the built-in demo")
+    which.add_argument("--streaming", action="store_true", help="the demo with streaming DiLoCo's merge knobs")
     parser.add_argument("--json", type=Path, required=True, help="where to store the run")
     parser.add_argument("--figure", type=Path, help="also copy the run's comparison.png here")
     parser.add_argument("--redraw", action="store_true", help="only draw --figure from the stored --json; run nothing")

@@ -90,7 +90,7 @@ class AutoDecision:
     topology: Topology
     cpu: CpuCosts
     reduction: Reduction | None = None
-    """The chosen reduction (``None``: not known, and the log does not say how to fix it)."""
+    """The chosen reduction, whose fixed arguments the log's last line names (``None``: no such line)."""
 
     def describe(self) -> str:
         """A few lines for the log: the choice, the measured inputs, every candidate's predicted step."""
