@@ -1,6 +1,6 @@
 """Suite-wide collection order: the longest test files first.
 
-With ``-n 2 --dist worksteal`` (the README's command) each worker starts on its share of the tests in collection
+With ``-n 3 --dist worksteal`` (the README's command) each worker starts on its share of the tests in collection
 order and takes tests from the other's queue once its own is empty; long tests collected last would leave one worker
 running them alone at the end. Files not named keep their order.
 """

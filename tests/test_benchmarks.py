@@ -51,7 +51,7 @@ def test_strategy_benchmark_pairs_rounds_in_one_launch_and_prints_the_ratio() ->
 
 @pytest.mark.timeout(300)
 def test_reducer_benchmark_prints_reducers_and_torch_hooks_against_ring_and_ddp_and_when_compression_pays() -> None:
-    tiny = ["--rounds", "2", "--steps", "3", *TINY, "--link-sizes-kib", "64", "256"]
+    tiny = ["--rounds", "1", "--steps", "3", *TINY, "--link-sizes-kib", "64", "256"]
     out = _run("bench_ring_allreduce.py", "--part", "c", *tiny)
     # MB/step, counted/payload, bytes/ring, ms/step, time/ring and its IQR, time/ddp and its IQR
     number = r"\s+\d+\.\d+"
