@@ -7,7 +7,6 @@ Each case runs in a fresh interpreter, so it sees a first import and cannot dist
 from __future__ import annotations
 
 import ast
-import functools
 import json
 import subprocess
 import sys
@@ -149,17 +148,12 @@ print(json.dumps(found))
 """
 
 
-@functools.cache
-def _moved_imports() -> dict[str, Any]:
-    # cached for the worker's session: with --dist worksteal the module's tests can be split up, and a module-scoped
-    # fixture would start its interpreter again each time the module comes back to this worker
+# session scope: with --dist worksteal the module's tests can be split up, and a module-scoped fixture would start its
+# interpreter again each time the module came back to a worker
+@pytest.fixture(scope="session")
+def moved_imports() -> dict[str, Any]:
     result: dict[str, Any] = json.loads(run_python(MOVED_IMPORTS))
     return result
-
-
-@pytest.fixture
-def moved_imports() -> dict[str, Any]:
-    return _moved_imports()
 
 
 @pytest.mark.parametrize("old", sorted(MOVED))
