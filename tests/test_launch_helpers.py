@@ -115,6 +115,17 @@ def test_a_script_past_its_deadline_is_killed_with_the_processes_it_started(tmp_
 
 
 @pytest.mark.timeout(120)
+def test_a_script_returns_after_the_processes_it_started_have_ended(tmp_path: Path) -> None:
+    """A launcher's ranks outlive the script's own process (rank 0) by the moment each takes to write its results:
+    killing them when the script ends loses those results."""
+    done = tmp_path / "child.done"
+    child = f"import time; time.sleep(2); open({str(done)!r}, 'w').write('written')"
+    code = f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', {child!r}])"
+    run_script(["-c", code], timeout=60)
+    assert done.exists() and done.read_text() == "written"
+
+
+@pytest.mark.timeout(120)
 def test_a_variable_read_at_interpreter_start_gets_a_new_interpreter() -> None:
     """``PYTHONHASHSEED=0`` turns hash randomization off, and ``OMP_NUM_THREADS`` sets torch's threads when OpenMP
     starts, which only a new interpreter can show."""

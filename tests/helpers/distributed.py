@@ -260,7 +260,8 @@ def run_script(argv: Sequence[str], timeout: float = 240.0, env: dict[str, str] 
     """Run ``python argv...`` (a script, ``-m module`` or ``-c code``) from the repository root, as the interpreter
     would: ``__main__``, ``sys.argv`` and ``sys.path[0]`` set the same way, the caller's environment (with the
     repository on ``PYTHONPATH``), output unbuffered into one log, its own session (so that a Trainer's launcher
-    starts further ranks as it does from a shell, and they are killed with it).
+    starts further ranks as it does from a shell). The call returns when those ranks have ended too, as a shell's
+    job does; at the deadline they are killed with the script.
 
     The process is forked from the fork server of :func:`run_distributed` instead of started fresh: torch and
     Lightning are imported already, which saves each call the seconds a new interpreter spends importing them. The
@@ -279,9 +280,13 @@ def run_script(argv: Sequence[str], timeout: float = 240.0, env: dict[str, str] 
         log = os.path.join(folder, "output.log")
         process = ctx.Process(target=_as_main, args=(list(argv), full_env, log, True))
         process.start()
+        assert process.pid is not None
+        deadline = time.monotonic() + timeout
         try:
             process.join(timeout)
             timed_out = process.is_alive()
+            if not timed_out and process.exitcode == 0:  # the ranks it started finish after it, as under a shell
+                timed_out = not _session_ends(process.pid, deadline)
         finally:  # also when the test is interrupted (pytest-timeout)
             try:
                 os.killpg(process.pid, 9)  # the script on the deadline, and any rank a launcher left behind
@@ -297,6 +302,30 @@ def run_script(argv: Sequence[str], timeout: float = 240.0, env: dict[str, str] 
     if process.exitcode != 0:
         raise AssertionError(f"exit statuses [{process.exitcode}]; output:\n{shown}")  # as run_commands says
     return output
+
+
+def _session_ends(session: int, deadline: float) -> bool:
+    """Wait until no live process is left in ``session`` (a launcher's ranks, which outlive the script's own process
+    by the moment each needs to write its last results); ``False`` at the deadline. Reads ``/proc``: where there is
+    none, returns at once."""
+    while _session_members(session):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _session_members(session: int) -> list[int]:
+    """The live (not zombie) processes of ``session``, from ``/proc/PID/stat``."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, _ppid, _group, sid = stat.read_text().rsplit(")", 1)[1].split()[:4]
+        except (OSError, ValueError):  # gone meanwhile
+            continue
+        if int(sid) == session and state != "Z":
+            members.append(int(stat.parent.name))
+    return members
 
 
 _READ_AT_START = (
