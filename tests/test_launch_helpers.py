@@ -102,16 +102,19 @@ def test_a_script_past_its_deadline_is_killed_with_the_processes_it_started(tmp_
     with pytest.raises(TimeoutError, match="did not finish within 5"):
         run_script(["-c", code], timeout=5)
     assert time.monotonic() - start < 60
-    child = int(pid_file.read_text())
+    assert_gone(int(pid_file.read_text()))
+
+
+def assert_gone(child: int) -> None:
+    """``child`` was killed: gone once its parent (init, after the kill) reaps it."""
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:  # killed: gone once its parent (init, after the kill) reaps it
+    while time.monotonic() < deadline:
         try:
             os.kill(child, 0)
         except ProcessLookupError:
-            break
+            return
         time.sleep(0.1)
-    else:
-        pytest.fail(f"the script's own child {child} outlived the deadline")
+    pytest.fail(f"the script's own child {child} outlived the deadline")
 
 
 @pytest.mark.timeout(120)
@@ -123,6 +126,19 @@ def test_a_script_returns_after_the_processes_it_started_have_ended(tmp_path: Pa
     code = f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', {child!r}])"
     run_script(["-c", code], timeout=60)
     assert done.exists() and done.read_text() == "written"
+
+
+@pytest.mark.timeout(120)
+def test_a_process_the_script_left_running_fails_the_run_at_the_deadline_and_is_killed(tmp_path: Path) -> None:
+    pid_file = tmp_path / "child.pid"
+    code = (
+        "import subprocess; "
+        f"child = subprocess.Popen(['sleep', '3600']); open({str(pid_file)!r}, 'w').write(str(child.pid))"
+    )
+    left = r"did not finish within 5 s \(the script ended; still running: \d+ sleep 3600\)"
+    with pytest.raises(TimeoutError, match=left):
+        run_script(["-c", code], timeout=5)
+    assert_gone(int(pid_file.read_text()))
 
 
 @pytest.mark.timeout(120)

@@ -282,11 +282,13 @@ def run_script(argv: Sequence[str], timeout: float = 240.0, env: dict[str, str] 
         process.start()
         assert process.pid is not None
         deadline = time.monotonic() + timeout
+        left: list[str] = []  # what the script started and was still running at the deadline after it ended
         try:
             process.join(timeout)
             timed_out = process.is_alive()
             if not timed_out and process.exitcode == 0:  # the ranks it started finish after it, as under a shell
-                timed_out = not _session_ends(process.pid, deadline)
+                left = _outlived(process.pid, deadline)
+                timed_out = bool(left)
         finally:  # also when the test is interrupted (pytest-timeout)
             try:
                 os.killpg(process.pid, 9)  # the script on the deadline, and any rank a launcher left behind
@@ -298,21 +300,22 @@ def run_script(argv: Sequence[str], timeout: float = 240.0, env: dict[str, str] 
         output = Path(log).read_text(errors="replace") if os.path.exists(log) else ""
     shown = f"--- python {' '.join(argv)}\n{output[-6000:]}"
     if timed_out:
-        raise TimeoutError(f"did not finish within {timeout} s; output:\n{shown}")
+        still = f" (the script ended; still running: {'; '.join(left)})" if left else ""
+        raise TimeoutError(f"did not finish within {timeout} s{still}; output:\n{shown}")
     if process.exitcode != 0:
         raise AssertionError(f"exit statuses [{process.exitcode}]; output:\n{shown}")  # as run_commands says
     return output
 
 
-def _session_ends(session: int, deadline: float) -> bool:
+def _outlived(session: int, deadline: float) -> list[str]:
     """Wait until no live process is left in ``session`` (a launcher's ranks, which outlive the script's own process
-    by the moment each needs to write its last results); ``False`` at the deadline. Reads ``/proc``: where there is
-    none, returns at once."""
-    while _session_members(session):
+    by the moment each needs to write its last results). Returns those still running at the deadline, each as its
+    pid and command line; empty once none is left. Reads ``/proc``: where there is none, returns at once."""
+    while members := _session_members(session):
         if time.monotonic() >= deadline:
-            return False
+            return [f"{pid} {_command_line(pid)}" for pid in members]
         time.sleep(0.05)
-    return True
+    return []
 
 
 def _session_members(session: int) -> list[int]:
@@ -326,6 +329,13 @@ def _session_members(session: int) -> list[int]:
         if int(sid) == session and state != "Z":
             members.append(int(stat.parent.name))
     return members
+
+
+def _command_line(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return "(ended)"
 
 
 _READ_AT_START = (
