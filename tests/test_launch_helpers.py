@@ -93,16 +93,19 @@ def test_a_script_runs_as_the_interpreter_would_run_it(tmp_path: Path) -> None:
 @pytest.mark.timeout(120)
 def test_a_script_past_its_deadline_is_killed_with_the_processes_it_started(tmp_path: Path) -> None:
     pid_file = tmp_path / "child.pid"
-    code = (
-        "import subprocess, sys, time; "
-        f"child = subprocess.Popen(['sleep', '3600']); open({str(pid_file)!r}, 'w').write(str(child.pid)); "
-        "time.sleep(3600)"
-    )
     start = time.monotonic()
     with pytest.raises(TimeoutError, match="did not finish within 5"):
-        run_script(["-c", code], timeout=5)
+        run_script(["-c", starts_a_sleeper(pid_file) + "; time.sleep(3600)"], timeout=5)
     assert time.monotonic() - start < 60
     assert_gone(int(pid_file.read_text()))
+
+
+def starts_a_sleeper(pid_file: Path) -> str:
+    """Code that starts a child process ``sleep 3600`` and writes its pid to ``pid_file``."""
+    return (
+        "import subprocess, time; "
+        f"child = subprocess.Popen(['sleep', '3600']); open({str(pid_file)!r}, 'w').write(str(child.pid))"
+    )
 
 
 def assert_gone(child: int) -> None:
@@ -131,13 +134,9 @@ def test_a_script_returns_after_the_processes_it_started_have_ended(tmp_path: Pa
 @pytest.mark.timeout(120)
 def test_a_process_the_script_left_running_fails_the_run_at_the_deadline_and_is_killed(tmp_path: Path) -> None:
     pid_file = tmp_path / "child.pid"
-    code = (
-        "import subprocess; "
-        f"child = subprocess.Popen(['sleep', '3600']); open({str(pid_file)!r}, 'w').write(str(child.pid))"
-    )
     left = r"did not finish within 5 s \(the script ended; still running: \d+ sleep 3600\)"
     with pytest.raises(TimeoutError, match=left):
-        run_script(["-c", code], timeout=5)
+        run_script(["-c", starts_a_sleeper(pid_file)], timeout=5)
     assert_gone(int(pid_file.read_text()))
 
 
