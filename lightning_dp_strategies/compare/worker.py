@@ -75,8 +75,9 @@ def _rank() -> int:
 
 
 def run_worker(name: str, task_path: Path, devices: int, work: Path) -> None:
-    """Train the task with one strategy (inside the launched processes): each rank writes ``{name}.rank{r}.json``, rank
-    0 a checkpoint; a rank that fails writes ``{name}.rank{r}.error.json`` (its one-line reason) and raises."""
+    """Train the task with one strategy (inside the launched processes): each rank writes ``{name}.rank{r}.json`` and
+    waits until every rank has, rank 0 a checkpoint; a rank that fails writes ``{name}.rank{r}.error.json`` (its
+    one-line reason) and raises."""
     task = load_task(task_path)
     if task.accelerator == "cpu":
         torch.set_num_threads(1)  # one CPU core stands for one device (scatter/gather's replicas are threads)
@@ -118,3 +119,5 @@ def run_worker(name: str, task_path: Path, devices: int, work: Path) -> None:
         "peak_mb": _peak_mb(trainer),
     }
     (work / f"{name}.rank{trainer.global_rank}.json").write_text(json.dumps(payload))
+    # a launcher's ranks run in rank 0's session, which the row kills once rank 0 has ended: rank 0 waits for all
+    trainer.strategy.barrier("compare.reported")

@@ -50,6 +50,19 @@ def test_forked_ranks_train_as_fresh_interpreters_do(tmp_path: Path, monkeypatch
     assert forked.max_param_diff is not None and forked.max_param_diff <= 1e-5  # at parity with the baseline
 
 
+@pytest.mark.timeout(200)
+def test_a_fresh_launch_keeps_its_ranks_until_all_have_reported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lightning's launcher starts rank 1 in rank 0's session, which the row kills once rank 0 has ended: rank 1's
+    results (here written 2 s after rank 0's) must be on disk by then."""
+    monkeypatch.setattr(runner, "fork_server_available", lambda accelerator: False)
+    imports = ["tests.helpers.crashing_strategy"]
+    (row,) = compare(["rank1_slow_to_report"], SMALL, 2, tmp_path, extra_imports=imports, progress=lambda m: None)
+    assert row.status == "ok", row.error
+    assert row.processes == 2 and len(row.peak_mb_by_rank) == 2, "both ranks reported"
+
+
 def test_only_a_script_launch_gets_its_ranks_from_the_comparison() -> None:
     assert torchrun_ranks("rank1_crashes_at_setup", 2) == 2  # a DDPStrategy: popen by default
     assert torchrun_ranks("ddp_spawn", 2) == 1  # Lightning spawns its ranks itself

@@ -1,5 +1,6 @@
 """Strategies that fail for the comparison's isolation tests: ``"crashes_at_setup"`` fails when training starts,
-``"rank1_crashes_at_setup"`` on one of its two ranks only, and ``"hangs_at_setup"`` never trains."""
+``"rank1_crashes_at_setup"`` on one of its two ranks only, and ``"hangs_at_setup"`` never trains; and
+``"rank1_slow_to_report"``, which trains as ``ddp`` does but whose rank 1 reaches the end of the script late."""
 
 import os
 import subprocess
@@ -46,5 +47,15 @@ class HangsAtSetup(SingleDeviceStrategy):
         time.sleep(600)
 
 
+class Rank1SlowToReport(DDPStrategy):
+    """Rank 1 takes 2 s more than rank 0 between the final checkpoint and its report."""
+
+    def barrier(self, name: str | None = None) -> None:
+        super().barrier(name)
+        if name == "Trainer.save_checkpoint" and self.global_rank == 1:
+            time.sleep(2)
+
+
+StrategyRegistry.register("rank1_slow_to_report", Rank1SlowToReport, override=True)
 StrategyRegistry.register("rank1_crashes_at_setup", Rank1CrashesAtSetup, override=True)
 StrategyRegistry.register("hangs_at_setup", HangsAtSetup, override=True, device="cpu")
