@@ -19,10 +19,13 @@ __all__ = ["run_worker"]
 
 class _Recorder(L.Callback):
     """Records each training step: its time, loss, the strategy's communication and bubble, and (on global rank 0)
-    a progress file the parent reads for its live line."""
+    a progress file the parent reads for its live line; at the end of the fit, writes ``{name}.rank{r}.json`` in
+    ``work``. Every process that trains does so, also where a ``spawn`` or ``fork`` launcher started it from the
+    process that called ``fit``."""
 
-    def __init__(self, progress: Path | None = None) -> None:
-        self.progress = progress
+    def __init__(self, work: Path, name: str) -> None:
+        self.work, self.name = work, name
+        self.progress = work / f"{name}.progress"
         self.start = 0.0
         self.step_ms: list[float] = []
         self.losses: list[float] = []
@@ -52,8 +55,21 @@ class _Recorder(L.Callback):
         pipeline = getattr(trainer.strategy, "pipeline_stats", None)  # hybrid_pipeline: idle over total, this rank
         if pipeline is not None and not pipeline.last.warmup:
             self.bubbles.append(float(pipeline.last.bubble))
-        if self.progress is not None and trainer.is_global_zero:  # read by the parent for its live progress line
+        if trainer.is_global_zero:  # read by the parent for its live progress line
             self.progress.write_text(f"{len(self.step_ms)} {self.losses[-1]}")
+
+    def on_fit_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        """Write this rank's steps, losses, communication, bubbles and peak memory."""
+        payload = {
+            "step_ms": self.step_ms,
+            "losses": self.losses,
+            "comm_bytes": self.comm_bytes,
+            "pipeline_bytes": self.pipeline_bytes,
+            "exposed_ms": self.exposed_ms,
+            "bubbles": self.bubbles,
+            "peak_mb": _peak_mb(trainer),
+        }
+        (self.work / f"{self.name}.rank{trainer.global_rank}.json").write_text(json.dumps(payload))
 
 
 def _peak_mb(trainer: L.Trainer) -> float:
@@ -75,13 +91,13 @@ def _rank() -> int:
 
 
 def run_worker(name: str, task_path: Path, devices: int, work: Path) -> None:
-    """Train the task with one strategy (inside the launched processes): each rank writes ``{name}.rank{r}.json`` and
-    waits until every rank has, rank 0 a checkpoint; a rank that fails writes ``{name}.rank{r}.error.json`` (its
-    one-line reason) and raises."""
+    """Train the task with one strategy (inside the launched processes): each rank writes ``{name}.rank{r}.json``
+    (:class:`_Recorder`) and waits until every rank has, then rank 0 a checkpoint; a rank that fails writes
+    ``{name}.rank{r}.error.json`` (its one-line reason) and raises."""
     task = load_task(task_path)
     if task.accelerator == "cpu":
         torch.set_num_threads(1)  # one CPU core stands for one device (scatter/gather's replicas are threads)
-    recorder = _Recorder(work / f"{name}.progress")
+    recorder = _Recorder(work, name)
     trainer: L.Trainer | None = None
     try:
         model = task.build_model()
@@ -108,16 +124,7 @@ def run_worker(name: str, task_path: Path, devices: int, work: Path) -> None:
         reason = {"type": type(err).__name__, "message": str(err), "steps_done": len(recorder.step_ms)}
         (work / f"{name}.rank{rank}.error.json").write_text(json.dumps(reason))
         raise
-    trainer.save_checkpoint(work / f"{name}.ckpt")
-    payload = {
-        "step_ms": recorder.step_ms,
-        "losses": recorder.losses,
-        "comm_bytes": recorder.comm_bytes,
-        "pipeline_bytes": recorder.pipeline_bytes,
-        "exposed_ms": recorder.exposed_ms,
-        "bubbles": recorder.bubbles,
-        "peak_mb": _peak_mb(trainer),
-    }
-    (work / f"{name}.rank{trainer.global_rank}.json").write_text(json.dumps(payload))
-    # a launcher's ranks run in rank 0's session, which the row kills once rank 0 has ended: rank 0 waits for all
+    # every rank has written its report before rank 0 can end: a launcher's ranks run in rank 0's session, which the
+    # row kills once rank 0 has ended
     trainer.strategy.barrier("compare.reported")
+    trainer.save_checkpoint(work / f"{name}.ckpt")

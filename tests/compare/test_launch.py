@@ -55,12 +55,24 @@ def test_a_fresh_launch_keeps_its_ranks_until_all_have_reported(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Lightning's launcher starts rank 1 in rank 0's session, which the row kills once rank 0 has ended: rank 1's
-    results (here written 2 s after rank 0's) must be on disk by then."""
+    results must be on disk by then, also where it reaches the end of its script 2 s after rank 0."""
     monkeypatch.setattr(runner, "fork_server_available", lambda accelerator: False)
     imports = ["tests.helpers.crashing_strategy"]
     (row,) = compare(["rank1_slow_to_report"], SMALL, 2, tmp_path, extra_imports=imports, progress=lambda m: None)
     assert row.status == "ok", row.error
     assert row.processes == 2 and len(row.peak_mb_by_rank) == 2, "both ranks reported"
+
+
+@pytest.mark.timeout(200)
+def test_a_launcher_that_starts_its_own_ranks_reports_each_of_them(tmp_path: Path) -> None:
+    """``spawn`` and ``fork`` launches train in processes the launcher starts from the worker: each of those reports
+    its steps, losses and memory (the worker that called ``fit`` trained nothing)."""
+    rows = compare(["ddp_spawn", "ring_allreduce_notebook"], SMALL, 2, tmp_path, progress=lambda m: None)
+    for row in rows:
+        assert row.status == "ok", row.error
+        assert row.processes == 2 and len(row.peak_mb_by_rank) == 2, f"{row.strategy}: both ranks reported"
+        assert len(row.loss_curve) == len(row.step_times_ms) == SMALL.steps and row.step_ms is not None, row.strategy
+        assert row.comm_mb_per_step is not None or row.strategy == "ddp_spawn", "the ring counts what it sends"
 
 
 def test_only_a_script_launch_gets_its_ranks_from_the_comparison() -> None:

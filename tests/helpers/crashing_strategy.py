@@ -48,7 +48,7 @@ class HangsAtSetup(SingleDeviceStrategy):
 
 
 class Rank1SlowToReport(DDPStrategy):
-    """Rank 1 takes 2 s more than rank 0 between the final checkpoint and its report."""
+    """Rank 1 takes 2 s longer than rank 0 from the final checkpoint to the end of the script."""
 
     def barrier(self, name: str | None = None) -> None:
         super().barrier(name)
