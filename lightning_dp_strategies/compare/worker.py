@@ -10,6 +10,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from torch.multiprocessing import ProcessRaisedException
 
 from lightning_dp_strategies.compare.catalogue import BASELINE
 from lightning_dp_strategies.compare.task import GlobalBatches, load_task
@@ -58,6 +59,15 @@ class _Recorder(L.Callback):
         if trainer.is_global_zero:  # read by the parent for its live progress line
             self.progress.write_text(f"{len(self.step_ms)} {self.losses[-1]}")
 
+    def steps_done(self) -> int:
+        """Steps this process trained; where a launcher's ranks trained instead, the steps rank 0 reported."""
+        if self.step_ms:
+            return len(self.step_ms)
+        try:
+            return int(self.progress.read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            return 0
+
     def on_fit_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         """Write this rank's steps, losses, communication, bubbles and peak memory."""
         payload = {
@@ -83,6 +93,21 @@ def _peak_mb(trainer: L.Trainer) -> float:
         import resource
 
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6
+
+
+def _raised(traceback: str) -> tuple[str, str]:
+    """The exception's type and message at the end of ``traceback``'s text: the lines after its last frame (the
+    frame's ``File`` line, then its source and markers, indented further)."""
+    lines = traceback.rstrip().splitlines()
+    frames = [i for i, line in enumerate(lines) if line.startswith('  File "')]
+    start = frames[-1] + 1 if frames else max(len(lines) - 1, 0)
+    while start < len(lines) and lines[start].startswith("    "):
+        start += 1
+    tail = lines[start:]
+    if not tail:
+        return "", traceback.strip()
+    kind, _, first = tail[0].partition(": ")
+    return kind.rsplit(".", 1)[-1], "\n".join([first, *tail[1:]])
 
 
 def _rank() -> int:
@@ -121,7 +146,10 @@ def run_worker(name: str, task_path: Path, devices: int, work: Path) -> None:
         trainer.fit(model, datamodule=data)
     except Exception as err:
         rank = trainer.global_rank if trainer is not None else _rank()
-        reason = {"type": type(err).__name__, "message": str(err), "steps_done": len(recorder.step_ms)}
+        kind, message = type(err).__name__, str(err)
+        if isinstance(err, ProcessRaisedException):  # a rank a spawn or fork launcher started: its own exception
+            rank, (kind, message) = err.error_index, _raised(message)
+        reason = {"type": kind, "message": message, "steps_done": recorder.steps_done()}
         (work / f"{name}.rank{rank}.error.json").write_text(json.dumps(reason))
         raise
     # every rank has written its report before rank 0 can end: a launcher's ranks run in rank 0's session, which the

@@ -102,6 +102,16 @@ def test_a_failed_rank_ends_its_row_and_the_rank_waiting_for_it_is_killed(
     assert len(_none_running(tmp_path / "pids")) == 2
 
 
+@pytest.mark.timeout(200)
+def test_a_rank_a_fork_launcher_started_fails_the_row_with_its_own_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``ValueError`` after steps were trained is a failure, not a refusal of the configuration (``n/a``), also
+    where the rank that raised it is not the process that called ``fit``."""
+    row = _failing_row("rank1_refuses_step_3_notebook", 120, tmp_path, monkeypatch)
+    assert (row.status, row.error) == ("failed", "ValueError: rank 1 refuses its third step")
+
+
 @pytest.mark.timeout(120)
 def test_a_row_past_its_timeout_is_killed_with_what_it_started(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     row = _failing_row("hangs_at_setup", 8, tmp_path, monkeypatch)

@@ -1,6 +1,8 @@
 """Strategies that fail for the comparison's isolation tests: ``"crashes_at_setup"`` fails when training starts,
 ``"rank1_crashes_at_setup"`` on one of its two ranks only, and ``"hangs_at_setup"`` never trains; and
-``"rank1_slow_to_report"``, which trains as ``ddp`` does but whose rank 1 reaches the end of the script late."""
+``"rank1_slow_to_report"``, which trains as ``ddp`` does but whose rank 1 reaches the end of the script late;
+``"rank1_refuses_step_3_notebook"``, whose rank 1 raises ``ValueError`` after two steps, in ranks a fork launcher
+started."""
 
 import os
 import subprocess
@@ -56,6 +58,13 @@ class Rank1SlowToReport(DDPStrategy):
             time.sleep(2)
 
 
+class Rank1RefusesStep3(DDPStrategy):
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if batch_idx == 2 and self.global_rank == 1:
+            raise ValueError("rank 1 refuses its third step")
+
+
+StrategyRegistry.register("rank1_refuses_step_3_notebook", Rank1RefusesStep3, start_method="fork", override=True)
 StrategyRegistry.register("rank1_slow_to_report", Rank1SlowToReport, override=True)
 StrategyRegistry.register("rank1_crashes_at_setup", Rank1CrashesAtSetup, override=True)
 StrategyRegistry.register("hangs_at_setup", HangsAtSetup, override=True, device="cpu")
