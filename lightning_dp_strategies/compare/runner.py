@@ -108,7 +108,7 @@ def _failure(name: str, work: Path, log: Path, code: int | None, timeout: float)
     return "failed", f"exit {code}" + (f": {_one_line(tail[0], 200)}" if tail else "")
 
 
-_REFUSALS = {"ValueError", "TypeError", "NotImplementedError", "MisconfigurationException"}
+_REFUSALS = {"ValueError", "TypeError", "NotImplementedError", "MisconfigurationException", "PicklingError"}
 """Exceptions raised before the first step that mean "this strategy cannot run this model or configuration"."""
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import time
 from pathlib import Path
 from typing import Any
@@ -149,6 +150,9 @@ def run_worker(name: str, task_path: Path, devices: int, work: Path) -> None:
         kind, message = type(err).__name__, str(err)
         if isinstance(err, ProcessRaisedException):  # a rank a spawn or fork launcher started: its own exception
             rank, (kind, message) = err.error_index, _raised(message)
+        if isinstance(err, pickle.PicklingError):  # a spawn launch pickles the module and its class by reference
+            message += " (spawn sends the model by reference: define it in an importable module, or use the fork "
+            message += "launch, the strategy's `_notebook` name)"
         reason = {"type": kind, "message": message, "steps_done": recorder.steps_done()}
         (work / f"{name}.rank{rank}.error.json").write_text(json.dumps(reason))
         raise

@@ -57,7 +57,7 @@ def test_api_runs_a_test_defined_model_and_marks_what_cannot_run_it(
     (tmp_path / "cwd").mkdir()
     monkeypatch.chdir(tmp_path / "cwd")  # where the model's own ModelCheckpoint would write, under a default root
     results = compare(
-        ["single", "ring_allreduce", "hybrid_pipeline", "hybrid_pipeline_notebook"],
+        ["single", "ring_allreduce", "hybrid_pipeline", "hybrid_pipeline_notebook", "ring_allreduce_spawn"],
         devices=2,
         out=tmp_path,
         model=TinyNet,
@@ -81,6 +81,10 @@ def test_api_runs_a_test_defined_model_and_marks_what_cannot_run_it(
     assert "pipeline_body" in hybrid.error and "\n" not in hybrid.error and "Traceback" not in hybrid.error
     # the same where the refusal happens in a rank that a fork launcher started (not the process that called fit)
     assert (rows["hybrid_pipeline_notebook"].status, rows["hybrid_pipeline_notebook"].error) == ("n/a", hybrid.error)
+    # a spawn launch pickles the model's class by reference, and the test's class cannot be imported: the fix named
+    spawn = rows["ring_allreduce_spawn"]
+    assert spawn.status == "n/a" and spawn.error is not None
+    assert spawn.error.startswith("PicklingError: ") and "define it in an importable module" in spawn.error
     # live progress while a strategy runs; logs kept, checkpoints not
     assert any("step " in m and "/5" in m for m in messages), messages
     assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == [f"{n}.log" for n in sorted(rows)]
