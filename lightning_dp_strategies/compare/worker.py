@@ -111,6 +111,21 @@ def _raised(traceback: str) -> tuple[str, str]:
     return kind.rsplit(".", 1)[-1], "\n".join([first, *tail[1:]])
 
 
+def _write_failure(err: Exception, trainer: L.Trainer | None, recorder: _Recorder) -> None:
+    """Write ``{name}.rank{r}.error.json`` beside the reports: the exception's type and message, and the steps done.
+    A rank that a spawn or fork launcher started fails the launching process with its traceback's text: the reason
+    is the rank's own exception."""
+    rank = trainer.global_rank if trainer is not None else _rank()
+    kind, message = type(err).__name__, str(err)
+    if isinstance(err, ProcessRaisedException):
+        rank, (kind, message) = err.error_index, _raised(message)
+    if isinstance(err, pickle.PicklingError):  # a spawn launch pickles the module and its class by reference
+        message += " (spawn sends the model by reference: define it in an importable module, or use the fork "
+        message += "launch, the strategy's `_notebook` name)"
+    reason = {"type": kind, "message": message, "steps_done": recorder.steps_done()}
+    (recorder.work / f"{recorder.name}.rank{rank}.error.json").write_text(json.dumps(reason))
+
+
 def _rank() -> int:
     """This process's global rank from the launcher's environment (0 when not launched)."""
     return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
@@ -146,15 +161,7 @@ def run_worker(name: str, task_path: Path, devices: int, work: Path) -> None:
         )
         trainer.fit(model, datamodule=data)
     except Exception as err:
-        rank = trainer.global_rank if trainer is not None else _rank()
-        kind, message = type(err).__name__, str(err)
-        if isinstance(err, ProcessRaisedException):  # a rank a spawn or fork launcher started: its own exception
-            rank, (kind, message) = err.error_index, _raised(message)
-        if isinstance(err, pickle.PicklingError):  # a spawn launch pickles the module and its class by reference
-            message += " (spawn sends the model by reference: define it in an importable module, or use the fork "
-            message += "launch, the strategy's `_notebook` name)"
-        reason = {"type": kind, "message": message, "steps_done": recorder.steps_done()}
-        (work / f"{name}.rank{rank}.error.json").write_text(json.dumps(reason))
+        _write_failure(err, trainer, recorder)
         raise
     # every rank has written its report before rank 0 can end: a launcher's ranks run in rank 0's session, which the
     # row kills once rank 0 has ended
