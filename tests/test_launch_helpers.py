@@ -9,6 +9,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch.distributed as dist
@@ -159,11 +160,17 @@ def _joined(rank: int, world_size: int) -> None:
 
 @pytest.mark.timeout(120)
 def test_a_group_whose_ranks_all_failed_to_join_is_started_again(mocker: MockerFixture) -> None:
+    """The first start is refused at the rendezvous (faked); the next starts are real, and may themselves be refused
+    on a busy loopback, which the helper's own tries absorb."""
     real = distributed._spawn
     refused = [(0, distributed._RENDEZVOUS, "RuntimeError: Gloo connectFullMesh failed")] * 2
-    spawn = mocker.patch.object(distributed, "_spawn", side_effect=[([], [], refused), real(_joined, 2, (), 60)])
+
+    def refused_first(*args: Any) -> Any:
+        return ([], [], refused) if spawn.call_count == 1 else real(*args)
+
+    spawn = mocker.patch.object(distributed, "_spawn", side_effect=refused_first)
     distributed.run_distributed(_joined, 2)
-    assert spawn.call_count == 2
+    assert spawn.call_count >= 2
 
 
 @pytest.mark.timeout(60)
