@@ -131,6 +131,10 @@ def run_one(name: str, session: Session) -> RunResult:
     if code != 0 or not summary.exists():
         result.status, result.error = _failure(name, work, log, code, timeout)
         return result
+    if len(ranks) != result.processes:  # each process that trains writes one report: none may be left out
+        result.status = "failed"
+        result.error = f"{len(ranks)} of {result.processes} processes reported (see {log.parent.name}/{log.name})"
+        return result
     data = json.loads(summary.read_text())
     every_rank = [json.loads(p.read_text()) for p in sorted(ranks, key=_rank_of)]
     result.peak_mb_by_rank = [rank["peak_mb"] for rank in every_rank]

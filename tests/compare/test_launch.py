@@ -11,8 +11,9 @@ import pytest
 
 import tests.helpers.crashing_strategy  # noqa: F401  (registers the failing strategies in this process too)
 from lightning_dp_strategies.compare import DemoConfig, compare, launch, runner
-from lightning_dp_strategies.compare.launch import torchrun_ranks
+from lightning_dp_strategies.compare.launch import Session, torchrun_ranks
 from lightning_dp_strategies.compare.runner import RunResult
+from lightning_dp_strategies.compare.task import make_task
 
 SMALL = DemoConfig(steps=4, model_size="small")
 TOLERANCE = 1e-6  # the same arithmetic in a forked and in a fresh process; one thread in each
@@ -73,6 +74,22 @@ def test_a_launcher_that_starts_its_own_ranks_reports_each_of_them(tmp_path: Pat
         assert row.processes == 2 and len(row.peak_mb_by_rank) == 2, f"{row.strategy}: both ranks reported"
         assert len(row.loss_curve) == len(row.step_times_ms) == SMALL.steps and row.step_ms is not None, row.strategy
         assert row.comm_mb_per_step is not None or row.strategy == "ddp_spawn", "the ring counts what it sends"
+
+
+def test_a_row_missing_a_rank_report_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The processes ended well but one of the two never reported: the row is not summarised from the other."""
+    import json
+
+    report = {"step_ms": [5.0], "losses": [1.0], "comm_bytes": [], "pipeline_bytes": [], "exposed_ms": []}
+
+    def rank0_only(name: str, session: Session, log: Path, progress: object) -> int:
+        (session.work / f"{name}.rank0.json").write_text(json.dumps({**report, "bubbles": [], "peak_mb": 1.0}))
+        return 0
+
+    monkeypatch.setattr(runner, "launch", rank0_only)
+    session = Session(make_task(demo=SMALL), tmp_path / "task.pkl", 2, tmp_path, tmp_path)
+    row = runner.run_one("ring_allreduce", session)
+    assert (row.status, row.error) == ("failed", f"1 of 2 processes reported (see {tmp_path.name}/ring_allreduce.log)")
 
 
 def test_only_a_script_launch_gets_its_ranks_from_the_comparison() -> None:
