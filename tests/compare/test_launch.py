@@ -80,10 +80,10 @@ def test_a_row_missing_a_rank_report_fails(tmp_path: Path, monkeypatch: pytest.M
     """The processes ended well but one of the two never reported: the row is not summarised from the other."""
     import json
 
-    report = {"step_ms": [5.0], "losses": [1.0], "comm_bytes": [], "pipeline_bytes": [], "exposed_ms": []}
+    report = dict(step_ms=[5.0], losses=[1.0], comm_bytes=[], pipeline_bytes=[], exposed_ms=[], bubbles=[], peak_mb=1.0)
 
     def rank0_only(name: str, session: Session, log: Path, progress: object) -> int:
-        (session.work / f"{name}.rank0.json").write_text(json.dumps({**report, "bubbles": [], "peak_mb": 1.0}))
+        (session.work / f"{name}.rank0.json").write_text(json.dumps(report))
         return 0
 
     monkeypatch.setattr(runner, "launch", rank0_only)
