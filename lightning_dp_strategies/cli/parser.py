@@ -67,7 +67,7 @@ def _what_to_train(cmp: argparse.ArgumentParser) -> None:
         "--accelerator",
         choices=("auto", "cpu", "gpu", "cuda"),
         default="auto",
-        help="auto (default): CUDA GPUs when present, otherwise CPU processes (one core per device)",
+        help="auto (default): CUDA GPUs when there are --devices of them, else CPU processes (one core per device)",
     )
     cmp.add_argument(
         "--model-size",

@@ -173,12 +173,16 @@ def _rank_of(path: Path) -> int:
 def _resolve_accelerator(accelerator: str, devices: int) -> str:
     if accelerator not in ("auto", "cpu", "gpu", "cuda"):
         raise ValueError(f"accelerator {accelerator!r} is not one of auto, cpu, gpu, cuda")
-    if accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available()):
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if accelerator == "cpu" or (accelerator == "auto" and gpus < devices):  # auto: CPU processes, said in the headline
         return "cpu"
-    if not torch.cuda.is_available():
+    if not gpus:
         raise ValueError(f"accelerator={accelerator!r} but this machine has no CUDA device: use accelerator='cpu'")
-    if devices > torch.cuda.device_count():
-        raise ValueError(f"devices={devices} but this machine has {torch.cuda.device_count()} CUDA devices")
+    if devices > gpus:
+        raise ValueError(
+            f"devices={devices} but this machine has {gpus} CUDA device{'s' if gpus > 1 else ''}: use devices={gpus},"
+            f" or accelerator='cpu' for {devices} CPU processes"
+        )
     return "cuda"
 
 
@@ -227,7 +231,7 @@ def compare(
     data = datamodule if datamodule is not None else train_dataloaders
     task = make_task(model, data, demo=config, steps=steps, seed=seed, precision=precision, accelerator=device_kind)
     global_batch, first = _global_batch(task, devices)
-    progress(_headline(len(names), task, devices, device_kind, global_batch))
+    progress(_headline(len(names), task, devices, device_kind, global_batch, accelerator == "auto"))
     out = Path(out)
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -289,12 +293,17 @@ def _global_batch(task: Task, devices: int) -> tuple[int | None, Any]:
     return global_batch, first
 
 
-def _headline(count: int, task: Task, devices: int, device_kind: str, global_batch: int | None) -> str:
-    """The progress line that opens a comparison: how many strategies, on what, with how many devices and steps."""
-    return (
+def _headline(count: int, task: Task, devices: int, device_kind: str, global_batch: int | None, auto: bool) -> str:
+    """The progress line that opens a comparison: how many strategies, on what, with how many devices and steps;
+    where ``auto`` chose CPU processes on a machine with too few GPUs, how to use the GPUs it has."""
+    line = (
         f"Comparing {count} strategies on {task.label}, {devices} {'CUDA' if device_kind == 'cuda' else 'CPU'}"
         f" devices each, {task.steps} steps" + (f" of {global_batch} samples" if global_batch else "")
     )
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if auto and device_kind == "cpu" and 0 < gpus < devices:
+        line += f" (this machine has {gpus} CUDA device{'s' if gpus > 1 else ''}: --accelerator gpu --devices {gpus})"
+    return line
 
 
 def _add_throughput(results: list[RunResult], global_batch: int | None) -> None:

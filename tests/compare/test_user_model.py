@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -17,7 +18,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dp_strategies import cli as lightning_dp_strategies_cli
-from lightning_dp_strategies.compare import compare
+from lightning_dp_strategies.compare import compare, runner
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
 
@@ -195,6 +196,27 @@ def test_values_wrong_here_are_refused_before_any_process(
     assert message in err
     if "nope" in argv:
         assert "fsdp" not in err and "deepspeed" not in err and "xla" not in err
+
+
+def test_one_gpu_and_two_devices_runs_cpu_processes_under_auto_and_names_the_fix_under_gpu(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """The README's command on a one-GPU machine: ``auto`` compares CPU processes and its headline says how to use the
+    GPU; ``--accelerator gpu`` is refused before any process, naming ``devices=1``."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert runner._check_arguments(2, 300.0, None, None, "auto", "32-true") == "cpu"
+    task = SimpleNamespace(label="the demo", steps=30)
+    assert runner._headline(5, task, 2, "cpu", 64, auto=True).endswith(  # type: ignore[arg-type]
+        "(this machine has 1 CUDA device: --accelerator gpu --devices 1)"
+    )
+    assert "CUDA device" not in runner._headline(5, task, 2, "cpu", 64, auto=False)  # type: ignore[arg-type]
+    assert runner._check_arguments(1, 300.0, None, None, "auto", "32-true") == "cuda"
+    _never_starts_a_process(monkeypatch)
+    with pytest.raises(SystemExit) as exit_info:
+        lightning_dp_strategies_cli.main(["compare", "--output", str(tmp_path), "--accelerator", "gpu"])
+    assert exit_info.value.code == 2
+    assert "devices=2 but this machine has 1 CUDA device: use devices=1" in capsys.readouterr().err
 
 
 def test_data_without_a_batch_is_refused_before_any_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
