@@ -298,7 +298,8 @@ def _headline(count: int, task: Task, devices: int, device_kind: str, global_bat
     where ``auto`` chose CPU processes on a machine with too few GPUs, how to use the GPUs it has."""
     line = (
         f"Comparing {count} strategies on {task.label}, {devices} {'CUDA' if device_kind == 'cuda' else 'CPU'}"
-        f" devices each, {task.steps} steps" + (f" of {global_batch} samples" if global_batch else "")
+        f" device{'s' if devices > 1 else ''} each, {task.steps} steps"
+        + (f" of {global_batch} samples" if global_batch else "")
     )
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if auto and device_kind == "cpu" and 0 < gpus < devices:
