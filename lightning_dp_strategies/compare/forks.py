@@ -11,7 +11,9 @@ A forked rank starts a new session (the parent kills its whole process group on 
 environment and working folder as they are at the request (``PYTHONPATH`` entries added since the server started
 are put on ``sys.path``), writes its output to the row's log, imports the comparison's extra modules and runs
 :func:`~lightning_dp_strategies.compare.worker.run_worker`, as ``python -m lightning_dp_strategies compare --worker``
-would. The server ends when the parent closes its input.
+would. The server ends when the parent closes its input, or once it has had no request and no live rank for
+:data:`IDLE_SECONDS`. :func:`shared_fork_server` keeps one server for all of a process's comparisons (a second
+``compare`` in a notebook forks its ranks at once); it is replaced when it has ended or been idle for half that time.
 """
 
 from __future__ import annotations
@@ -24,13 +26,17 @@ import selectors
 import subprocess
 import sys
 import threading
+import time
 import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["ForkServer", "RankRequest", "fork_server_available"]
+__all__ = ["IDLE_SECONDS", "ForkServer", "RankRequest", "fork_server_available", "shared_fork_server"]
 
 _PRELOAD = ("torch", "torch.distributed", "lightning", "lightning_dp_strategies.compare.worker")
+
+IDLE_SECONDS = 300.0
+"""How long a fork server waits with no request and no live rank before it ends."""
 
 
 def fork_server_available(accelerator: str = "cpu") -> bool:
@@ -62,10 +68,13 @@ class ForkServer:
     its exit status (minus the signal's number for a rank killed by one).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, idle: float = IDLE_SECONDS) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.idle = idle
+        self.last_used = time.monotonic()
+        """When a rank was last asked for or reported ended (the server counts its idle time from the same events)."""
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "lightning_dp_strategies.compare.forks"],
+            [sys.executable, "-m", "lightning_dp_strategies.compare.forks", "--idle", str(idle)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,
@@ -83,8 +92,10 @@ class ForkServer:
         for line in self._proc.stdout:
             kind, *values = line.split()
             with self._lock:
+                self.last_used = time.monotonic()
                 if kind == "started":
                     self._started.append(int(values[0]))
+                    self._exits.pop(int(values[0]), None)  # an earlier rank's status under a process id now reused
                 elif kind == "exited":
                     self._exits[int(values[0])] = int(values[1])
                 self._lock.notify_all()
@@ -95,6 +106,7 @@ class ForkServer:
         """Fork one rank; its process id. ``RuntimeError`` when the server is gone or does not answer."""
         assert self._proc.stdin is not None
         with self._lock:
+            self.last_used = time.monotonic()
             try:
                 self._proc.stdin.write(json.dumps(asdict(request)) + "\n")
                 self._proc.stdin.flush()
@@ -105,6 +117,10 @@ class ForkServer:
                 state = "exited" if self._proc.poll() is not None else f"did not answer in {timeout:.0f} s"
                 raise RuntimeError(f"the comparison's fork server {state}")
             return self._started.pop(0)
+
+    def running(self) -> bool:
+        """Whether the server process is still there to fork ranks."""
+        return self._proc.poll() is None
 
     def exit_code(self, pid: int) -> int | None:
         """The rank's exit status once the server has reaped it, else ``None``."""
@@ -123,6 +139,20 @@ class ForkServer:
         except subprocess.TimeoutExpired:
             self._proc.kill()
             self._proc.wait()
+
+
+_shared: list[ForkServer] = []
+
+
+def shared_fork_server() -> ForkServer:
+    """This process's fork server, started on first use and kept for its later comparisons; a new one where it has
+    ended, or has been idle for more than half its :attr:`~ForkServer.idle` time (it could end while asked)."""
+    if _shared and _shared[0].running() and time.monotonic() - _shared[0].last_used < _shared[0].idle / 2:
+        return _shared[0]
+    if _shared:
+        _shared.pop().close()
+    _shared.append(ForkServer())
+    return _shared[0]
 
 
 # ---------------------------------------------------------------------------------------------- the server's side
@@ -190,14 +220,15 @@ def _reap(out: list[str]) -> None:
         out.append(f"exited {pid} {os.waitstatus_to_exitcode(status)}\n")
 
 
-def main() -> None:
-    """The server: import, then fork a rank per request line until the input ends."""
+def main(idle: float = IDLE_SECONDS) -> None:
+    """The server: import, then fork a rank per request line until the input ends or ``idle`` seconds pass with no
+    request and no live rank."""
     for module in _PRELOAD:
         importlib.import_module(module)
     selector = selectors.DefaultSelector()
     selector.register(sys.stdin.fileno(), selectors.EVENT_READ)
-    pending, open_input = b"", True
-    while open_input:
+    pending, open_input, live, last = b"", True, 0, time.monotonic()
+    while open_input and (live or time.monotonic() - last < idle):
         replies: list[str] = []
         if selector.select(timeout=0.05):
             chunk = os.read(sys.stdin.fileno(), 65536)
@@ -206,10 +237,14 @@ def main() -> None:
             while b"\n" in pending:
                 line, pending = pending.split(b"\n", 1)
                 replies.append(f"started {_fork(RankRequest(**json.loads(line)))}\n")
+                live += 1
         _reap(replies)
+        live -= sum(reply.startswith("exited") for reply in replies)
+        if replies:
+            last = time.monotonic()
         sys.stdout.write("".join(replies))
         sys.stdout.flush()
 
 
 if __name__ == "__main__":
-    main()
+    main(float(sys.argv[sys.argv.index("--idle") + 1]) if "--idle" in sys.argv else IDLE_SECONDS)

@@ -23,7 +23,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_dp_strategies.compare.catalogue import BASELINE, check_strategies, default_strategies, processes_for
 from lightning_dp_strategies.compare.demo import DemoClassifier, DemoConfig, make_dataset
-from lightning_dp_strategies.compare.forks import ForkServer, fork_server_available
+from lightning_dp_strategies.compare.forks import fork_server_available, shared_fork_server
 from lightning_dp_strategies.compare.launch import Session, launch
 from lightning_dp_strategies.compare.task import (
     Task,
@@ -322,13 +322,10 @@ def _keep_checkpoints(work: Path, kept: Path) -> None:
 
 
 def _run_rows(names: list[str], session: Session) -> list[RunResult]:
-    """Every strategy's row in turn, their processes forked from one fork server where that is safe (Linux, CPU)."""
-    forks = session.forks = ForkServer() if fork_server_available(session.task.accelerator) else None
-    try:
-        return [_announced(name, i, len(names), session) for i, name in enumerate(names, 1)]
-    finally:
-        if forks is not None:
-            forks.close()
+    """Every strategy's row in turn, their processes forked from the process's fork server where that is safe
+    (Linux, CPU)."""
+    session.forks = shared_fork_server() if fork_server_available(session.task.accelerator) else None
+    return [_announced(name, i, len(names), session) for i, name in enumerate(names, 1)]
 
 
 def _announced(name: str, i: int, count: int, session: Session) -> RunResult:

@@ -163,12 +163,13 @@ def test_only_cpu_runs_on_linux_are_forked() -> None:
 
 @pytest.mark.timeout(120)
 def test_a_forked_rank_exits_with_the_status_the_interpreter_would_give(tmp_path: Path) -> None:
-    """``sys.exit()`` is success, ``sys.exit(3)`` is 3, ``sys.exit("message")`` prints it and is 1."""
+    """``sys.exit()`` is success, ``sys.exit(3)`` is 3, ``sys.exit("message")`` prints it and is 1; once they have
+    ended and its idle time has passed, the server ends by itself."""
     import os
 
     from lightning_dp_strategies.compare.forks import ForkServer, RankRequest
 
-    server = ForkServer()
+    server = ForkServer(idle=1.0)
     try:
         pids = {}
         for case, value in [("none", None), ("three", "3"), ("message", "cannot go on")]:
@@ -184,7 +185,39 @@ def test_a_forked_rank_exits_with_the_status_the_interpreter_would_give(tmp_path
             if None not in codes.values():
                 break
             time.sleep(0.1)
+        assert server._proc.wait(timeout=60) == 0  # idle: no request and no live rank for a second
+        assert not server.running()
     finally:
         server.close()
     assert codes == {"none": 0, "three": 3, "message": 1}
     assert "cannot go on" in (tmp_path / "message.log").read_text()
+
+
+def test_comparisons_in_one_process_share_a_fork_server_until_it_ends_or_has_idled_half_its_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from lightning_dp_strategies.compare import forks
+
+    class Server:
+        """Stands in for :class:`ForkServer` (no process): running until ``ended``, used at ``last_used``."""
+
+        def __init__(self) -> None:
+            self.idle, self.last_used, self.ended, self.closed = 300.0, time.monotonic(), False, False
+
+        def running(self) -> bool:
+            return not self.ended
+
+        def close(self) -> None:
+            self.closed = True
+
+    monkeypatch.setattr(forks, "ForkServer", Server)
+    monkeypatch.setattr(forks, "_shared", [])
+    first = forks.shared_fork_server()
+    assert forks.shared_fork_server() is first
+    first.ended = True  # type: ignore[attr-defined]
+    second = forks.shared_fork_server()
+    assert second is not first and first.closed  # type: ignore[attr-defined]
+    second.last_used -= 151  # idle for over half its time: it could end while asked
+    third = forks.shared_fork_server()
+    assert third is not second and second.closed  # type: ignore[attr-defined]
+    assert forks.shared_fork_server() is third
