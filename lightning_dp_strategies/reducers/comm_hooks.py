@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch  # noqa: F401  # the doctests build tensors
+import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
@@ -177,6 +177,34 @@ def _check_post_local_sgd(state: object, period: object) -> None:
         raise ValueError(f"`model_averaging_period` must be an int >= 1 (optimizer steps), got {period!r}.")
 
 
+def calls_torch_powersgd(hook: object) -> bool:
+    """Whether ``hook`` is torch's ``powerSGD_hook`` or ``batched_powerSGD_hook``, or a wrapper of one
+    (``fp16_compress_wrapper(powerSGD_hook)``: found through the wrapper's closure)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+    seen: set[int] = set()
+    todo = [hook]
+    while todo:
+        fn = todo.pop()
+        if id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        if fn is powersgd.powerSGD_hook or fn is powersgd.batched_powerSGD_hook:
+            return True
+        todo += [cell.cell_contents for cell in getattr(fn, "__closure__", None) or () if callable(cell.cell_contents)]
+        todo += [f for f in (getattr(fn, "func", None), getattr(fn, "__wrapped__", None)) if callable(f)]
+    return False
+
+
+_POWERSGD_ON_CPU = (
+    " torch's PowerSGD hooks call torch.cuda.synchronize(device) with the bucket's device whenever CUDA is available,"
+    " which fails for a bucket on the CPU ('Expected a cuda device, but got: cpu'): on a machine with a GPU, reduce"
+    " CPU buckets with this package's `reducer=PowerSGD(...)`, or hide the GPU from the processes"
+    " (CUDA_VISIBLE_DEVICES='')."
+)
+"""Added to a failed bucket's message where torch's PowerSGD hooks meet a process that sees a GPU."""
+
+
 def _describe(obj: object) -> str:
     name = getattr(obj, "__qualname__", None) or repr(obj)
     try:
@@ -235,7 +263,7 @@ class CommHookReducer(ReducerBase):
             "`bucket.buffer()`), e.g. `dist.all_reduce(buffer, async_op=True).get_future().then(lambda f: "
             "f.value()[0])`; a future that is never completed fails at the strategy's `timeout`. If the hook is "
             "correct, another rank most likely failed: look for the first error in the other ranks' logs."
-        )
+        ) + (_POWERSGD_ON_CPU if torch.cuda.is_available() and calls_torch_powersgd(self.hook) else "")
 
     def setup(self, group: dist.ProcessGroup | None, ranks: Sequence[int], backend: str | None = None) -> None:
         """Check (or lend) the process group of a state that names one; called on every rank for every group."""

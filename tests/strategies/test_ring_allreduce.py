@@ -26,7 +26,10 @@ NUMERICS = pytest.mark.numerics
 
 TOLERANCE = 1e-5
 NAMES = "'ring', 'native', 'per_tensor', 'auto', 'int8', 'int4'"  # the reducer names an error lists
-HOOKS = ["hook_allreduce", "hook_unused", "hook_fp16", "hook_powersgd"]
+TORCH_POWERSGD_HERE = not torch.cuda.is_available()
+"""torch's PowerSGD hook fails on CPU buckets in a process that sees a GPU (it synchronizes CUDA on the bucket's
+device): its scenario runs only on machines without one."""
+HOOKS = ["hook_allreduce", "hook_unused", "hook_fp16", *(["hook_powersgd"] if TORCH_POWERSGD_HERE else [])]
 # the scenarios of one world size share one launch (each launch costs seconds of imports, a fit does not)
 WORLD_2 = ["sgd", "sgd@ddp", "adam2", "unused", "accumulate", "clip", "manual", "bf16", *HOOKS]
 WORLD_3 = ["sgd3", "adam3", "sgd3@minimal"]
@@ -383,7 +386,8 @@ def test_torch_ddp_comm_hooks_average_the_buckets(world2: Path) -> None:
     assert TOLERANCE < drift <= 1e-3, drift
     assert fp16[0]["totals"]["ring_operations"] == 6
     # PowerSGD (rank 1 from step 3): the ranks agree exactly; the model is the low-rank approximation's, near the exact
-    powersgd = results(world2, "hook_powersgd")
-    assert max_diff(powersgd[0]["params"], powersgd[1]["params"]) == 0
-    drift = max_diff(powersgd[0]["params"], reference_parameters("hook_powersgd"))
-    assert TOLERANCE < drift <= 0.1, drift
+    if TORCH_POWERSGD_HERE:
+        powersgd = results(world2, "hook_powersgd")
+        assert max_diff(powersgd[0]["params"], powersgd[1]["params"]) == 0
+        drift = max_diff(powersgd[0]["params"], reference_parameters("hook_powersgd"))
+        assert TOLERANCE < drift <= 0.1, drift
