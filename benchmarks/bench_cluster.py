@@ -57,6 +57,10 @@ from _launch import (
     worker_command,
 )
 
+# Every process here runs on the CPU over gloo. torch's powerSGD_hook synchronizes CUDA on the bucket's device whenever
+# CUDA is available, which fails for CPU buckets: the GPUs are hidden from this script and the processes it starts.
+os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+
 VARIANTS = (
     "ddp",
     "ring",
