@@ -169,7 +169,7 @@ def test_a_forked_rank_exits_with_the_status_the_interpreter_would_give(tmp_path
 
     from lightning_dp_strategies.compare.forks import ForkServer, RankRequest
 
-    server = ForkServer(idle=1.0)
+    server = ForkServer(idle=3.0)  # longer than any pause between the requests below
     try:
         pids = {}
         for case, value in [("none", None), ("three", "3"), ("message", "cannot go on")]:
@@ -185,7 +185,7 @@ def test_a_forked_rank_exits_with_the_status_the_interpreter_would_give(tmp_path
             if None not in codes.values():
                 break
             time.sleep(0.1)
-        assert server._proc.wait(timeout=60) == 0  # idle: no request and no live rank for a second
+        assert server._proc.wait(timeout=60) == 0  # idle: no request and no live rank for 3 s
         assert not server.running()
     finally:
         server.close()
