@@ -156,6 +156,10 @@ def shared_fork_server() -> ForkServer:
 
 
 # ---------------------------------------------------------------------------------------------- the server's side
+_started_in: str | None = None
+"""The server's working folder at its start where ``python -m`` put it first on ``sys.path`` (not under ``-P``)."""
+
+
 def _run_rank(request: RankRequest) -> int:
     """In the forked rank: become the process the request describes, run the worker; its exit status."""
     os.setsid()
@@ -167,6 +171,8 @@ def _run_rank(request: RankRequest) -> int:
     os.close(log)
     os.close(devnull)
     os.chdir(request.cwd)
+    if _started_in is not None:  # ``python -m`` puts its working folder first on sys.path: the request's, as fresh
+        sys.path[0] = request.cwd
     os.environ.clear()
     os.environ.update(request.env)
     added = [p for p in request.env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
@@ -223,6 +229,8 @@ def _reap(out: list[str]) -> None:
 def main(idle: float = IDLE_SECONDS) -> None:
     """The server: import, then fork a rank per request line until the input ends or ``idle`` seconds pass with no
     request and no live rank."""
+    global _started_in
+    _started_in = os.getcwd() if sys.path and sys.path[0] == os.getcwd() else None
     for module in _PRELOAD:
         importlib.import_module(module)
     selector = selectors.DefaultSelector()

@@ -39,9 +39,11 @@ def _none_running(folder: Path) -> list[int]:
 
 @pytest.mark.timeout(200)
 def test_forked_ranks_train_as_fresh_interpreters_do(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    single, forked = compare(["single", "ring_allreduce"], SMALL, 2, tmp_path / "a", progress=lambda m: None)
+    single, forked = compare(
+        ["single", "ring_allreduce"], SMALL, 2, tmp_path / "a", progress=lambda m: None, accelerator="cpu"
+    )
     monkeypatch.setattr(runner, "fork_server_available", lambda accelerator: False)
-    (fresh,) = compare(["ring_allreduce"], SMALL, 2, tmp_path / "b", progress=lambda m: None)
+    (fresh,) = compare(["ring_allreduce"], SMALL, 2, tmp_path / "b", progress=lambda m: None, accelerator="cpu")
     assert (single.status, forked.status, fresh.status) == ("ok", "ok", "ok"), (forked.error, fresh.error)
     assert forked.processes == fresh.processes == 2 and len(forked.peak_mb_by_rank) == 2, "both ranks reported"
     assert len(forked.loss_curve) == len(fresh.loss_curve) == SMALL.steps
@@ -59,7 +61,9 @@ def test_a_fresh_launch_keeps_its_ranks_until_all_have_reported(
     results must be on disk by then, also where it reaches the end of its script 2 s after rank 0."""
     monkeypatch.setattr(runner, "fork_server_available", lambda accelerator: False)
     imports = ["tests.helpers.crashing_strategy"]
-    (row,) = compare(["rank1_slow_to_report"], SMALL, 2, tmp_path, extra_imports=imports, progress=lambda m: None)
+    (row,) = compare(
+        ["rank1_slow_to_report"], SMALL, 2, tmp_path, extra_imports=imports, progress=lambda m: None, accelerator="cpu"
+    )
     assert row.status == "ok", row.error
     assert row.processes == 2 and len(row.peak_mb_by_rank) == 2, "both ranks reported"
 
@@ -68,7 +72,9 @@ def test_a_fresh_launch_keeps_its_ranks_until_all_have_reported(
 def test_a_launcher_that_starts_its_own_ranks_reports_each_of_them(tmp_path: Path) -> None:
     """``spawn`` and ``fork`` launches train in processes the launcher starts from the worker: each of those reports
     its steps, losses and memory (the worker that called ``fit`` trained nothing)."""
-    rows = compare(["ddp_spawn", "ring_allreduce_notebook"], SMALL, 2, tmp_path, progress=lambda m: None)
+    rows = compare(
+        ["ddp_spawn", "ring_allreduce_notebook"], SMALL, 2, tmp_path, progress=lambda m: None, accelerator="cpu"
+    )
     for row in rows:
         assert row.status == "ok", row.error
         assert row.processes == 2 and len(row.peak_mb_by_rank) == 2, f"{row.strategy}: both ranks reported"
@@ -104,7 +110,7 @@ def _failing_row(name: str, timeout: float, tmp_path: Path, monkeypatch: pytest.
     monkeypatch.setenv("LDPS_TEST_PID_DIR", str(tmp_path / "pids"))
     (tmp_path / "pids").mkdir()
     imports = ["tests.helpers.crashing_strategy"]
-    (row,) = compare([name], SMALL, 2, tmp_path / "out", timeout, imports, progress=lambda m: None)
+    (row,) = compare([name], SMALL, 2, tmp_path / "out", timeout, imports, progress=lambda m: None, accelerator="cpu")
     return row
 
 
@@ -163,13 +169,19 @@ def test_only_cpu_runs_on_linux_are_forked() -> None:
 
 @pytest.mark.timeout(120)
 def test_a_forked_rank_exits_with_the_status_the_interpreter_would_give(tmp_path: Path) -> None:
-    """``sys.exit()`` is success, ``sys.exit(3)`` is 3, ``sys.exit("message")`` prints it and is 1; once they have
-    ended and its idle time has passed, the server ends by itself."""
+    """``sys.exit()`` is success, ``sys.exit(3)`` is 3, ``sys.exit("message")`` prints it and is 1; a rank imports
+    from the folder it was asked for in, not the one the server started in; once they have ended and its idle time
+    has passed, the server ends by itself."""
     import os
 
     from lightning_dp_strategies.compare.forks import ForkServer, RankRequest
 
-    server = ForkServer(idle=3.0)  # longer than any pause between the requests below
+    here = os.getcwd()  # the repository: where ``tests`` imports from
+    os.chdir(tmp_path)  # the server starts elsewhere; the ranks are asked for here, and import as if started here
+    try:
+        server = ForkServer(idle=3.0)  # longer than any pause between the requests below
+    finally:
+        os.chdir(here)
     try:
         pids = {}
         for case, value in [("none", None), ("three", "3"), ("message", "cannot go on")]:
