@@ -63,6 +63,8 @@ def test_short_run_writes_table_json_and_png_and_isolates_a_crash(
             "6",
             "--model-size",
             "small",
+            "--accelerator",
+            "cpu",
             "--output",
             str(tmp_path),
             "--import",

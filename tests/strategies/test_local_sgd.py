@@ -274,7 +274,17 @@ def test_compare_runs_it_and_reports_what_its_averages_send(tmp_path: Path) -> N
 
     from lightning_dp_strategies.cli import main
 
-    argv = ["compare", "--strategies", "single,local_sgd", "--steps", "8", "--model-size", "small"]
+    argv = [
+        "compare",
+        "--strategies",
+        "single,local_sgd",
+        "--steps",
+        "8",
+        "--model-size",
+        "small",
+        "--accelerator",
+        "cpu",
+    ]
     assert main([*argv, "--output", str(tmp_path)]) == 0
     rows = {r["strategy"]: r for r in json.loads((tmp_path / "comparison.json").read_text())["results"]}
     local = rows["local_sgd"]
