@@ -13,7 +13,8 @@ are put on ``sys.path``), writes its output to the row's log, imports the compar
 :func:`~lightning_dp_strategies.compare.worker.run_worker`, as ``python -m lightning_dp_strategies compare --worker``
 would. The server ends when the parent closes its input, or once it has had no request and no live rank for
 :data:`IDLE_SECONDS`. :func:`shared_fork_server` keeps one server for all of a process's comparisons (a second
-``compare`` in a notebook forks its ranks at once); it is replaced when it has ended or been idle for half that time.
+``compare`` in a notebook forks its ranks at once); it is replaced when it has ended, has been idle for half that
+time, or when a source file of this package has changed since it started (its ranks would run the old code).
 """
 
 from __future__ import annotations
@@ -71,6 +72,8 @@ class ForkServer:
     def __init__(self, idle: float = IDLE_SECONDS) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.idle = idle
+        self.source_stamp = package_stamp()
+        """:func:`package_stamp` when the server started: the package code its ranks run."""
         self.last_used = time.monotonic()
         """When a rank was last asked for or reported ended (the server counts its idle time from the same events)."""
         self._proc = subprocess.Popen(
@@ -141,14 +144,27 @@ class ForkServer:
             self._proc.wait()
 
 
+def package_stamp() -> tuple[int, float]:
+    """The number of this package's source files and their latest modification time."""
+    times = [path.stat().st_mtime for path in Path(__file__).parents[1].rglob("*.py")]
+    return len(times), max(times, default=0.0)
+
+
 _shared: list[ForkServer] = []
 
 
 def shared_fork_server() -> ForkServer:
     """This process's fork server, started on first use and kept for its later comparisons; a new one where it has
-    ended, or has been idle for more than half its :attr:`~ForkServer.idle` time (it could end while asked)."""
-    if _shared and _shared[0].running() and time.monotonic() - _shared[0].last_used < _shared[0].idle / 2:
-        return _shared[0]
+    ended, has been idle for more than half its :attr:`~ForkServer.idle` time (it could end while asked), or where
+    the package's source changed since it started."""
+    server = _shared[0] if _shared else None
+    if (
+        server is not None
+        and server.running()
+        and time.monotonic() - server.last_used < server.idle / 2
+        and server.source_stamp == package_stamp()
+    ):
+        return server
     if _shared:
         _shared.pop().close()
     _shared.append(ForkServer())

@@ -205,7 +205,7 @@ def test_a_forked_rank_exits_with_the_status_the_interpreter_would_give(tmp_path
     assert "cannot go on" in (tmp_path / "message.log").read_text()
 
 
-def test_comparisons_in_one_process_share_a_fork_server_until_it_ends_or_has_idled_half_its_time(
+def test_comparisons_in_one_process_share_a_fork_server_until_it_ends_idles_or_the_package_changes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from lightning_dp_strategies.compare import forks
@@ -215,6 +215,7 @@ def test_comparisons_in_one_process_share_a_fork_server_until_it_ends_or_has_idl
 
         def __init__(self) -> None:
             self.idle, self.last_used, self.ended, self.closed = 300.0, time.monotonic(), False, False
+            self.source_stamp = forks.package_stamp()
 
         def running(self) -> bool:
             return not self.ended
@@ -233,3 +234,8 @@ def test_comparisons_in_one_process_share_a_fork_server_until_it_ends_or_has_idl
     third = forks.shared_fork_server()
     assert third is not second and second.closed  # type: ignore[attr-defined]
     assert forks.shared_fork_server() is third
+    files, latest = forks.package_stamp()
+    monkeypatch.setattr(forks, "package_stamp", lambda: (files, latest + 1))  # a source file edited since
+    fourth = forks.shared_fork_server()
+    assert fourth is not third and third.closed  # type: ignore[attr-defined]
+    assert forks.shared_fork_server() is fourth
