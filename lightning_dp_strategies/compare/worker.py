@@ -96,13 +96,20 @@ def _peak_mb(trainer: L.Trainer) -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6
 
 
+_CHAINED = (
+    "The above exception was the direct cause of the following exception:",
+    "During handling of the above exception, another exception occurred:",
+)
+
+
 def _raised(traceback: str) -> tuple[str, str]:
-    """The exception's type and message at the end of ``traceback``'s text: the lines after its last frame (the
-    frame's ``File`` line, then its source and markers, indented further)."""
+    """The exception's type and message at the end of ``traceback``'s text: in the last exception of a chain, the
+    first line after its frames (each indented) and the lines after it. A message that holds another traceback's
+    text (a rank's error passed on) stays whole."""
     lines = traceback.rstrip().splitlines()
-    frames = [i for i, line in enumerate(lines) if line.startswith('  File "')]
-    start = frames[-1] + 1 if frames else max(len(lines) - 1, 0)
-    while start < len(lines) and lines[start].startswith("    "):
+    lines = lines[max((i for i, line in enumerate(lines) if line in _CHAINED), default=-1) + 1 :]
+    start = next((i + 1 for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last):")), 0)
+    while start < len(lines) and (lines[start].startswith("  ") or not lines[start].strip()):
         start += 1
     tail = lines[start:]
     if not tail:

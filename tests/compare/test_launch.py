@@ -239,3 +239,28 @@ def test_comparisons_in_one_process_share_a_fork_server_until_it_ends_idles_or_t
     fourth = forks.shared_fork_server()
     assert fourth is not third and third.closed  # type: ignore[attr-defined]
     assert forks.shared_fork_server() is fourth
+
+
+def _traceback_of(error: Exception, cause: Exception | None = None) -> str:
+    import traceback
+
+    try:
+        try:
+            raise cause or KeyError("unused")
+        except Exception as raised:
+            raise error from (raised if cause is not None else None)
+    except Exception:
+        return traceback.format_exc()
+
+
+def test_a_ranks_traceback_text_gives_its_last_exception_and_a_message_holding_a_traceback_stays_whole() -> None:
+    """How a spawn- or fork-launched rank's failure reaches its row: ``ProcessRaisedException``'s text."""
+    from lightning_dp_strategies.compare.worker import _raised
+
+    launched = "\n\n-- Process 1 terminated with the following error:\n"
+    assert _raised(launched + _traceback_of(ValueError("rank 1 refuses"))) == ("ValueError", "rank 1 refuses")
+    assert _raised(_traceback_of(ValueError("outer"), cause=TypeError("cause"))) == ("ValueError", "outer")
+    assert _raised(_traceback_of(ValueError("    indented\n    lines"))) == ("ValueError", "    indented\n    lines")
+    inner = _traceback_of(RuntimeError("inner"))
+    kind, message = _raised(_traceback_of(RuntimeError("rank 0 lost rank 1:\n" + inner)))
+    assert kind == "RuntimeError" and message == "rank 0 lost rank 1:\n" + inner.rstrip()
