@@ -80,6 +80,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def hide_gpus() -> None:
+    """Hide the GPUs from this process and the ones it starts (unless ``CUDA_VISIBLE_DEVICES`` is set), for a script
+    whose processes all run on the CPU: torch's ``powerSGD_hook`` synchronizes CUDA on the bucket's device whenever
+    CUDA is available, which fails for CPU buckets. Call it before anything touches CUDA."""
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+
+
 def child_env(**extra: str) -> dict[str, str]:
     """This process's environment for a child process: the repository root first on ``PYTHONPATH``, then ``extra``."""
     env = dict(os.environ)

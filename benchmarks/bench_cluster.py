@@ -49,6 +49,7 @@ from _launch import (
     add_comparison_arguments,
     apply_quick,
     fit_rank,
+    hide_gpus,
     launch_order,
     measured_cluster,
     mlp,
@@ -57,9 +58,7 @@ from _launch import (
     worker_command,
 )
 
-# Every process here runs on the CPU over gloo. torch's powerSGD_hook synchronizes CUDA on the bucket's device whenever
-# CUDA is available, which fails for CPU buckets: the GPUs are hidden from this script and the processes it starts.
-os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+hide_gpus()  # every process here runs on the CPU over gloo
 
 VARIANTS = (
     "ddp",

@@ -41,12 +41,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _launch import run_ranks, torchrun_local
+from _launch import hide_gpus, run_ranks, torchrun_local
 from _results import Report
 
-# Every process here runs on the CPU over gloo. torch's powerSGD_hook synchronizes CUDA on the bucket's device whenever
-# CUDA is available, which fails for CPU buckets: the GPUs are hidden from this script and the processes it starts.
-os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+hide_gpus()  # every process here runs on the CPU over gloo
 
 SIZES = [64 * 1024 * 4**k for k in range(6)]  # 64 KiB, 256 KiB, 1 MiB, 4 MiB, 16 MiB, 64 MiB
 

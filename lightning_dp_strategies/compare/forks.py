@@ -172,8 +172,8 @@ def shared_fork_server() -> ForkServer:
 
 
 # ---------------------------------------------------------------------------------------------- the server's side
-_started_in: str | None = None
-"""The server's working folder at its start where ``python -m`` put it first on ``sys.path`` (not under ``-P``)."""
+_cwd_leads_path = False
+"""Whether ``python -m`` put the server's working folder first on ``sys.path`` (it does not under ``-P``)."""
 
 
 def _run_rank(request: RankRequest) -> int:
@@ -187,7 +187,7 @@ def _run_rank(request: RankRequest) -> int:
     os.close(log)
     os.close(devnull)
     os.chdir(request.cwd)
-    if _started_in is not None:  # ``python -m`` puts its working folder first on sys.path: the request's, as fresh
+    if _cwd_leads_path:  # the request's folder takes the server's place, as in a fresh ``python -m`` started there
         sys.path[0] = request.cwd
     os.environ.clear()
     os.environ.update(request.env)
@@ -245,8 +245,8 @@ def _reap(out: list[str]) -> None:
 def main(idle: float = IDLE_SECONDS) -> None:
     """The server: import, then fork a rank per request line until the input ends or ``idle`` seconds pass with no
     request and no live rank."""
-    global _started_in
-    _started_in = os.getcwd() if sys.path and sys.path[0] == os.getcwd() else None
+    global _cwd_leads_path
+    _cwd_leads_path = bool(sys.path) and sys.path[0] == os.getcwd()
     for module in _PRELOAD:
         importlib.import_module(module)
     selector = selectors.DefaultSelector()

@@ -170,10 +170,14 @@ def _rank_of(path: Path) -> int:
     return int(path.name.split(".rank")[1].split(".")[0])
 
 
+def _cuda_devices() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def _resolve_accelerator(accelerator: str, devices: int) -> str:
     if accelerator not in ("auto", "cpu", "gpu", "cuda"):
         raise ValueError(f"accelerator {accelerator!r} is not one of auto, cpu, gpu, cuda")
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = _cuda_devices()
     if accelerator == "cpu" or (accelerator == "auto" and gpus < devices):  # auto: CPU processes, said in the headline
         return "cpu"
     if not gpus:
@@ -301,7 +305,7 @@ def _headline(count: int, task: Task, devices: int, device_kind: str, global_bat
         f" device{'s' if devices > 1 else ''} each, {task.steps} steps"
         + (f" of {global_batch} samples" if global_batch else "")
     )
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = _cuda_devices()
     if auto and device_kind == "cpu" and 0 < gpus < devices:
         line += f" (this machine has {gpus} CUDA device{'s' if gpus > 1 else ''}: --accelerator gpu --devices {gpus})"
     return line
