@@ -158,7 +158,9 @@ class SaveAtEpochEnd(L.Callback):
             trainer.save_checkpoint(self.path)
 
 
-def trainer_for(case: Case, outdir: Path, callbacks: list[L.Callback], epochs: int | None = None) -> L.Trainer:
+def trainer_for(
+    case: Case, outdir: Path, callbacks: list[L.Callback], epochs: int | None = None, **options: Any
+) -> L.Trainer:
     return L.Trainer(
         strategy=HybridPipelineStrategy(
             pipeline_stages=case.stages,
@@ -180,6 +182,7 @@ def trainer_for(case: Case, outdir: Path, callbacks: list[L.Callback], epochs: i
         enable_model_summary=False,
         num_sanity_val_steps=0,
         callbacks=callbacks,
+        **options,
     )
 
 
@@ -312,11 +315,18 @@ BAD = {
     "more-stages-than-blocks": (OneBlock, Case("more-stages-than-blocks")),
     "batch-smaller-than-micro-batches": (Untrainable, Case("small", micro_batches=8)),
     "batch-not-divisible": (Untrainable, Case("indivisible", micro_batches=3)),
+    "stages-read-different-batches": (Untrainable, Case("split-over-the-stages")),
 }
 
 
 def run_bad(name: str, outdir: Path) -> None:
     module_cls, case = BAD[name]
+    if name == "stages-read-different-batches":  # the data split over every process, as under ring_allreduce
+        trainer = trainer_for(case, outdir, [], use_distributed_sampler=False)
+        data = make_data(case.samples)
+        sampler = DistributedSampler(data, num_replicas=case.world, rank=trainer.global_rank, shuffle=False)
+        trainer.fit(module_cls(), DataLoader(data, batch_size=case.per_replica_batch, sampler=sampler))
+        return
     trainer_for(case, outdir, []).fit(module_cls(), loader(case.samples, case.per_replica_batch))
 
 

@@ -12,9 +12,15 @@ from torch import Tensor, nn
 
 from lightning_dp_strategies.bucketing.sync import GradientSync
 from lightning_dp_strategies.pipeline.runner import StepResult
-from lightning_dp_strategies.strategies.hybrid_pipeline import checkpointer as checkpointer_module
+from lightning_dp_strategies.strategies.hybrid_pipeline import checkpointer as checkpointer_module, collectives
 from lightning_dp_strategies.strategies.hybrid_pipeline.checkpointer import StreamedCheckpointer
-from lightning_dp_strategies.strategies.hybrid_pipeline.collectives import MetricGroups, data_group_or, vote
+from lightning_dp_strategies.strategies.hybrid_pipeline.collectives import (
+    MetricGroups,
+    check_same_targets,
+    data_group_or,
+    target_digest,
+    vote,
+)
 from lightning_dp_strategies.strategies.hybrid_pipeline.config import HybridPipelineConfig
 from lightning_dp_strategies.strategies.hybrid_pipeline.driver import StepDriver, StepState
 from lightning_dp_strategies.strategies.hybrid_pipeline.placement import StagePlacement, cpu_keeps_meta
@@ -288,3 +294,38 @@ def test_metric_groups_are_bound_and_given_back() -> None:
     assert metric.process_group == "data"
     groups.restore()
     assert metric.process_group is own
+
+
+def test_stages_with_different_targets_are_named_by_replica(mocker: Any) -> None:
+    """Bug: a loader split over every process trains stage 0's inputs against another sample's targets, silently."""
+
+    class FakeLayout:
+        stages, replicas = 2, 2  # rank r is stage r // 2 of replica r % 2
+
+    digests = [7, 9, 7, 8]  # replica 0 (ranks 0 and 2) agrees, replica 1 (ranks 1 and 3) does not
+    mocker.patch.object(collectives.dist, "is_initialized", return_value=True)
+    mocker.patch.object(collectives.dist, "get_world_size", return_value=4)
+
+    def gather(out: list[Tensor], mine: Tensor) -> None:
+        for tensor, digest in zip(out, digests, strict=True):
+            tensor.fill_(digest)
+
+    mocker.patch.object(collectives.dist, "all_gather", side_effect=gather)
+    cpu = torch.device("cpu")
+    with pytest.raises(RuntimeError) as error:
+        check_same_targets(torch.tensor([1]), FakeLayout(), cpu, "step 3")  # type: ignore[arg-type]
+    message = str(error.value)
+    assert "at step 3, rank 1 (stage 0 of replica 1) and rank 3 (stage 1) hold different targets" in message
+    assert "num_replicas=2, rank=trainer.global_rank % 2" in message and "not the 4 processes" in message
+    digests[3] = 9
+    check_same_targets(torch.tensor([1]), FakeLayout(), cpu, "step 3")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float32, torch.bfloat16, torch.bool])
+def test_target_digest_tells_equal_targets_from_different_ones(dtype: torch.dtype) -> None:
+    """Bug: a digest that ignores order, shape or dtype lets two stages on different samples pass as equal."""
+    target = torch.tensor([[0, 1], [1, 1]]).to(dtype)
+    assert target_digest(target) == target_digest(target.clone().t().contiguous().t())  # same values, other strides
+    assert target_digest(target) != target_digest(target.flip(0))
+    assert target_digest(target) != target_digest(target.reshape(4))
+    assert target_digest(target) != target_digest(target.to(torch.float64))

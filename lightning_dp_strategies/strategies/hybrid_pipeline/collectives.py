@@ -3,11 +3,13 @@
 The stages of one replica hold the same logged values and metrics (every stage receives the last stage's output), so
 the ``D`` replicas are the data-parallel ranks of a one-process-per-replica run: values reduce and gather over them
 (:func:`data_group_or`, torchmetrics through :class:`MetricGroups`), decisions go over every rank (:func:`vote`).
+Whether the stages of each replica read the same batch is checked over every rank too (:func:`check_same_targets`).
 See docs/strategies/hybrid_pipeline.md.
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import torch
@@ -16,7 +18,7 @@ from torch import nn
 
 from lightning_dp_strategies.pipeline.layout import Layout
 
-__all__ = ["MetricGroups", "data_group_or", "point_to_point_device", "vote"]
+__all__ = ["MetricGroups", "check_same_targets", "data_group_or", "point_to_point_device", "target_digest", "vote"]
 
 
 def data_group_or(group: Any | None, layout: Layout | None) -> Any | None:
@@ -59,6 +61,67 @@ def vote(decision: bool, require_all: bool, world_size: int, device: torch.devic
     votes = torch.tensor(int(decision), device=device)
     dist.all_reduce(votes, op=dist.ReduceOp.SUM)
     return bool(votes == world_size) if require_all else bool(votes)
+
+
+def target_digest(target: torch.Tensor) -> int:
+    """A 64-bit digest of a tensor's shape, dtype and bytes: equal for equal tensors on any machine.
+
+    Examples:
+        >>> a = torch.tensor([1, 2, 3])
+        >>> target_digest(a) == target_digest(a.clone()), target_digest(a) == target_digest(a.flip(0))
+        (True, False)
+    """
+    data = target.detach().reshape(-1).contiguous().cpu()
+    digest = hashlib.blake2b(f"{tuple(target.shape)} {target.dtype}".encode(), digest_size=8)
+    digest.update(data.view(torch.uint8).numpy().tobytes())
+    return int.from_bytes(digest.digest(), "little", signed=True)
+
+
+def check_same_targets(target: torch.Tensor, layout: Layout, device: torch.device, where: str) -> None:
+    """Raise on every rank when the stages of one replica hold different targets for the same step.
+
+    The first stage trains on a batch's inputs and the last stage on its targets, each from its own DataLoader;
+    stages that read different batches would train every input against another sample's target, silently. The
+    digests of every rank's target are gathered over all ranks, so every rank sees every replica and raises alike.
+
+    Args:
+        target: this rank's target for the step.
+        layout: this rank's place in the mesh (rank ``r`` is stage ``r // D`` of replica ``r % D``).
+        device: where the gathered digests live (the backend's device).
+        where: the step, named in the error.
+    """
+    if layout.stages == 1 or not dist.is_initialized():
+        return
+    mine = torch.tensor([target_digest(target)], dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    digests = [int(d) for d in gathered]
+    replicas = layout.replicas
+    for replica in range(replicas):
+        ranks = list(range(replica, len(digests), replicas))
+        differ = [r for r in ranks[1:] if digests[r] != digests[ranks[0]]]
+        if differ:
+            raise RuntimeError(
+                f"The stages of one pipeline read different batches: at {where}, rank {ranks[0]} (stage 0 of replica "
+                f"{replica}) and rank {differ[0]} (stage {differ[0] // replicas}) hold different targets. The first "
+                "stage trains on a batch's inputs and the last on its targets, so every stage of a replica must load "
+                f"the same batches. {_sharding_fix(replicas, len(digests))}"
+            )
+
+
+def _sharding_fix(replicas: int, world_size: int) -> str:
+    """How to give every stage of a replica the same batches, for the error of :func:`check_same_targets`."""
+    if replicas == 1:
+        shard = f"every rank reads the loader whole: drop the sampler that splits it over the {world_size} processes"
+    else:
+        shard = (
+            f"shard the data over the {replicas} data-parallel replicas, not the {world_size} processes: "
+            f"`DistributedSampler(dataset, num_replicas={replicas}, rank=trainer.global_rank % {replicas})`"
+        )
+    return (
+        f"With `use_distributed_sampler=False`, {shard}, and shuffle, if at all, with the same seed on every rank; "
+        "or leave `use_distributed_sampler=True`, whose sampler does this."
+    )
 
 
 def point_to_point_device(root_device: torch.device) -> torch.device:

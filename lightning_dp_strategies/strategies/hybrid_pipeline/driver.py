@@ -48,6 +48,7 @@ class StepDriver:
         state: where this step's gradients are (:class:`StepState`).
         pending: the gradients held aside in :attr:`StepState.PENDING`, by parameter.
         batch_checked: the batch size was checked against the micro-batches in this run.
+        targets_compared: the last epoch whose first batch's targets were compared across the stages, in this run.
         rank: this rank's global rank, named in errors.
         zero_grad_follows: Lightning zeroes gradients between this step's ``training_step`` and backward.
         pipeline_stats: bubble and timing of this rank's pipeline steps.
@@ -68,6 +69,7 @@ class StepDriver:
         self._owned_ids: set[int] = set()
         self._warned_loss = False
         self.batch_checked = False
+        self.targets_compared: int | None = None
         self.rank = 0
 
     def start_run(self, rank: int) -> None:
@@ -77,6 +79,7 @@ class StepDriver:
             rank: this rank's global rank, named in errors.
         """
         self.batch_checked = False
+        self.targets_compared = None
         self._trainable = None
         self.rank = rank
 

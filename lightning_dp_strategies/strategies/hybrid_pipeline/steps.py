@@ -16,7 +16,7 @@ from lightning_dp_strategies.pipeline.runner import PipelineStats, StepResult
 from lightning_dp_strategies.sharding import clip_grad_norm_across
 from lightning_dp_strategies.strategies._trainer import should_log
 from lightning_dp_strategies.strategies.bucketed import BucketedDataParallel
-from lightning_dp_strategies.strategies.hybrid_pipeline.collectives import data_group_or, vote
+from lightning_dp_strategies.strategies.hybrid_pipeline.collectives import check_same_targets, data_group_or, vote
 from lightning_dp_strategies.strategies.hybrid_pipeline.config import HybridPipelineConfig
 from lightning_dp_strategies.strategies.hybrid_pipeline.driver import StepDriver
 from lightning_dp_strategies.strategies.hybrid_pipeline.opt_in import (
@@ -108,6 +108,10 @@ class PipelineSteps(BucketedDataParallel):
         assert module is not None and runner is not None and layout is not None
         batch = args[0] if args else kwargs["batch"]
         inputs, target = split_batch(module, batch)
+        epoch = module.trainer.current_epoch
+        if self.driver.targets_compared != epoch:  # a sampler that splits the data wrongly shows on any batch
+            check_same_targets(target, layout, self.root_device, f"the first training batch of epoch {epoch}")
+            self.driver.targets_compared = epoch
         self._follow_user_changes()
         self._check_blocks(inputs)
         if not self.driver.batch_checked:
