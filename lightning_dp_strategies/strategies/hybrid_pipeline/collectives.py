@@ -77,7 +77,7 @@ def target_digest(target: torch.Tensor) -> int:
     return int.from_bytes(digest.digest(), "little", signed=True)
 
 
-def check_same_targets(target: torch.Tensor, layout: Layout, device: torch.device, where: str) -> None:
+def check_same_targets(target: torch.Tensor | None, layout: Layout, device: torch.device, where: str) -> None:
     """Raise on every rank when the stages of one replica hold different targets for the same step.
 
     The first stage trains on a batch's inputs and the last stage on its targets, each from its own DataLoader;
@@ -85,14 +85,14 @@ def check_same_targets(target: torch.Tensor, layout: Layout, device: torch.devic
     digests of every rank's target are gathered over all ranks, so every rank sees every replica and raises alike.
 
     Args:
-        target: this rank's target for the step.
+        target: this rank's target for the step; ``None`` for a batch with no target (counts as a digest of 0).
         layout: this rank's place in the mesh (rank ``r`` is stage ``r // D`` of replica ``r % D``).
         device: where the gathered digests live (the backend's device).
         where: the step, named in the error.
     """
     if layout.stages == 1 or not dist.is_initialized():
         return
-    mine = torch.tensor([target_digest(target)], dtype=torch.int64, device=device)
+    mine = torch.tensor([0 if target is None else target_digest(target)], dtype=torch.int64, device=device)
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, mine)
     digests = [int(d) for d in gathered]

@@ -49,6 +49,7 @@ class StepDriver:
         pending: the gradients held aside in :attr:`StepState.PENDING`, by parameter.
         batch_checked: the batch size was checked against the micro-batches in this run.
         targets_compared: the last epoch whose first batch's targets were compared across the stages, in this run.
+        eval_targets_pending: the first batch of the running validation or test has its targets still to compare.
         rank: this rank's global rank, named in errors.
         zero_grad_follows: Lightning zeroes gradients between this step's ``training_step`` and backward.
         pipeline_stats: bubble and timing of this rank's pipeline steps.
@@ -70,6 +71,7 @@ class StepDriver:
         self._warned_loss = False
         self.batch_checked = False
         self.targets_compared: int | None = None
+        self.eval_targets_pending = False
         self.rank = 0
 
     def start_run(self, rank: int) -> None:

@@ -177,10 +177,35 @@ class PipelineSteps(BucketedDataParallel):
             module.logger.log_metrics(metrics, step=module.trainer.global_step)
 
     # ------------------------------------------------------------------ evaluation
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        self.driver.eval_targets_pending = True
+
+    @override
+    def on_test_start(self) -> None:
+        super().on_test_start()
+        self.driver.eval_targets_pending = True
+
+    def _compare_eval_targets(self, hook: str, batch: Any) -> None:
+        """At the first batch of a validation or test, whether the stages of each replica read the same batch: every
+        rank's metrics and the checkpoint and early-stopping votes taken over them depend on it."""
+        module, layout = self.lightning_module, self.layout
+        assert module is not None and layout is not None
+        self.driver.eval_targets_pending = False
+        try:
+            target: Tensor | None = split_batch(module, batch)[1]
+        except (TypeError, KeyError, IndexError):  # a batch without a target the pipeline can find: compared as none
+            target = None
+        stage = hook.removesuffix("_step")
+        check_same_targets(target, layout, self.root_device, f"the first {stage} batch")
+
     def _evaluate(self, hook: str, context: Any, *args: Any, **kwargs: Any) -> Any:
         """Run the module's ``hook`` with its body answering through the forward-only pipeline."""
         module, runner, layout = self.lightning_module, self.runner, self.layout
         assert module is not None and runner is not None and layout is not None
+        if self.driver.eval_targets_pending and hook != "predict_step":
+            self._compare_eval_targets(hook, args[0] if args else kwargs["batch"])
         with context, body_replaced(module, layout.body_name, PipelinedBody(runner, self._check_blocks)):
             return getattr(module, hook)(*args, **kwargs)
 
