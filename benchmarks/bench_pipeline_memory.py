@@ -110,7 +110,9 @@ def _worker(stages: int, out: Path, blocks: int, width: int, steps: int, timeout
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
     generator = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(steps * BATCH, width, generator=generator), torch.randn(steps * BATCH, width))
+    data = TensorDataset(
+        torch.randn(steps * BATCH, width, generator=generator), torch.randn(steps * BATCH, width, generator=generator)
+    )
     peak, checkpoint = Peak(), ModelCheckpoint(dirpath=out / "ckpt", filename="last")
     trainer = L.Trainer(
         strategy=HybridPipelineStrategy(pipeline_stages=stages, micro_batches=MICRO_BATCHES, timeout=timeout),

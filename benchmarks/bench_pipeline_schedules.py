@@ -224,7 +224,8 @@ def _run(config: dict[str, Any], out: str) -> None:
     steps = config["steps"] + 6  # 3 to warm up, the measured ones, 1 more (a period ends there), 2 for activations
     gen = torch.Generator().manual_seed(0)
     data = TensorDataset(
-        torch.randn(BATCH * steps, config["width"], generator=gen), torch.randint(0, 10, (BATCH * steps,))
+        torch.randn(BATCH * steps, config["width"], generator=gen),
+        torch.randint(0, 10, (BATCH * steps,), generator=gen),
     )
     clock = Clock()
     if config["schedule"] == "one device":

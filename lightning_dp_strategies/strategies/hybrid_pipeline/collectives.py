@@ -119,8 +119,9 @@ def _sharding_fix(replicas: int, world_size: int) -> str:
             f"`DistributedSampler(dataset, num_replicas={replicas}, rank=trainer.global_rank % {replicas})`"
         )
     return (
-        f"With `use_distributed_sampler=False`, {shard}, and shuffle, if at all, with the same seed on every rank; "
-        "or leave `use_distributed_sampler=True`, whose sampler does this."
+        "Build the dataset alike on every rank (random data from a seeded generator). With "
+        f"`use_distributed_sampler=False`, {shard}, and shuffle, if at all, with the same seed on every rank; or "
+        "leave `use_distributed_sampler=True`, whose sampler does this."
     )
 
 
