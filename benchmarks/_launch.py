@@ -116,7 +116,8 @@ def release_groups() -> None:
     import torch.distributed as dist
 
     gc.collect()
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float | None = None) -> None:
@@ -308,6 +309,7 @@ def parse_or_work(
     args = parser.parse_args()
     if args.worker:
         worker(args)
+        release_groups()  # a rank that torchrun started ends with its groups destroyed, not at interpreter exit
         return None
     if plot is not None and args.plot:
         plot(args.plot, args.figure or figure)

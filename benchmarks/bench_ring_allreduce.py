@@ -165,7 +165,7 @@ def part_a(world: int, repeats: int, launches: int, sizes: list[int]) -> list[di
 
 
 TRAIN_SCRIPT = """
-import json, statistics, sys, time
+import gc, json, statistics, sys, time
 import lightning as L, torch
 from torch import nn
 import lightning_dp_strategies
@@ -212,7 +212,8 @@ strategies, rounds, steps = sys.argv[1].split(","), int(sys.argv[2]), int(sys.ar
 width, depth, out = int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
 torch.set_num_threads(1)
 g = torch.Generator().manual_seed(0)
-data = torch.utils.data.TensorDataset(torch.randn(64 * steps, width, generator=g), torch.randint(0, 10, (64 * steps,)))
+x, y = torch.randn(64 * steps, width, generator=g), torch.randint(0, 10, (64 * steps,), generator=g)
+data = torch.utils.data.TensorDataset(x, y)
 fits = {s: [] for s in strategies}
 stats, params = {}, 0
 for r in range(rounds):  # both in the same two processes, the order flipped every round
@@ -229,6 +230,11 @@ for r in range(rounds):  # both in the same two processes, the order flipped eve
         shapes = [list(p.shape) for p in model.parameters()]
 if trainer.global_rank == 0:
     json.dump({"fits": fits, "params": params, "shapes": shapes, "stats": stats}, open(out, "w"))
+# the groups destroyed while the interpreter is whole: a group the last fit's objects keep until interpreter exit can
+# abort the process then ("terminate called without an active exception"), after the work is done
+del trainer, model
+gc.collect()
+torch.distributed.destroy_process_group()
 """
 
 
