@@ -60,6 +60,7 @@ def test_transparency_gradients_equal_single_device_for_uneven_splits(devices: i
     assert max_grad_diff(net, expected) > 1e-4
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_cuda_transparency_two_gpus() -> None:
     torch.manual_seed(0)

@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_dp_strategies as ldp
 from lightning_dp_strategies.comm.quantized import dequantize, quantize, quantized_all_reduce
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 STEPS = 12
 TOLERANCE = {"32-true": 1e-5, "bf16-mixed": 1e-5, "16-mixed": 1e-3}

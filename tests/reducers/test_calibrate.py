@@ -99,6 +99,7 @@ def test_overlap_is_what_a_second_thread_adds_to_the_throughput() -> None:
     assert min(calibrate_module._overlap(3, 0.1, (take_turns, take_turns)) for _ in range(3)) < 0.3
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_a_gpu_the_operations_run_there_and_are_timed_to_their_end() -> None:
     costs = calibrate_cpu(nbytes=8 << 20, matrix=(512, 512), seconds=0.05, device="cuda")

@@ -383,6 +383,7 @@ def test_strategy_instance_with_dim_and_devices() -> None:
     assert strategy.stats.replica_calls == 4 and strategy.stats.last_num_replicas == 2
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_parity_with_single_gpu() -> None:
     devices = min(2, torch.cuda.device_count())
