@@ -20,7 +20,7 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.strategies import Strategy, StrategyRegistry
 from torch import Tensor, nn
 
-import lightning_dp_strategies  # noqa: F401  (registers the names)
+import lightning_dp_strategies  # registers the names
 from lightning_dp_strategies import (
     HybridPipelineStrategy,
     LocalSGDStrategy,
@@ -72,7 +72,9 @@ def build(*args: str) -> Strategy:
 
 
 PACKAGE_NAMES = sorted(
-    name for name, entry in StrategyRegistry.items() if entry["strategy"].__module__.startswith("lightning_dp_")
+    name
+    for name, entry in StrategyRegistry.items()
+    if entry["strategy"].__module__.partition(".")[0] == lightning_dp_strategies.__name__
 )
 
 

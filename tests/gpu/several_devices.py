@@ -3,7 +3,8 @@
 Run as ``python -m tests.gpu.several_devices NAME ACCELERATOR DEVICES OUTDIR``; Lightning's launcher starts the other
 ranks. Every run trains the same global batches of 16 samples (a data-parallel rank reads its share through a
 ``DistributedSampler`` of its own; ``dp`` and the pipeline's stages read every batch whole) with SGD and momentum, and
-rank 0 writes ``OUTDIR/NAME.pt``: the trained parameters, the process group's backend and where the parameters were.
+rank 0 writes ``OUTDIR/NAME.pt``: the trained parameters, the process group's backend, the device type the
+strategy trained on and the steps taken.
 """
 
 from __future__ import annotations
