@@ -52,17 +52,13 @@ from lightning_dp_strategies.core.agreement import (
     require_trainable,
 )
 from lightning_dp_strategies.core.checkpoint_io import AtomicByDefault
+from lightning_dp_strategies.core.distinct_batches import DistinctBatches
 from lightning_dp_strategies.core.elastic import init_strategy_process_group
 from lightning_dp_strategies.core.engine import BucketedEngine, EngineView
 from lightning_dp_strategies.core.launch import check_interactive_launch
 from lightning_dp_strategies.core.module_state import sync_module_states
 from lightning_dp_strategies.core.nonfinite import NonfiniteGuard
-from lightning_dp_strategies.core.options import (
-    BucketedConfig,
-    ConfigOption,
-    ReductionOptions,
-    lightning_arguments,
-)
+from lightning_dp_strategies.core.options import BucketedConfig, ConfigOption, ReductionOptions, lightning_arguments
 from lightning_dp_strategies.core.registry import register_with_launchers
 from lightning_dp_strategies.core.topology import check_own_reducer, priced
 from lightning_dp_strategies.plan import RING_ALLREDUCE, CostModel
@@ -135,6 +131,7 @@ class BucketedDataParallel(DDPStrategy):
         self.cost_model = priced(type(self).cost_model, reduction, getattr(config, "two_level", None))  # type: ignore[misc]
         self.engine = BucketedEngine(config, reduction, options.get("nonfinite_grads"))
         self._clipping: GlobalNormClipping | None = None
+        self.distinct_batches = DistinctBatches()  # warns when ranks of a group read the same first batch of a fit
 
     # ------------------------------------------------------------------ what a subclass says
     def grad_group_ranks(self) -> list[list[int]]:
@@ -211,8 +208,7 @@ class BucketedDataParallel(DDPStrategy):
 
     @override
     def configure_ddp(self) -> None:
-        """Check that the ranks agree, broadcast rank 0's parameters and buffers, then attach the gradient buckets
-        (instead of wrapping the module in torch DDP)."""
+        """Check that the ranks agree, broadcast rank 0's state, then attach gradient buckets (no DDP wrapper)."""
         module = self.lightning_module
         assert module is not None
         self._require_trainable("train with `strategy='auto'`")
@@ -247,13 +243,13 @@ class BucketedDataParallel(DDPStrategy):
         if self.survival is not None and trainer.state.fn == TrainerFn.FITTING:
             check_survivable(trainer)
         super().setup(trainer)
+        self.distinct_batches.pending = trainer.state.fn == TrainerFn.FITTING
         if self.engine.sharded:
             self.clip_by_norm_across(self._clip_pieces_by_norm)
 
     def _clip_pieces_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
         """Lightning's clip-by-norm with the norm over every rank's pieces."""
-        pieces = list(self.precision_plugin.main_params(optimizer))
-        self.engine.clip_grad_norm(pieces, clip_val, self.root_device)
+        self.engine.clip_grad_norm(list(self.precision_plugin.main_params(optimizer)), clip_val, self.root_device)
 
     def _require_trainable(self, fix: str) -> None:
         """A clear error, on every rank, when the module has no parameter that requires grad."""
@@ -281,6 +277,11 @@ class BucketedDataParallel(DDPStrategy):
         return with_resumed_sampler_epoch(self, super().process_dataloader(dataloader))
 
     # ------------------------------------------------------------------ one step
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        self.distinct_batches.check(batch, self.all_gather, self.grad_group_ranks(), self.global_rank, self.root_device)
+
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
@@ -340,8 +341,7 @@ class BucketedDataParallel(DDPStrategy):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """With sharded state: the whole optimizer's ``state_dict`` on rank 0 (its tensors streamed in by
-        :meth:`save_checkpoint`), as one optimizer over the module saves it; a collective, like Lightning's save."""
+        """Sharded: the whole ``state_dict`` on rank 0 (tensors streamed in by :meth:`save_checkpoint`; collective)."""
         if self.engine.sharded:
             return self.engine.optimizer_state(getattr(optimizer, "_optimizer", optimizer))
         return super().optimizer_state(optimizer)

@@ -49,6 +49,8 @@ class SurvivingDataParallel(BucketedDataParallel):
     def on_train_start(self) -> None:
         super().on_train_start()
         if self.survival is not None and self.lightning_module is not None:
+            if self.survival.joining:  # a replacement: the live ranks are mid-fit, none compares batches with it
+                self.distinct_batches.pending = False
             self.survival.on_train_start(self.lightning_module.trainer)
 
     @override

@@ -9,13 +9,13 @@ See docs/strategies/hybrid_pipeline.md.
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_dp_strategies.core.distinct_batches import tensor_digest as target_digest
 from lightning_dp_strategies.pipeline.layout import Layout
 
 __all__ = ["MetricGroups", "check_same_targets", "data_group_or", "point_to_point_device", "target_digest", "vote"]
@@ -61,20 +61,6 @@ def vote(decision: bool, require_all: bool, world_size: int, device: torch.devic
     votes = torch.tensor(int(decision), device=device)
     dist.all_reduce(votes, op=dist.ReduceOp.SUM)
     return bool(votes == world_size) if require_all else bool(votes)
-
-
-def target_digest(target: torch.Tensor) -> int:
-    """A 64-bit digest of a tensor's shape, dtype and bytes: equal for equal tensors on any machine.
-
-    Examples:
-        >>> a = torch.tensor([1, 2, 3])
-        >>> target_digest(a) == target_digest(a.clone()), target_digest(a) == target_digest(a.flip(0))
-        (True, False)
-    """
-    data = target.detach().reshape(-1).contiguous().cpu()
-    digest = hashlib.blake2b(f"{tuple(target.shape)} {target.dtype}".encode(), digest_size=8)
-    digest.update(data.view(torch.uint8).numpy().tobytes())
-    return int.from_bytes(digest.digest(), "little", signed=True)
 
 
 def check_same_targets(target: torch.Tensor | None, layout: Layout, device: torch.device, where: str) -> None:

@@ -297,8 +297,10 @@ class HybridPipelineStrategy(PipelineSteps, StreamedCheckpoints):
         )
 
     def _setup_training(self, trainer: pl.Trainer, layout: Layout) -> None:
-        """The summary callbacks, the gradient buckets and this stage's share of the user's optimizers."""
+        """The summary callbacks, the gradient buckets and this stage's share of the user's optimizers; the replicas'
+        first batches to be compared (:class:`~lightning_dp_strategies.core.distinct_batches.DistinctBatches`)."""
         self._summary_callbacks = summarize_with(trainer.callbacks, self._summarize)  # type: ignore[attr-defined]
+        self.distinct_batches.pending = True
         if layout.replicas > 1:
             self._build_buckets(allow_no_trainable=True)  # a stage of frozen blocks averages nothing
         self.setup_optimizers(trainer)  # the user's configure_optimizers sees the whole module, as on one device

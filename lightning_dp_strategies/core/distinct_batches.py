@@ -1,0 +1,143 @@
+"""Whether the data-parallel ranks read different batches, checked once a fit at its first training batch.
+
+Under data parallelism every rank loads its own part of the global batch. A loader that every rank reads whole
+(``use_distributed_sampler=False`` with no sampler of one's own, or an ``IterableDataset`` that does not split itself
+by rank: Lightning splits only map-style datasets) gives every rank the same batches. Nothing fails: each step
+averages the gradients of copies of one batch, so the global batch is one rank's and the other ranks' compute changes
+nothing. :class:`DistinctBatches` takes a 64-bit digest of each rank's first training batch of a fit, gathers the
+digests over the ranks and warns when ranks that average together hold the same batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from lightning.fabric.utilities.warnings import PossibleUserWarning
+from torch import Tensor
+
+__all__ = ["DistinctBatches", "batch_digest", "repeated_ranks", "tensor_digest"]
+
+
+def tensor_digest(tensor: Tensor) -> int:
+    """A 64-bit digest of a tensor's shape, dtype and values: equal for equal tensors on any machine.
+
+    Examples:
+        >>> a = torch.tensor([1, 2, 3])
+        >>> tensor_digest(a) == tensor_digest(a.clone()), tensor_digest(a) == tensor_digest(a.flip(0))
+        (True, False)
+    """
+    data = tensor.detach().reshape(-1).contiguous().cpu()
+    digest = hashlib.blake2b(f"{tuple(tensor.shape)} {tensor.dtype}".encode(), digest_size=8)
+    digest.update(data.view(torch.uint8).numpy().tobytes())
+    return int.from_bytes(digest.digest(), "little", signed=True)
+
+
+def _tensors(batch: Any) -> list[Tensor]:
+    """The dense tensors of ``batch`` (nested mappings, lists and tuples), in order."""
+    if isinstance(batch, Tensor):
+        return [batch] if batch.layout == torch.strided else []
+    if isinstance(batch, Mapping):
+        return [t for key in sorted(batch, key=str) for t in _tensors(batch[key])]
+    if isinstance(batch, (list, tuple)):
+        return [t for item in batch for t in _tensors(item)]
+    return []
+
+
+def batch_digest(batch: Any) -> int:
+    """A 64-bit digest of every dense tensor in ``batch``, in order; 0 when it holds none (nothing to compare).
+
+    Examples:
+        >>> x, y = torch.ones(2, 3), torch.tensor([0, 1])
+        >>> batch_digest({"x": x, "y": y}) == batch_digest({"y": y.clone(), "x": x.clone()})
+        True
+        >>> batch_digest((x, y)) == batch_digest((x, y.flip(0))), batch_digest(["text"])
+        (False, 0)
+    """
+    tensors = _tensors(batch)
+    if not tensors:
+        return 0
+    digest = hashlib.blake2b(digest_size=8)
+    for tensor in tensors:
+        digest.update(tensor_digest(tensor).to_bytes(8, "little", signed=True))
+    return int.from_bytes(digest.digest(), "little", signed=True) or 1
+
+
+def repeated_ranks(digests: Mapping[int, int], groups: Sequence[Sequence[int]]) -> list[list[int]]:
+    """The ranks of one group that hold the same batch, one list for each batch held more than once. ``digests`` maps
+    a global rank to its batch's digest; a group with a rank missing from it is skipped, and a digest of 0 (unknown)
+    is never the same as another.
+
+    Examples:
+        >>> four = dict(enumerate([7, 7, 5, 7]))
+        >>> repeated_ranks(four, [[0, 1, 2, 3]]), repeated_ranks(four, [[0, 2], [1, 3]])
+        ([[0, 1, 3]], [[1, 3]])
+        >>> repeated_ranks({0: 0, 1: 0}, [[0, 1]]), repeated_ranks({2: 4, 3: 4}, [[0, 1], [2, 3]])
+        ([], [[2, 3]])
+    """
+    repeats = []
+    for group in groups:
+        if not all(rank in digests for rank in group):
+            continue
+        held: dict[int, list[int]] = {}
+        for rank in group:
+            if digests[rank] != 0:
+                held.setdefault(digests[rank], []).append(rank)
+        repeats += [ranks for ranks in held.values() if len(ranks) > 1]
+    return repeats
+
+
+def same_batch_warning(repeats: list[list[int]], group_size: int, world_size: int) -> str:
+    """The warning for ``repeats`` (from :func:`repeated_ranks`), naming the fix."""
+    said = "; ".join(f"ranks {', '.join(map(str, ranks))}" for ranks in repeats)
+    if group_size == world_size:
+        sampler = "`DistributedSampler(dataset, num_replicas=trainer.world_size, rank=trainer.global_rank)`"
+    else:
+        sampler = f"a `DistributedSampler` with `num_replicas={group_size}` and the rank's place among them"
+    return (
+        f"Data-parallel ranks read the same first training batch ({said}): each step averages their gradients over "
+        "copies of one batch, so the global batch is smaller than intended and the copies' compute changes nothing. "
+        "Give every rank its own part of the data: leave `use_distributed_sampler=True` (Lightning then adds a "
+        f"`DistributedSampler`), pass {sampler}, or split an `IterableDataset` by `trainer.global_rank` and "
+        "`trainer.world_size` (Lightning does not split one). If the ranks are meant to read the same data, ignore "
+        "this warning (a `PossibleUserWarning`)."
+    )
+
+
+class DistinctBatches:
+    """Warns once a fit, on rank 0, when ranks that average together read the same first training batch.
+
+    Set :attr:`pending` when a fit is set up; call :meth:`check` at every training batch's start (after the first it
+    returns at once). Costs one all-gather of one integer a fit, and a digest of one batch on each rank.
+    """
+
+    def __init__(self) -> None:
+        self.pending = False
+        """Whether the next training batch is the first of a fit."""
+
+    def check(
+        self, batch: Any, gather: Callable[[Tensor], Tensor], groups: list[list[int]], rank: int, device: torch.device
+    ) -> list[list[int]]:
+        """At the fit's first batch: gather the ranks' digests with ``gather`` (a strategy's ``all_gather``, which
+        stacks one tensor a rank, over every rank or over this rank's group) and warn when ranks of one of ``groups``
+        (lists of global ranks) hold the same batch. Returns those ranks; ``[]`` otherwise, on later batches, and
+        where ``gather`` returns neither every rank's digest nor those of this rank's group."""
+        if not self.pending:
+            return []
+        self.pending = False
+        if all(len(group) < 2 for group in groups):  # decided alike on every rank: all gather or none does
+            return []
+        world_size = sum(len(group) for group in groups)
+        mine = next((group for group in groups if rank in group), [])
+        found = gather(torch.tensor([batch_digest(batch)], dtype=torch.int64, device=device)).reshape(-1).tolist()
+        ranks = range(world_size) if len(found) == world_size else mine
+        if len(found) != len(ranks):
+            return []
+        repeats = repeated_ranks(dict(zip(ranks, (int(d) for d in found), strict=True)), groups)
+        if repeats:
+            group_size = max(len(group) for group in groups)
+            rank_zero_warn(same_batch_warning(repeats, group_size, world_size), category=PossibleUserWarning)
+        return repeats

@@ -1,0 +1,99 @@
+"""Data-parallel ranks that read the same batches are warned about at the first batch of a fit: a loader every rank
+reads whole trains on copies of one batch, which no error reveals (``core/distinct_batches.py``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning.fabric.utilities.warnings import PossibleUserWarning
+
+from lightning_dp_strategies.core.distinct_batches import DistinctBatches, batch_digest, repeated_ranks
+from tests.helpers.distributed import run_ranks
+
+SAME = ("ring_whole_loader", "streaming_unsplit_iterable", "sharded_whole_loader")
+
+
+@pytest.mark.timeout(300)
+def test_ranks_that_read_the_same_batches_are_warned_and_sharded_ranks_are_not(tmp_path: Path) -> None:
+    run_ranks("tests.strategies.same_batch_scenarios", [str(tmp_path), ",".join((*SAME, "ring_lightning_sampler"))], 2)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for name in SAME:
+        assert ranks[0][name]["first"] == ranks[1][name]["first"], name  # the scenario is what it says
+        (message,) = ranks[0][name]["warnings"]  # once a fit, on rank 0
+        assert "ranks 0, 1" in message and "use_distributed_sampler=True" in message, message
+        assert "DistributedSampler(dataset, num_replicas=trainer.world_size, rank=trainer.global_rank)" in message
+        assert ranks[1][name]["warnings"] == [], name
+    sharded = ranks[0]["ring_lightning_sampler"], ranks[1]["ring_lightning_sampler"]
+    assert sharded[0]["first"] != sharded[1]["first"]
+    assert sharded[0]["warnings"] == sharded[1]["warnings"] == []
+
+
+@pytest.mark.timeout(300)
+def test_the_replicas_of_a_pipeline_stage_that_read_the_same_batches_are_warned(tmp_path: Path) -> None:
+    run_ranks("tests.strategies.same_batch_scenarios", [str(tmp_path), "hybrid_whole_loader"], 4)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text())["hybrid_whole_loader"] for r in range(4)]
+    # the stages of a replica read one batch (ranks 0 and 2 are replica 0), as they must; so do the replicas here
+    assert len({json.dumps(rank["first"]) for rank in ranks}) == 1
+    (message,) = ranks[0]["warnings"]
+    assert "(ranks 0, 1)" in message and "num_replicas=2" in message, message  # rank 0 gathers over its stage
+    assert all(rank["warnings"] == [] for rank in ranks[1:])
+
+
+def test_batch_digest_is_equal_for_equal_batches_and_tells_any_difference() -> None:
+    x, y = torch.arange(12.0).reshape(3, 4), torch.tensor([0, 1, 2])
+    batch = {"x": x, "y": y, "meta": ["a", "b", "c"]}
+    assert batch_digest(batch) == batch_digest({"meta": ["z"], "y": y.clone(), "x": x.clone()})  # only tensors count
+    assert batch_digest(batch) != batch_digest({"x": x, "y": y.flip(0)})
+    assert batch_digest((x, y)) != batch_digest((y, x))
+    assert batch_digest((x, y)) != batch_digest((x.to(torch.float64), y))
+    assert batch_digest([x.to(torch.bfloat16)]) != batch_digest([x.to(torch.float16)])
+    assert batch_digest("no tensor") == 0 and batch_digest([]) == 0
+
+
+def test_repeats_are_found_within_each_group_only() -> None:
+    # a pipeline of 2 stages over 2 replicas: stage s is ranks 2s, 2s + 1; the stages of a replica read one batch
+    digests = {0: 11, 1: 12, 2: 11, 3: 12}
+    assert repeated_ranks(digests, [[0, 1], [2, 3]]) == []
+    assert repeated_ranks({0: 11, 1: 11, 2: 11, 3: 11}, [[0, 1], [2, 3]]) == [[0, 1], [2, 3]]
+    assert repeated_ranks({0: 5, 1: 6, 2: 5}, [[0, 1, 2]]) == [[0, 2]]  # a sampler of 2 replicas over 3 ranks
+
+
+def gathers(answers: list[int]) -> Any:
+    """A stand-in for a strategy's ``all_gather`` that returns ``answers``, stacked as Lightning stacks them."""
+    calls: list[torch.Tensor] = []
+
+    def gather(tensor: torch.Tensor) -> torch.Tensor:
+        calls.append(tensor)
+        return torch.tensor(answers, dtype=torch.int64).reshape(-1, 1)
+
+    return gather, calls
+
+
+def test_the_check_gathers_once_a_fit_and_warns_naming_the_ranks() -> None:
+    check, batch = DistinctBatches(), (torch.ones(2, 3), torch.zeros(2))
+    gather, calls = gathers([batch_digest(batch)] * 2)
+    assert check.check(batch, gather, [[0, 1]], 0, torch.device("cpu")) == []  # not armed: no fit set up
+    check.pending = True
+    with pytest.warns(PossibleUserWarning, match=r"same first training batch \(ranks 0, 1\)"):
+        assert check.check(batch, gather, [[0, 1]], 0, torch.device("cpu")) == [[0, 1]]
+    assert check.check(batch, gather, [[0, 1]], 0, torch.device("cpu")) == [] and len(calls) == 1
+
+
+def test_a_gather_over_the_rank_group_is_read_as_that_group() -> None:
+    # HybridPipelineStrategy gathers over the data-parallel group of this rank's stage (ranks 2 and 3 here)
+    check, batch = DistinctBatches(), torch.ones(2)
+    check.pending = True
+    gather, _ = gathers([7, 7])
+    with pytest.warns(PossibleUserWarning, match=r"ranks 2, 3.*num_replicas=2"):
+        assert check.check(batch, gather, [[0, 1], [2, 3]], 3, torch.device("cpu")) == [[2, 3]]
+
+
+def test_no_rank_gathers_when_no_group_holds_two_ranks() -> None:
+    check = DistinctBatches()
+    check.pending = True
+    gather, calls = gathers([1])
+    assert check.check(torch.ones(1), gather, [[0], [1]], 0, torch.device("cpu")) == [] and calls == []
