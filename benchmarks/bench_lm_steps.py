@@ -42,6 +42,8 @@ Usage::
         --json benchmarks/results/lm_steps_every_1.json
     python benchmarks/bench_lm_steps.py --seeds 0 1 2 3 --variants ddp streaming_delay_0 \
         --json benchmarks/results/lm_steps_delay_0.json
+    python benchmarks/bench_lm_steps.py --seeds 0 1 2 3 --variants ddp streaming_diloco --steps 225 \
+        --eval-from 185 --target-step 195 --json benchmarks/results/lm_steps_long.json
 """
 
 from __future__ import annotations

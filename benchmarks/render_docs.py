@@ -78,6 +78,10 @@ COMMANDS = {
     ),
     "lm_steps_every_1": "python benchmarks/bench_lm_steps.py --seeds 0 1 2 3 --variants ddp local_sgd_every_1",
     "lm_steps_delay_0": "python benchmarks/bench_lm_steps.py --seeds 0 1 2 3 --variants ddp streaming_delay_0",
+    "lm_steps_long": (
+        "python benchmarks/bench_lm_steps.py --seeds 0 1 2 3 --variants ddp streaming_diloco --steps 225 "
+        "--eval-from 185 --target-step 195"
+    ),
     "restart": "python benchmarks/bench_restart.py --tries 4",
     "survive_local_sgd": "python benchmarks/bench_survive.py --strategy local_sgd",
     "compare": "python benchmarks/store_compare.py --figure docs/figures/comparison.png",
