@@ -15,11 +15,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.fabric.utilities.warnings import PossibleUserWarning
 from torch import Tensor
 
-__all__ = ["DistinctBatches", "batch_digest", "repeated_ranks", "tensor_digest"]
+__all__ = ["DistinctBatches", "batch_digest", "gather_world", "repeated_ranks", "tensor_digest"]
 
 
 def tensor_digest(tensor: Tensor) -> int:
@@ -100,11 +101,19 @@ def same_batch_warning(repeats: list[list[int]], group_size: int, world_size: in
     return (
         f"Data-parallel ranks read the same first training batch ({said}): each step averages their gradients over "
         "copies of one batch, so the global batch is smaller than intended and the copies' compute changes nothing. "
-        "Give every rank its own part of the data: leave `use_distributed_sampler=True` (Lightning then adds a "
-        f"`DistributedSampler`), pass {sampler}, or split an `IterableDataset` by `trainer.global_rank` and "
-        "`trainer.world_size` (Lightning does not split one). If the ranks are meant to read the same data, ignore "
-        "this warning (a `PossibleUserWarning`)."
+        "Give every rank its own part of the data. A map-style dataset: leave `use_distributed_sampler=True` "
+        f"(Lightning then adds a `DistributedSampler`) or pass {sampler}. An `IterableDataset`: split it by "
+        "`trainer.global_rank` and `trainer.world_size` in its `__iter__` (Lightning adds no sampler to one). If the "
+        "ranks are meant to read the same data, ignore this warning (a `PossibleUserWarning`)."
     )
+
+
+def gather_world(tensor: Tensor) -> Tensor:
+    """Every rank's ``tensor`` over the default group, stacked in rank order (torch's own all-gather: Lightning's
+    ``all_gather`` goes through a deprecated torch function that warns)."""
+    gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, tensor)
+    return torch.stack(gathered)
 
 
 class DistinctBatches:
@@ -117,26 +126,23 @@ class DistinctBatches:
     def __init__(self) -> None:
         self.pending = False
         """Whether the next training batch is the first of a fit."""
+        self.gather: Callable[[Tensor], Tensor] = gather_world
+        """How every rank's digest is gathered, stacked in rank order (a fault-tolerant run: over the survivors)."""
 
-    def check(
-        self, batch: Any, gather: Callable[[Tensor], Tensor], groups: list[list[int]], rank: int, device: torch.device
-    ) -> list[list[int]]:
-        """At the fit's first batch: gather the ranks' digests with ``gather`` (a strategy's ``all_gather``, which
-        stacks one tensor a rank, over every rank or over this rank's group) and warn when ranks of one of ``groups``
-        (lists of global ranks) hold the same batch. Returns those ranks; ``[]`` otherwise, on later batches, and
-        where ``gather`` returns neither every rank's digest nor those of this rank's group."""
+    def check(self, batch: Any, groups: list[list[int]], device: torch.device) -> list[list[int]]:
+        """At the fit's first batch: gather every rank's digest and warn when ranks of one of ``groups`` (lists of
+        global ranks, together the world) hold the same batch. Returns those ranks; ``[]`` otherwise, on later
+        batches, and where fewer ranks answer than ``groups`` name."""
         if not self.pending:
             return []
         self.pending = False
         if all(len(group) < 2 for group in groups):  # decided alike on every rank: all gather or none does
             return []
         world_size = sum(len(group) for group in groups)
-        mine = next((group for group in groups if rank in group), [])
-        found = gather(torch.tensor([batch_digest(batch)], dtype=torch.int64, device=device)).reshape(-1).tolist()
-        ranks = range(world_size) if len(found) == world_size else mine
-        if len(found) != len(ranks):
+        found = self.gather(torch.tensor([batch_digest(batch)], dtype=torch.int64, device=device)).reshape(-1)
+        if len(found) != world_size:
             return []
-        repeats = repeated_ranks(dict(zip(ranks, (int(d) for d in found), strict=True)), groups)
+        repeats = repeated_ranks(dict(enumerate(int(d) for d in found.tolist())), groups)
         if repeats:
             group_size = max(len(group) for group in groups)
             rank_zero_warn(same_batch_warning(repeats, group_size, world_size), category=PossibleUserWarning)

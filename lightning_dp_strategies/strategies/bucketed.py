@@ -280,7 +280,7 @@ class BucketedDataParallel(DDPStrategy):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
-        self.distinct_batches.check(batch, self.all_gather, self.grad_group_ranks(), self.global_rank, self.root_device)
+        self.distinct_batches.check(batch, self.grad_group_ranks(), self.root_device)
 
     @contextmanager
     @override

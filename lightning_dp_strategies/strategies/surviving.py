@@ -51,6 +51,7 @@ class SurvivingDataParallel(BucketedDataParallel):
         if self.survival is not None and self.lightning_module is not None:
             if self.survival.joining:  # a replacement: the live ranks are mid-fit, none compares batches with it
                 self.distinct_batches.pending = False
+            self.distinct_batches.gather = self.survival.control.all_gather
             self.survival.on_train_start(self.lightning_module.trainer)
 
     @override

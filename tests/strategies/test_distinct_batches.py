@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -24,7 +23,8 @@ def test_ranks_that_read_the_same_batches_are_warned_and_sharded_ranks_are_not(t
     for name in SAME:
         assert ranks[0][name]["first"] == ranks[1][name]["first"], name  # the scenario is what it says
         (message,) = ranks[0][name]["warnings"]  # once a fit, on rank 0
-        assert "ranks 0, 1" in message and "use_distributed_sampler=True" in message, message
+        assert "(ranks 0, 1)" in message and "use_distributed_sampler=True" in message, message
+        assert "An `IterableDataset`: split it by `trainer.global_rank`" in message
         assert "DistributedSampler(dataset, num_replicas=trainer.world_size, rank=trainer.global_rank)" in message
         assert ranks[1][name]["warnings"] == [], name
     sharded = ranks[0]["ring_lightning_sampler"], ranks[1]["ring_lightning_sampler"]
@@ -39,7 +39,7 @@ def test_the_replicas_of_a_pipeline_stage_that_read_the_same_batches_are_warned(
     # the stages of a replica read one batch (ranks 0 and 2 are replica 0), as they must; so do the replicas here
     assert len({json.dumps(rank["first"]) for rank in ranks}) == 1
     (message,) = ranks[0]["warnings"]
-    assert "(ranks 0, 1)" in message and "num_replicas=2" in message, message  # rank 0 gathers over its stage
+    assert "(ranks 0, 1; ranks 2, 3)" in message and "num_replicas=2" in message, message
     assert all(rank["warnings"] == [] for rank in ranks[1:])
 
 
@@ -62,38 +62,46 @@ def test_repeats_are_found_within_each_group_only() -> None:
     assert repeated_ranks({0: 5, 1: 6, 2: 5}, [[0, 1, 2]]) == [[0, 2]]  # a sampler of 2 replicas over 3 ranks
 
 
-def gathers(answers: list[int]) -> Any:
-    """A stand-in for a strategy's ``all_gather`` that returns ``answers``, stacked as Lightning stacks them."""
+def gathering(answers: list[int]) -> tuple[DistinctBatches, list[torch.Tensor]]:
+    """A check armed for a fit whose gather (every rank's digest, stacked) returns ``answers``; and its calls."""
     calls: list[torch.Tensor] = []
 
     def gather(tensor: torch.Tensor) -> torch.Tensor:
         calls.append(tensor)
         return torch.tensor(answers, dtype=torch.int64).reshape(-1, 1)
 
-    return gather, calls
+    check = DistinctBatches()
+    check.gather = gather
+    return check, calls
 
 
 def test_the_check_gathers_once_a_fit_and_warns_naming_the_ranks() -> None:
-    check, batch = DistinctBatches(), (torch.ones(2, 3), torch.zeros(2))
-    gather, calls = gathers([batch_digest(batch)] * 2)
-    assert check.check(batch, gather, [[0, 1]], 0, torch.device("cpu")) == []  # not armed: no fit set up
+    batch = (torch.ones(2, 3), torch.zeros(2))
+    check, calls = gathering([batch_digest(batch)] * 2)
+    assert check.check(batch, [[0, 1]], torch.device("cpu")) == []  # not armed: no fit set up
     check.pending = True
     with pytest.warns(PossibleUserWarning, match=r"same first training batch \(ranks 0, 1\)"):
-        assert check.check(batch, gather, [[0, 1]], 0, torch.device("cpu")) == [[0, 1]]
-    assert check.check(batch, gather, [[0, 1]], 0, torch.device("cpu")) == [] and len(calls) == 1
+        assert check.check(batch, [[0, 1]], torch.device("cpu")) == [[0, 1]]
+    assert check.check(batch, [[0, 1]], torch.device("cpu")) == [] and len(calls) == 1
 
 
-def test_a_gather_over_the_rank_group_is_read_as_that_group() -> None:
-    # HybridPipelineStrategy gathers over the data-parallel group of this rank's stage (ranks 2 and 3 here)
-    check, batch = DistinctBatches(), torch.ones(2)
+def test_groups_smaller_than_the_world_name_their_own_size() -> None:
+    check, _ = gathering([7, 8, 7, 8])  # two stages of two replicas each, as under hybrid_pipeline
     check.pending = True
-    gather, _ = gathers([7, 7])
-    with pytest.warns(PossibleUserWarning, match=r"ranks 2, 3.*num_replicas=2"):
-        assert check.check(batch, gather, [[0, 1], [2, 3]], 3, torch.device("cpu")) == [[2, 3]]
+    assert check.check(torch.ones(2), [[0, 1], [2, 3]], torch.device("cpu")) == []
+    check, _ = gathering([7, 7, 7, 7])
+    check.pending = True
+    with pytest.warns(PossibleUserWarning, match=r"ranks 0, 1; ranks 2, 3.*num_replicas=2"):
+        assert check.check(torch.ones(2), [[0, 1], [2, 3]], torch.device("cpu")) == [[0, 1], [2, 3]]
+
+
+def test_fewer_answers_than_ranks_are_not_compared() -> None:
+    check, _ = gathering([7, 7])  # a fault-tolerant run's survivors, fewer than the groups name
+    check.pending = True
+    assert check.check(torch.ones(2), [[0, 1, 2]], torch.device("cpu")) == []
 
 
 def test_no_rank_gathers_when_no_group_holds_two_ranks() -> None:
-    check = DistinctBatches()
+    check, calls = gathering([1])
     check.pending = True
-    gather, calls = gathers([1])
-    assert check.check(torch.ones(1), gather, [[0], [1]], 0, torch.device("cpu")) == [] and calls == []
+    assert check.check(torch.ones(1), [[0], [1]], torch.device("cpu")) == [] and calls == []
