@@ -64,25 +64,21 @@ def batch_digest(batch: Any) -> int:
     digest = hashlib.blake2b(digest_size=8)
     for tensor in tensors:
         digest.update(tensor_digest(tensor).to_bytes(8, "little", signed=True))
-    return int.from_bytes(digest.digest(), "little", signed=True) or 1
+    return int.from_bytes(digest.digest(), "little", signed=True) or 1  # 0 stands for "no tensor" alone
 
 
-def repeated_ranks(digests: Mapping[int, int], groups: Sequence[Sequence[int]]) -> list[list[int]]:
-    """The ranks of one group that hold the same batch, one list for each batch held more than once. ``digests`` maps
-    a global rank to its batch's digest; a group with a rank missing from it is skipped, and a digest of 0 (unknown)
-    is never the same as another.
+def repeated_ranks(digests: Sequence[int], groups: Sequence[Sequence[int]]) -> list[list[int]]:
+    """The ranks of one group that hold the same batch, one list for each batch held more than once. ``digests`` holds
+    every global rank's, in rank order; a digest of 0 (unknown) is never the same as another.
 
     Examples:
-        >>> four = dict(enumerate([7, 7, 5, 7]))
-        >>> repeated_ranks(four, [[0, 1, 2, 3]]), repeated_ranks(four, [[0, 2], [1, 3]])
+        >>> repeated_ranks([7, 7, 5, 7], [[0, 1, 2, 3]]), repeated_ranks([7, 7, 5, 7], [[0, 2], [1, 3]])
         ([[0, 1, 3]], [[1, 3]])
-        >>> repeated_ranks({0: 0, 1: 0}, [[0, 1]]), repeated_ranks({2: 4, 3: 4}, [[0, 1], [2, 3]])
-        ([], [[2, 3]])
+        >>> repeated_ranks([0, 0], [[0, 1]])
+        []
     """
     repeats = []
     for group in groups:
-        if not all(rank in digests for rank in group):
-            continue
         held: dict[int, list[int]] = {}
         for rank in group:
             if digests[rank] != 0:
@@ -142,7 +138,7 @@ class DistinctBatches:
         found = self.gather(torch.tensor([batch_digest(batch)], dtype=torch.int64, device=device)).reshape(-1)
         if len(found) != world_size:
             return []
-        repeats = repeated_ranks(dict(enumerate(int(d) for d in found.tolist())), groups)
+        repeats = repeated_ranks([int(d) for d in found.tolist()], groups)
         if repeats:
             group_size = max(len(group) for group in groups)
             rank_zero_warn(same_batch_warning(repeats, group_size, world_size), category=PossibleUserWarning)

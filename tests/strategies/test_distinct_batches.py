@@ -56,10 +56,9 @@ def test_batch_digest_is_equal_for_equal_batches_and_tells_any_difference() -> N
 
 def test_repeats_are_found_within_each_group_only() -> None:
     # a pipeline of 2 stages over 2 replicas: stage s is ranks 2s, 2s + 1; the stages of a replica read one batch
-    digests = {0: 11, 1: 12, 2: 11, 3: 12}
-    assert repeated_ranks(digests, [[0, 1], [2, 3]]) == []
-    assert repeated_ranks({0: 11, 1: 11, 2: 11, 3: 11}, [[0, 1], [2, 3]]) == [[0, 1], [2, 3]]
-    assert repeated_ranks({0: 5, 1: 6, 2: 5}, [[0, 1, 2]]) == [[0, 2]]  # a sampler of 2 replicas over 3 ranks
+    assert repeated_ranks([11, 12, 11, 12], [[0, 1], [2, 3]]) == []
+    assert repeated_ranks([11, 11, 11, 11], [[0, 1], [2, 3]]) == [[0, 1], [2, 3]]
+    assert repeated_ranks([5, 6, 5], [[0, 1, 2]]) == [[0, 2]]  # a sampler of 2 replicas over 3 ranks
 
 
 def gathering(answers: list[int]) -> tuple[DistinctBatches, list[torch.Tensor]]:

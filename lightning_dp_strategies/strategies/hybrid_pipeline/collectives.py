@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_dp_strategies.core.distinct_batches import tensor_digest as target_digest
+from lightning_dp_strategies.core.distinct_batches import gather_world, tensor_digest as target_digest
 from lightning_dp_strategies.pipeline.layout import Layout
 
 __all__ = ["MetricGroups", "check_same_targets", "data_group_or", "point_to_point_device", "target_digest", "vote"]
@@ -79,9 +79,7 @@ def check_same_targets(target: torch.Tensor | None, layout: Layout, device: torc
     if layout.stages == 1 or not dist.is_initialized():
         return
     mine = torch.tensor([0 if target is None else target_digest(target)], dtype=torch.int64, device=device)
-    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, mine)
-    digests = [int(d) for d in gathered]
+    digests = [int(d) for d in gather_world(mine).reshape(-1).tolist()]
     replicas = layout.replicas
     for replica in range(replicas):
         ranks = list(range(replica, len(digests), replicas))
