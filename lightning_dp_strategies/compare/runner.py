@@ -97,11 +97,13 @@ def _one_line(text: str, limit: int = 240) -> str:
 def _failure(name: str, work: Path, log: Path, code: int | None, timeout: float) -> tuple[str, str]:
     """The row's status and one-line reason: ``n/a`` for a configuration the strategy refuses before training."""
     # the first rank to fail says why: the others' errors are mostly about losing it
-    reports = sorted(work.glob(f"{name}.rank*.error.json"), key=lambda p: (p.stat().st_mtime_ns, _rank_of(p)))
+    reports = [(json.loads(p.read_text()), p) for p in work.glob(f"{name}.rank*.error.json")]
     if code is None:
         return "timeout", f"no result within {timeout:.0f} s (see {log.parent.name}/{log.name})"
     if reports:
-        report = json.loads(reports[0].read_text())
+        # the time each rank took when it failed: a file's modification time is the kernel's coarse clock, which
+        # may give a rank and the one that failed on losing it the same instant
+        report = min(reports, key=lambda r: (r[0].get("failed_at", r[1].stat().st_mtime), _rank_of(r[1])))[0]
         refused = report["steps_done"] == 0 and report["type"] in _REFUSALS
         return ("n/a" if refused else "failed"), _one_line(f"{report['type']}: {report['message']}")
     tail = [line for line in log.read_text(errors="replace").splitlines() if line.strip()][-1:]

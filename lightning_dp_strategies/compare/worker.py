@@ -83,6 +83,23 @@ class _Recorder(L.Callback):
         (self.work / f"{self.name}.rank{trainer.global_rank}.json").write_text(json.dumps(payload))
 
 
+class _ReportingTrainer(L.Trainer):
+    """A ``Trainer`` whose fit, in whichever process runs it, writes that process's failure report. A ``spawn`` or
+    ``fork`` launcher runs ``_fit_impl`` in the ranks it starts, where Lightning calls no ``on_exception`` hook; the
+    launching process learns of one failed rank only, and where it looks late, of the first in rank order rather
+    than the first to fail."""
+
+    failure_recorder: _Recorder | None = None
+
+    def _fit_impl(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super()._fit_impl(*args, **kwargs)
+        except Exception as err:
+            if self.failure_recorder is not None:
+                _write_failure(err, self, self.failure_recorder)
+            raise
+
+
 def _peak_mb(trainer: L.Trainer) -> float:
     """This process's peak memory: CUDA memory allocated on its devices, else the process's peak resident set."""
     if trainer.strategy.root_device.type == "cuda":
@@ -119,9 +136,11 @@ def _raised(traceback: str) -> tuple[str, str]:
 
 
 def _write_failure(err: Exception, trainer: L.Trainer | None, recorder: _Recorder) -> None:
-    """Write ``{name}.rank{r}.error.json`` beside the reports: the exception's type and message, and the steps done.
-    A rank that a spawn or fork launcher started fails the launching process with its traceback's text: the reason
-    is the rank's own exception."""
+    """Write ``{name}.rank{r}.error.json`` beside the reports: the exception's type and message, the steps done and
+    when it failed (the runner gives the first failure's reason). A rank that a spawn or fork launcher started fails
+    the launching process with its traceback's text: the reason is the rank's own exception, which that rank has
+    written itself unless it could not. A report already written is kept: it is the earlier one."""
+    failed_at = time.time()
     rank = trainer.global_rank if trainer is not None else _rank()
     kind, message = type(err).__name__, str(err)
     if isinstance(err, ProcessRaisedException):
@@ -129,8 +148,10 @@ def _write_failure(err: Exception, trainer: L.Trainer | None, recorder: _Recorde
     if isinstance(err, pickle.PicklingError):  # a spawn launch pickles the module and its class by reference
         message += " (spawn sends the model by reference: define it in an importable module, or use the fork "
         message += "launch, the strategy's `_notebook` name)"
-    reason = {"type": kind, "message": message, "steps_done": recorder.steps_done()}
-    (recorder.work / f"{recorder.name}.rank{rank}.error.json").write_text(json.dumps(reason))
+    reason = {"type": kind, "message": message, "steps_done": recorder.steps_done(), "failed_at": failed_at}
+    path = recorder.work / f"{recorder.name}.rank{rank}.error.json"
+    if not path.exists():
+        path.write_text(json.dumps(reason))
 
 
 def _rank() -> int:
@@ -150,7 +171,7 @@ def run_worker(name: str, task_path: Path, devices: int, work: Path) -> None:
     try:
         model = task.build_model()
         data = None if task.demo is not None else GlobalBatches(task.build_data())
-        trainer = L.Trainer(
+        trainer = _ReportingTrainer(
             strategy="auto" if name == BASELINE else name,
             accelerator=task.accelerator,
             devices=1 if name == BASELINE else devices,
@@ -166,6 +187,7 @@ def run_worker(name: str, task_path: Path, devices: int, work: Path) -> None:
             enable_model_summary=False,
             callbacks=[recorder],
         )
+        trainer.failure_recorder = recorder
         trainer.fit(model, datamodule=data)
     except Exception as err:
         _write_failure(err, trainer, recorder)

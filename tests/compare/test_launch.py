@@ -126,11 +126,15 @@ def test_a_failed_rank_ends_its_row_and_the_rank_waiting_for_it_is_killed(
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.parametrize("slow_join", [None, "3"], ids=["prompt", "launcher-slow-to-look"])
 def test_a_rank_a_fork_launcher_started_fails_the_row_with_its_own_reason(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, slow_join: str | None
 ) -> None:
     """A ``ValueError`` after steps were trained is a failure, not a refusal of the configuration (``n/a``), also
-    where the rank that raised it is not the process that called ``fit``."""
+    where the rank that raised it is not the process that called ``fit``, and where the launching process looks at
+    its ranks only after rank 0 has failed too, on losing rank 1 (torch then names rank 0)."""
+    if slow_join is not None:
+        monkeypatch.setenv("LDPS_TEST_SLOW_JOIN", slow_join)
     row = _failing_row("rank1_refuses_step_3_notebook", 120, tmp_path, monkeypatch)
     assert (row.status, row.error) == ("failed", "ValueError: rank 1 refuses its third step")
 
@@ -155,6 +159,22 @@ def test_the_row_says_why_the_first_rank_failed(tmp_path: Path) -> None:
     log = tmp_path / "x.log"
     log.write_text("")
     assert runner._failure("x", tmp_path, log, 1, 10.0) == ("failed", "RuntimeError: rank 1 fails at setup")
+
+
+def test_the_time_a_rank_failed_decides_where_the_files_were_written_in_one_tick(tmp_path: Path) -> None:
+    """A file's modification time comes from the kernel's coarse clock: rank 0's report, written on losing rank 1,
+    may carry the same instant as rank 1's. The time each rank recorded decides, not the rank order."""
+    import json
+    import os
+
+    first = {"type": "ValueError", "message": "rank 1 refuses", "steps_done": 2, "failed_at": 100.001}
+    then = {"type": "RuntimeError", "message": "Connection closed by peer", "steps_done": 2, "failed_at": 100.002}
+    for rank, report in [(1, first), (0, then)]:
+        (tmp_path / f"x.rank{rank}.error.json").write_text(json.dumps(report))
+        os.utime(tmp_path / f"x.rank{rank}.error.json", ns=(1_000_000_000, 1_000_000_000))
+    log = tmp_path / "x.log"
+    log.write_text("")
+    assert runner._failure("x", tmp_path, log, 1, 10.0) == ("failed", "ValueError: rank 1 refuses")
 
 
 def test_only_cpu_runs_on_linux_are_forked() -> None:

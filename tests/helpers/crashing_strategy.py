@@ -2,7 +2,8 @@
 ``"rank1_crashes_at_setup"`` on one of its two ranks only, and ``"hangs_at_setup"`` never trains; and
 ``"rank1_slow_to_report"``, which trains as ``ddp`` does but whose rank 1 reaches the end of the script late;
 ``"rank1_refuses_step_3_notebook"``, whose rank 1 raises ``ValueError`` after two steps, in ranks a fork launcher
-started."""
+started. With ``LDPS_TEST_SLOW_JOIN`` set, a launching process first waits that many seconds before it looks at its
+ranks, as one starved of the CPU would: by then both ranks have ended, and torch names the first in rank order."""
 
 import os
 import subprocess
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, StrategyRegistry
+from torch.multiprocessing.spawn import ProcessContext
 
 
 class CrashesAtSetup(SingleDeviceStrategy):
@@ -63,6 +65,19 @@ class Rank1RefusesStep3(DDPStrategy):
         if batch_idx == 2 and self.global_rank == 1:
             raise ValueError("rank 1 refuses its third step")
 
+
+def _slow_join(join: Any, seconds: float) -> Any:
+    def late(context: Any, *args: Any, **kwargs: Any) -> Any:
+        if not getattr(context, "_waited", False):
+            context._waited = True
+            time.sleep(seconds)
+        return join(context, *args, **kwargs)
+
+    return late
+
+
+if os.environ.get("LDPS_TEST_SLOW_JOIN"):
+    ProcessContext.join = _slow_join(ProcessContext.join, float(os.environ["LDPS_TEST_SLOW_JOIN"]))  # type: ignore[method-assign]
 
 StrategyRegistry.register("rank1_refuses_step_3_notebook", Rank1RefusesStep3, start_method="fork", override=True)
 StrategyRegistry.register("rank1_slow_to_report", Rank1SlowToReport, override=True)
