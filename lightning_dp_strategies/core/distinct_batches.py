@@ -1,4 +1,5 @@
-"""Whether the data-parallel ranks read different batches, checked once a fit at its first training batch.
+"""Whether the data-parallel ranks read different batches, checked once a fit at its first training batch (under
+Fabric: at the model's first training forward, on its inputs).
 
 Under data parallelism every rank loads its own part of the global batch. A loader that every rank reads whole
 (``use_distributed_sampler=False`` with no sampler of one's own, or an ``IterableDataset`` that does not split itself
@@ -18,7 +19,8 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.fabric.utilities.warnings import PossibleUserWarning
-from torch import Tensor
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 __all__ = ["DistinctBatches", "batch_digest", "gather_world", "repeated_ranks", "tensor_digest"]
 
@@ -87,20 +89,28 @@ def repeated_ranks(digests: Sequence[int], groups: Sequence[Sequence[int]]) -> l
     return repeats
 
 
-def same_batch_warning(repeats: list[list[int]], group_size: int, world_size: int) -> str:
-    """The warning for ``repeats`` (from :func:`repeated_ranks`), naming the fix."""
+def same_batch_warning(repeats: list[list[int]], group_size: int, world_size: int, owner: str = "trainer") -> str:
+    """The warning for ``repeats`` (from :func:`repeated_ranks`), naming the fix in the words of ``owner``'s API:
+    ``"trainer"`` (Lightning's ``Trainer``) or ``"fabric"``."""
     said = "; ".join(f"ranks {', '.join(map(str, ranks))}" for ranks in repeats)
     if group_size == world_size:
-        sampler = "`DistributedSampler(dataset, num_replicas=trainer.world_size, rank=trainer.global_rank)`"
+        sampler = f"`DistributedSampler(dataset, num_replicas={owner}.world_size, rank={owner}.global_rank)`"
     else:
         sampler = f"a `DistributedSampler` with `num_replicas={group_size}` and the rank's place among them"
+    read, where, who = "read the same first training batch", "", "Lightning"
+    if owner == "fabric":
+        read, where, who = (
+            "gave the model the same inputs at its first training forward",
+            " in `setup_dataloaders`",
+            "Fabric",
+        )
     return (
-        f"Data-parallel ranks read the same first training batch ({said}): each step averages their gradients over "
-        "copies of one batch, so the global batch is smaller than intended and the copies' compute changes nothing. "
-        "Give every rank its own part of the data. A map-style dataset: leave `use_distributed_sampler=True` "
-        f"(Lightning then adds a `DistributedSampler`) or pass {sampler}. An `IterableDataset`: split it by "
-        "`trainer.global_rank` and `trainer.world_size` in its `__iter__` (Lightning adds no sampler to one). If the "
-        "ranks are meant to read the same data, ignore this warning (a `PossibleUserWarning`)."
+        f"Data-parallel ranks {read} ({said}): each step averages their gradients over copies of one batch, so the "
+        "global batch is smaller than intended and the copies' compute changes nothing. Give every rank its own "
+        f"part of the data. A map-style dataset: leave `use_distributed_sampler=True`{where} ({who} then adds a "
+        f"`DistributedSampler`) or pass {sampler}. An `IterableDataset`: split it by `{owner}.global_rank` and "
+        f"`{owner}.world_size` in its `__iter__` ({who} adds no sampler to one). If the ranks are meant to read the "
+        "same data, ignore this warning (a `PossibleUserWarning`)."
     )
 
 
@@ -116,14 +126,32 @@ class DistinctBatches:
     """Warns once a fit, on rank 0, when ranks that average together read the same first training batch.
 
     Set :attr:`pending` when a fit is set up; call :meth:`check` at every training batch's start (after the first it
-    returns at once). Costs one all-gather of one integer a fit, and a digest of one batch on each rank.
+    returns at once). Costs one all-gather of one integer a fit, and a digest of one batch on each rank. Fabric has
+    no batch hook: :meth:`watch` checks the inputs of a module's first training forward instead.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, owner: str = "trainer") -> None:
+        self.owner = owner
+        """Whose API the warning's fix names: ``"trainer"`` or ``"fabric"``."""
         self.pending = False
         """Whether the next training batch is the first of a fit."""
         self.gather: Callable[[Tensor], Tensor] = gather_world
         """How every rank's digest is gathered, stacked in rank order (a fault-tolerant run: over the survivors)."""
+
+    def watch(self, module: nn.Module, device: torch.device) -> RemovableHandle:
+        """Arm the check for ``module``'s first training forward (train mode, gradients on) and run it there, on the
+        forward's arguments, over the whole world; the hook then removes itself. Every rank runs that forward, as
+        every rank runs each step's; the returned handle removes the hook earlier (a teardown before any step)."""
+        self.pending = True
+        world = [list(range(dist.get_world_size()))]
+
+        def first_forward(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if module.training and torch.is_grad_enabled():
+                handle.remove()
+                self.check((args, kwargs), world, device)
+
+        handle = module.register_forward_pre_hook(first_forward, with_kwargs=True)
+        return handle
 
     def check(self, batch: Any, groups: list[list[int]], device: torch.device) -> list[list[int]]:
         """At the fit's first batch: gather every rank's digest and warn when ranks of one of ``groups`` (lists of
@@ -141,5 +169,6 @@ class DistinctBatches:
         repeats = repeated_ranks([int(d) for d in found.tolist()], groups)
         if repeats:
             group_size = max(len(group) for group in groups)
-            rank_zero_warn(same_batch_warning(repeats, group_size, world_size), category=PossibleUserWarning)
+            warning = same_batch_warning(repeats, group_size, world_size, self.owner)
+            rank_zero_warn(warning, category=PossibleUserWarning)
         return repeats

@@ -31,6 +31,7 @@ from lightning_dp_strategies.bucketing import CommStats, GradientBuckets
 from lightning_dp_strategies.bucketing.sync import GradientSync
 from lightning_dp_strategies.core.agreement import bucketed_options, check_ranks_agree, model_fingerprint
 from lightning_dp_strategies.core.checkpoint_io import AtomicByDefault
+from lightning_dp_strategies.core.distinct_batches import DistinctBatches
 from lightning_dp_strategies.core.elastic import init_strategy_process_group
 from lightning_dp_strategies.core.engine import BucketedEngine, EngineView
 from lightning_dp_strategies.core.launch import check_interactive_launch
@@ -139,6 +140,7 @@ class FabricRingAllReduceStrategy(DDPStrategy):
         self._trained: nn.Module | None = None
         """The module set up with trainable parameters (the one the buckets average)."""
         self._buffer_hook: Any = None
+        self._distinct_hook: Any = None  # warns when the ranks' first training forward gets the same inputs
         self._backward_sync_control = _BucketSyncControl(self)
 
     # ------------------------------------------------------------------ what a subclass says
@@ -199,7 +201,9 @@ class FabricRingAllReduceStrategy(DDPStrategy):
     def setup_module(self, module: nn.Module) -> nn.Module:  # type: ignore[override]  # not wrapped
         """Check that the ranks agree, broadcast rank 0's parameters and buffers, and attach the gradient buckets.
 
-        The module itself is returned (not wrapped), so ``fabric.save`` holds its plain ``state_dict``.
+        The module itself is returned (not wrapped), so ``fabric.save`` holds its plain ``state_dict``. It gets a
+        forward pre-hook that, at its first training forward, warns on rank 0 when ranks got the same inputs (a loader
+        every rank reads whole) and then removes itself; :meth:`teardown` removes it if no step ran.
         """
         trainable = any(p.requires_grad for p in module.parameters())
         if trainable and self.engine.buckets is not None:
@@ -213,6 +217,8 @@ class FabricRingAllReduceStrategy(DDPStrategy):
         if trainable:
             self.engine.attach(list(module.named_parameters()), self._timeout)
             self._trained = module
+            if self.world_size > 1:
+                self._distinct_hook = DistinctBatches("fabric").watch(module, self.root_device)
             if self.config.broadcast_buffers and any(True for _ in module.buffers()):
                 self._buffer_hook = module.register_forward_pre_hook(self._broadcast_buffers)
         return module
@@ -355,9 +361,10 @@ class FabricRingAllReduceStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         """Close the buckets, the reducer and the gradient groups (Fabric itself never calls this; a script may)."""
-        if self._buffer_hook is not None:
-            self._buffer_hook.remove()
-            self._buffer_hook = None
+        for hook in (self._buffer_hook, self._distinct_hook):
+            if hook is not None:
+                hook.remove()
+        self._buffer_hook = self._distinct_hook = None
         self.engine.close()
         self._trained = None
         super().teardown()

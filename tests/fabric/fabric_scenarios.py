@@ -9,7 +9,9 @@ two processes (a launch costs seconds of imports, a scenario does not). Every ra
 from __future__ import annotations
 
 import functools
+import itertools
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.fabric.utilities.warnings import PossibleUserWarning
 from lightning.fabric.wrappers import _FabricModule
 from torch import Tensor, nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -279,6 +282,33 @@ def sharded(out: Path) -> dict[str, Any]:
     return {"uninterrupted": uninterrupted, "resumed": params(model), "state_numel": state_numel, "steps": 6}
 
 
+def same_inputs(out: Path) -> dict[str, Any]:
+    """Two steps of ``ring_allreduce`` and of ``local_sgd`` on a loader every rank reads whole
+    (``use_distributed_sampler=False``), and of ``ring_allreduce`` on Fabric's sampler: the warnings each gave on this
+    rank, and the forward pre-hooks the module kept after its first step."""
+    result: dict[str, Any] = {}
+    for name, strategy, distributed in [
+        ("ring_whole", "ring_allreduce", False),
+        ("local_sgd_whole", "local_sgd", False),
+        ("ring_sampled", "ring_allreduce", True),
+    ]:
+        fabric = launch(strategy)
+        model = make_model()
+        model, opt = fabric.setup(model, make_optimizer(model))
+        data = DataLoader(make_data(), batch_size=PER_RANK_BATCH)
+        loader = fabric.setup_dataloaders(data, use_distributed_sampler=distributed)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for x, y in itertools.islice(loader, 2):
+                fabric.backward(F.cross_entropy(model(x), y))
+                opt.step()
+                opt.zero_grad()
+        said = [str(w.message) for w in caught if issubclass(w.category, PossibleUserWarning)]
+        result[name] = {"warnings": said, "hooks": len(model.module._forward_pre_hooks)}
+        fabric.strategy.teardown()
+    return result
+
+
 SCENARIOS: dict[str, Callable[[Path], dict[str, Any]]] = {
     "sgd": sgd,
     "sharded": sharded,
@@ -291,6 +321,7 @@ SCENARIOS: dict[str, Callable[[Path], dict[str, Any]]] = {
     "nonfinite": nonfinite,
     # sharded: the Inf lands in some ranks' pieces only, and every rank still skips
     "nonfinite_sharded": functools.partial(nonfinite, shard_optimizer_state=True),
+    "same_inputs": same_inputs,
 }
 
 

@@ -162,6 +162,19 @@ def test_nonfinite_skip_skips_the_step_on_every_rank(runs: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- in-process
+@pytest.mark.timeout(240)
+def test_ranks_given_the_same_inputs_are_warned_once_on_rank_0_and_the_hook_goes(runs: Path) -> None:
+    """A loader every rank reads whole: the first training forward's inputs are the same on both ranks."""
+    ranks = results(runs, "same_inputs")
+    for name in ("ring_whole", "local_sgd_whole"):
+        (message,) = ranks[0][name]["warnings"]
+        assert "(ranks 0, 1)" in message and "use_distributed_sampler=True` in `setup_dataloaders`" in message
+        assert "num_replicas=fabric.world_size, rank=fabric.global_rank" in message, message
+        assert ranks[1][name]["warnings"] == [], name
+    assert ranks[0]["ring_sampled"]["warnings"] == ranks[1]["ring_sampled"]["warnings"] == []
+    assert all(rank[name]["hooks"] == 0 for rank in ranks for name in rank), "the check's hook removed itself"
+
+
 @pytest.mark.parametrize(
     ("options", "error", "match"),
     [
