@@ -97,7 +97,7 @@ def _one_line(text: str, limit: int = 240) -> str:
 def _failure(name: str, work: Path, log: Path, code: int | None, timeout: float) -> tuple[str, str]:
     """The row's status and one-line reason: ``n/a`` for a configuration the strategy refuses before training."""
     # the first rank to fail says why: the others' errors are mostly about losing it
-    reports = [(json.loads(p.read_text()), p) for p in work.glob(f"{name}.rank*.error.json")]
+    reports = [(report, p) for p in work.glob(f"{name}.rank*.error.json") if (report := _read_report(p)) is not None]
     if code is None:
         return "timeout", f"no result within {timeout:.0f} s (see {log.parent.name}/{log.name})"
     if reports:
@@ -108,6 +108,15 @@ def _failure(name: str, work: Path, log: Path, code: int | None, timeout: float)
         return ("n/a" if refused else "failed"), _one_line(f"{report['type']}: {report['message']}")
     tail = [line for line in log.read_text(errors="replace").splitlines() if line.strip()][-1:]
     return "failed", f"exit {code}" + (f": {_one_line(tail[0], 200)}" if tail else "")
+
+
+def _read_report(path: Path) -> dict[str, Any] | None:
+    """A rank's error report; ``None`` where the rank was killed while writing it."""
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return report if isinstance(report, dict) else None
 
 
 _REFUSALS = {"ValueError", "TypeError", "NotImplementedError", "MisconfigurationException", "PicklingError"}

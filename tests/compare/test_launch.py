@@ -177,6 +177,17 @@ def test_the_time_a_rank_failed_decides_where_the_files_were_written_in_one_tick
     assert runner._failure("x", tmp_path, log, 1, 10.0) == ("failed", "ValueError: rank 1 refuses")
 
 
+def test_a_report_cut_off_by_a_kill_is_passed_over(tmp_path: Path) -> None:
+    import json
+
+    (tmp_path / "x.rank0.error.json").write_text('{"type": "RuntimeError", "mess')
+    report = {"type": "ValueError", "message": "rank 1 refuses", "steps_done": 2, "failed_at": 100.0}
+    (tmp_path / "x.rank1.error.json").write_text(json.dumps(report))
+    log = tmp_path / "x.log"
+    log.write_text("")
+    assert runner._failure("x", tmp_path, log, 1, 10.0) == ("failed", "ValueError: rank 1 refuses")
+
+
 def test_only_cpu_runs_on_linux_are_forked() -> None:
     """A CUDA run starts fresh processes (a process that forked after CUDA's driver loaded cannot use CUDA)."""
     import sys
