@@ -22,6 +22,7 @@ from lightning_dp_strategies.local_sgd import (
     make_outer_optimizer,
     restore_local_record,
 )
+from lightning_dp_strategies.local_sgd.streaming import STREAMING_FRAGMENTS
 from lightning_dp_strategies.plan import CostModel
 from lightning_dp_strategies.plan.formulas import LOCAL_SGD, local_sgd_cost_model
 
@@ -64,7 +65,7 @@ def check_not_sharded(shard_optimizer_state: object) -> None:
 
 STREAMING_DEFAULTS: dict[str, Any] = {
     "sync_every": "auto",
-    "fragments": 4,
+    "fragments": STREAMING_FRAGMENTS,
     "delay": 1,
     "mixing": 0.0,
     "outer_precision": "int4",

@@ -28,11 +28,22 @@ from torch import Tensor
 
 from lightning_dp_strategies.plan.streaming import BYTES_PER_VALUE, choose_period
 
-__all__ = ["BYTES_PER_VALUE", "InFlight", "OuterChannel", "choose_period", "split_fragments", "turns"]
+__all__ = [
+    "BYTES_PER_VALUE",
+    "STREAMING_FRAGMENTS",
+    "InFlight",
+    "OuterChannel",
+    "choose_period",
+    "split_fragments",
+    "turns",
+]
 # BYTES_PER_VALUE and choose_period live in the planning layer (``plan.streaming``), which prices streaming DiLoCo
 # with them; they are named here too, where the algorithm uses them
 
 T = TypeVar("T")
+
+STREAMING_FRAGMENTS = 4
+"""The fragments of the registered name ``"streaming_diloco"``."""
 
 
 def split_fragments(tensors: Sequence[Tensor], fragments: int) -> list[list[int]]:
@@ -49,10 +60,17 @@ def split_fragments(tensors: Sequence[Tensor], fragments: int) -> list[list[int]
         ValueError: `fragments=2` cuts the trainable parameters into 2 runs, but the model trains 1 ...
     """
     if fragments > len(tensors):
+        named = ""
+        if fragments == STREAMING_FRAGMENTS:  # most likely the registered name's
+            named = (
+                f'; the name "streaming_diloco" stands for {fragments} fragments, so for this model pass '
+                f'`strategy=LocalSGDStrategy(sync_every="auto", fragments={len(tensors)}, delay=1, '
+                'outer_precision="int4")` (Fabric: `FabricLocalSGDStrategy`) in its place'
+            )
         raise ValueError(
             f"`fragments={fragments}` cuts the trainable parameters into {fragments} runs, but the model trains "
             f"{len(tensors)} parameter tensor(s) and a tensor is never split. Pass `fragments` at most "
-            f"{len(tensors)}."
+            f"{len(tensors)}{named}."
         )
     sizes = [t.numel() for t in tensors]
     total = max(sum(sizes), 1)

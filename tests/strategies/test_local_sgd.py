@@ -339,6 +339,20 @@ def test_an_outer_factory_that_returns_no_optimizer_over_its_parameters_is_refus
         wrong.start(model)
 
 
+def test_a_model_with_fewer_tensors_than_the_names_fragments_is_told_the_strategy_that_fits_it() -> None:
+    """The registered name's refusal names a construction that is the name's options with fewer fragments."""
+    from lightning_dp_strategies import LocalSGDStrategy
+    from lightning_dp_strategies.core.local_sgd import STREAMING_DEFAULTS
+    from lightning_dp_strategies.local_sgd import split_fragments
+
+    with pytest.raises(ValueError, match="fragments") as refused:
+        split_fragments([torch.empty(3), torch.empty(2)], STREAMING_DEFAULTS["fragments"])
+    suggested = re.search(r"`strategy=(LocalSGDStrategy\(.*?\))`", str(refused.value))
+    assert suggested is not None, str(refused.value)
+    strategy = eval(suggested.group(1), {"LocalSGDStrategy": LocalSGDStrategy})
+    assert {**STREAMING_DEFAULTS, "fragments": 2} == {k: getattr(strategy.local_config, k) for k in STREAMING_DEFAULTS}
+
+
 def test_the_names_resolve_and_the_cost_model_divides_the_ring_by_sync_every() -> None:
     import lightning as L
 
