@@ -104,3 +104,26 @@ def test_no_rank_gathers_when_no_group_holds_two_ranks() -> None:
     check, calls = gathering([1])
     check.pending = True
     assert check.check(torch.ones(1), [[0], [1]], torch.device("cpu")) == [] and calls == []
+
+
+def test_fabrics_check_runs_at_the_first_training_forward_only_and_then_removes_its_hook(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An evaluation forward, or one without gradients, may run on one rank alone: the gather waits for the first
+    forward in train mode with gradients on, which every rank runs."""
+    x = torch.ones(2, 3)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    check, calls = gathering([batch_digest(((x,), {}))] * 2)
+    check.owner = "fabric"
+    module = torch.nn.Linear(3, 1)
+    check.watch(module, torch.device("cpu"))
+    module.eval()
+    module(x)
+    module.train()
+    with torch.no_grad():
+        module(x)
+    assert calls == [] and len(module._forward_pre_hooks) == 1
+    with pytest.warns(PossibleUserWarning, match=r"same inputs at its first training forward \(ranks 0, 1\)"):
+        module(x)
+    module(x)
+    assert len(calls) == 1 and len(module._forward_pre_hooks) == 0
