@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -22,7 +22,10 @@ from lightning.fabric.utilities.warnings import PossibleUserWarning
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["DistinctBatches", "batch_digest", "gather_world", "repeated_ranks", "tensor_digest"]
+Owner = Literal["trainer", "fabric"]
+"""Whose API a warning's fix is written for: Lightning's ``Trainer`` or Fabric."""
+
+__all__ = ["DistinctBatches", "Owner", "batch_digest", "gather_world", "repeated_ranks", "tensor_digest"]
 
 
 def tensor_digest(tensor: Tensor) -> int:
@@ -89,9 +92,8 @@ def repeated_ranks(digests: Sequence[int], groups: Sequence[Sequence[int]]) -> l
     return repeats
 
 
-def same_batch_warning(repeats: list[list[int]], group_size: int, world_size: int, owner: str = "trainer") -> str:
-    """The warning for ``repeats`` (from :func:`repeated_ranks`), naming the fix in the words of ``owner``'s API:
-    ``"trainer"`` (Lightning's ``Trainer``) or ``"fabric"``."""
+def same_batch_warning(repeats: list[list[int]], group_size: int, world_size: int, owner: Owner = "trainer") -> str:
+    """The warning for ``repeats`` (from :func:`repeated_ranks`), naming the fix in the words of ``owner``'s API."""
     said = "; ".join(f"ranks {', '.join(map(str, ranks))}" for ranks in repeats)
     if group_size == world_size:
         sampler = f"`DistributedSampler(dataset, num_replicas={owner}.world_size, rank={owner}.global_rank)`"
@@ -130,9 +132,9 @@ class DistinctBatches:
     no batch hook: :meth:`watch` checks the inputs of a module's first training forward instead.
     """
 
-    def __init__(self, owner: str = "trainer") -> None:
-        self.owner = owner
-        """Whose API the warning's fix names: ``"trainer"`` or ``"fabric"``."""
+    def __init__(self, owner: Owner = "trainer") -> None:
+        self.owner: Owner = owner
+        """Whose API the warning's fix names."""
         self.pending = False
         """Whether the next training batch is the first of a fit."""
         self.gather: Callable[[Tensor], Tensor] = gather_world
