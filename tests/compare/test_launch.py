@@ -146,46 +146,40 @@ def test_a_row_past_its_timeout_is_killed_with_what_it_started(tmp_path: Path, m
     assert len(_none_running(tmp_path / "pids")) == 2  # the rank and the process it started
 
 
-def test_the_row_says_why_the_first_rank_failed(tmp_path: Path) -> None:
-    """Rank 1 failed first; rank 0 then failed on losing it: the row gives rank 1's reason."""
+def _row_reason(folder: Path, reports: dict[int, object], aged: tuple[int, ...] = ()) -> tuple[str, str]:
+    """The failed row's status and reason from these ranks' error reports (a dict is written as JSON, a string as
+    it is); the ranks in ``aged`` get one and the same old modification time."""
     import json
     import os
 
+    for rank, report in reports.items():
+        path = folder / f"x.rank{rank}.error.json"
+        path.write_text(report if isinstance(report, str) else json.dumps(report))
+        if rank in aged:
+            os.utime(path, ns=(1_000_000_000, 1_000_000_000))
+    (folder / "x.log").write_text("")
+    return runner._failure("x", folder, folder / "x.log", 1, 10.0)
+
+
+def test_the_row_says_why_the_first_rank_failed(tmp_path: Path) -> None:
+    """Rank 1 failed first; rank 0 then failed on losing it: the row gives rank 1's reason."""
     first = {"type": "RuntimeError", "message": "rank 1 fails at setup", "steps_done": 0}
     then = {"type": "RuntimeError", "message": "Connection closed by peer", "steps_done": 0}
-    (tmp_path / "x.rank1.error.json").write_text(json.dumps(first))
-    (tmp_path / "x.rank0.error.json").write_text(json.dumps(then))
-    os.utime(tmp_path / "x.rank1.error.json", ns=(1_000_000_000, 1_000_000_000))
-    log = tmp_path / "x.log"
-    log.write_text("")
-    assert runner._failure("x", tmp_path, log, 1, 10.0) == ("failed", "RuntimeError: rank 1 fails at setup")
+    assert _row_reason(tmp_path, {1: first, 0: then}, aged=(1,)) == ("failed", "RuntimeError: rank 1 fails at setup")
 
 
 def test_the_time_a_rank_failed_decides_where_the_files_were_written_in_one_tick(tmp_path: Path) -> None:
     """A file's modification time comes from the kernel's coarse clock: rank 0's report, written on losing rank 1,
     may carry the same instant as rank 1's. The time each rank recorded decides, not the rank order."""
-    import json
-    import os
-
     first = {"type": "ValueError", "message": "rank 1 refuses", "steps_done": 2, "failed_at": 100.001}
     then = {"type": "RuntimeError", "message": "Connection closed by peer", "steps_done": 2, "failed_at": 100.002}
-    for rank, report in [(1, first), (0, then)]:
-        (tmp_path / f"x.rank{rank}.error.json").write_text(json.dumps(report))
-        os.utime(tmp_path / f"x.rank{rank}.error.json", ns=(1_000_000_000, 1_000_000_000))
-    log = tmp_path / "x.log"
-    log.write_text("")
-    assert runner._failure("x", tmp_path, log, 1, 10.0) == ("failed", "ValueError: rank 1 refuses")
+    assert _row_reason(tmp_path, {1: first, 0: then}, aged=(0, 1)) == ("failed", "ValueError: rank 1 refuses")
 
 
 def test_a_report_cut_off_by_a_kill_is_passed_over(tmp_path: Path) -> None:
-    import json
-
-    (tmp_path / "x.rank0.error.json").write_text('{"type": "RuntimeError", "mess')
     report = {"type": "ValueError", "message": "rank 1 refuses", "steps_done": 2, "failed_at": 100.0}
-    (tmp_path / "x.rank1.error.json").write_text(json.dumps(report))
-    log = tmp_path / "x.log"
-    log.write_text("")
-    assert runner._failure("x", tmp_path, log, 1, 10.0) == ("failed", "ValueError: rank 1 refuses")
+    cut = '{"type": "RuntimeError", "mess'
+    assert _row_reason(tmp_path, {0: cut, 1: report}) == ("failed", "ValueError: rank 1 refuses")
 
 
 def test_only_cpu_runs_on_linux_are_forked() -> None:

@@ -161,7 +161,6 @@ def test_nonfinite_skip_skips_the_step_on_every_rank(runs: Path) -> None:
             assert result == {"skipped": 1, "unchanged": True, "moved": True}, name
 
 
-# ---------------------------------------------------------------------------------------------------- in-process
 @pytest.mark.timeout(240)
 def test_ranks_given_the_same_inputs_are_warned_once_on_rank_0_and_the_hook_goes(runs: Path) -> None:
     """A loader every rank reads whole: the first training forward's inputs are the same on both ranks."""
@@ -175,6 +174,7 @@ def test_ranks_given_the_same_inputs_are_warned_once_on_rank_0_and_the_hook_goes
     assert all(rank[name]["hooks"] == 0 for rank in ranks for name in rank), "the check's hook removed itself"
 
 
+# ---------------------------------------------------------------------------------------------------- in-process
 @pytest.mark.parametrize(
     ("options", "error", "match"),
     [
