@@ -60,13 +60,15 @@ def test_importing_the_package_imports_lightning_and_registers_the_names() -> No
     assert run_python(code).split() == ["True", "True"]
 
 
+# the finders installed before the package is imported: lightning's own imports may add some (setuptools' vendored
+# importers, where an old setuptools is installed), which are not the package's to answer for
 RELOAD = """
 import importlib, json, sys
+import lightning, torch
 hooks = list(sys.meta_path)
 import lightning_dp_strategies
 lightning_dp_strategies.register_all()
 importlib.reload(lightning_dp_strategies)
-import lightning
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
