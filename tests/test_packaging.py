@@ -133,3 +133,28 @@ def test_every_imported_package_is_a_declared_dependency(pyproject: dict[str, An
             "lightning_dp_strategies/compare/report.py",
             "lightning_dp_strategies/compare/task.py",
         }, (name, imported.get(name))
+
+
+def _release(text: str) -> tuple[int, ...]:
+    numbers = tuple(int(part) for part in text.split("+")[0].split("."))
+    return numbers + (0,) * (3 - len(numbers))
+
+
+def test_the_oldest_environment_pins_each_dependencys_lower_bound_and_the_readme_states_them(
+    pyproject: dict[str, Any],
+) -> None:
+    """``.ci/oldest`` tests the package under ``.ci/oldest.txt``: a bound raised or lowered in one and not the other
+    would leave a lower bound untested; the README's requirements line is what a user reads of them."""
+    bounds = {}
+    for requirement in pyproject["project"]["dependencies"]:
+        match = re.fullmatch(r"([A-Za-z0-9_.-]+)>=([0-9.]+)", requirement)
+        assert match, f"{requirement!r}: each dependency takes a lower bound only, `name>=version`"
+        bounds[match.group(1).lower()] = _release(match.group(2))
+    lines = (ROOT / ".ci" / "oldest.txt").read_text().splitlines()
+    pins = {name.lower(): _release(version) for name, version in (line.split("==") for line in lines if "==" in line)}
+    assert pins == bounds
+    readme = (ROOT / "README.md").read_text()
+    python = pyproject["project"]["requires-python"].removeprefix(">=")
+    stated = f"Requires Python >= {python}, torch >= {bounds['torch'][0]}.{bounds['torch'][1]}, lightning >= "
+    stated += f"{bounds['lightning'][0]}.{bounds['lightning'][1]}"
+    assert stated in readme.replace("\n", " ")
