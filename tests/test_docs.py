@@ -34,7 +34,9 @@ def public_objects() -> list[tuple[str, object]]:
         module = importlib.import_module(module_name)
         for name in getattr(module, "__all__", []):
             obj = getattr(module, name)
-            if inspect.isclass(obj) or inspect.isfunction(obj):
+            # a class by its real type: on Python 3.10 `inspect.isclass` holds for a type alias such as
+            # `Callable[..., Any]`, whose docstring is `Callable`'s
+            if issubclass(type(obj), type) or inspect.isfunction(obj):
                 seen.setdefault(id(obj), (f"{module_name}.{name}", obj))
     return sorted(seen.values(), key=lambda item: item[0])
 

@@ -7,6 +7,7 @@ Each case runs in a fresh interpreter, so it sees a first import and cannot dist
 from __future__ import annotations
 
 import ast
+import importlib
 import json
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from lightning_dp_strategies.core.registry import MOVED
+from lightning_dp_strategies.core.registry import MOVED, discover
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "lightning_dp_strategies"
@@ -110,6 +111,50 @@ def test_the_package_never_touches_the_import_system() -> None:
     assert not uses, f"import hooks: {uses}"
 
 
+PROBE_INIT = """
+class Base:
+    registered_name = None
+"""
+PROBE_STRATEGIES = """
+from ldps_discover_probe import Base
+
+
+class Found(Base):
+    registered_name = "found"
+
+
+class ClaimsToBeAClass:
+    # what a generic alias such as `Callable[[Any], Any]` is on Python 3.10: `isinstance(alias, type)` holds (its
+    # `__class__` is forwarded to `type`), and `issubclass(alias, Base)` raises
+    @property
+    def __class__(self):
+        return type
+
+
+ALIAS = ClaimsToBeAClass()
+"""
+
+
+def test_discovery_passes_over_a_module_value_that_only_claims_to_be_a_class(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A strategy module's type alias (``CommHook = Callable[...]``) is such a value on Python 3.10, where the
+    package must still import; the probe's value stands in for it on any Python."""
+    probe = tmp_path / "ldps_discover_probe"
+    probe.mkdir()
+    (probe / "__init__.py").write_text(PROBE_INIT)
+    (probe / "strategies.py").write_text(PROBE_STRATEGIES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        package = importlib.import_module("ldps_discover_probe")
+        assert isinstance(importlib.import_module("ldps_discover_probe.strategies").ALIAS, type)  # the probe holds
+        found = discover("ldps_discover_probe", package.Base)
+    finally:
+        for name in ("ldps_discover_probe", "ldps_discover_probe.strategies"):
+            sys.modules.pop(name, None)
+    assert [cls.__qualname__ for cls in found] == ["Found"]
+
+
 def shim_paths() -> set[str]:
     """The package's modules whose only statement past the docstring and import is ``forward_moved(__name__)``."""
     found = set()
@@ -131,7 +176,7 @@ def test_every_moved_path_has_its_shim_module_and_every_shim_is_listed() -> None
 
 MOVED_IMPORTS = """
 import importlib, json, sys, warnings
-from lightning_dp_strategies.core.registry import MOVED
+from lightning_dp_strategies.core.registry import MOVED, discover
 found = {}
 for old, new in MOVED.items():
     with warnings.catch_warnings(record=True) as caught:

@@ -111,7 +111,8 @@ def discover(package: str, base: type) -> list[type]:
     ``registered_name``, in module-name order. A strategy is found from its own file; nothing else lists it.
 
     Modules whose names start with ``_`` are helpers, and the shims of :data:`MOVED` only forward: neither is
-    searched.
+    searched. A module's value counts as a class by its real type, not ``isinstance(value, type)``: on Python 3.10
+    a generic alias such as ``Callable[[Any], Any]`` passes that check and ``issubclass`` then raises.
     """
     found: list[type] = []
     for info in sorted(pkgutil.iter_modules(importlib.import_module(package).__path__), key=lambda m: m.name):
@@ -120,7 +121,7 @@ def discover(package: str, base: type) -> list[type]:
         module = importlib.import_module(f"{package}.{info.name}")
         for value in vars(module).values():
             if (
-                isinstance(value, type)
+                issubclass(type(value), type)
                 and issubclass(value, base)
                 and (value.__module__ == module.__name__ or value.__module__.startswith(module.__name__ + "."))
                 and getattr(value, "registered_name", None) is not None
