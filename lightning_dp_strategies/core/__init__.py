@@ -7,6 +7,7 @@
 - :mod:`.elastic`: process groups that torchrun's restarts can make again.
 - :mod:`.membership`: the survivors of a lost rank agree on who is left and form a group over themselves (no strategy
   uses it yet).
+- :mod:`.frozen_heap`: the heap frozen out of the garbage collector's reach while a rank's heartbeat runs.
 - :mod:`.failures`: a failure injector for tests: kill or hang a chosen rank at a chosen step.
 - :mod:`.engine`: the collaborators a bucketed strategy holds (gradient sync, sharding, the non-finite guard, local
   SGD).

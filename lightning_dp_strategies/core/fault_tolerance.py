@@ -162,7 +162,11 @@ class Survivors:
         """Form the gradient and control groups over the whole world and start beating (every rank, at setup; a
         replacement at the ``epoch`` it was admitted at)."""
         config = MembershipConfig(
-            prefix=PREFIX, heartbeat_s=self.options.heartbeat_s, stale_s=self.options.stale_s, poll_s=0.02
+            prefix=PREFIX,
+            heartbeat_s=self.options.heartbeat_s,
+            stale_s=self.options.stale_s,
+            poll_s=0.02,
+            freeze_heap=self.options.freeze_heap,
         )
         self.membership = Membership(store, rank, world_size, config)
         self._control_timeout = control_timeout

@@ -24,6 +24,10 @@ class FaultTolerance:
             state between synchronisations (the next members in rank order). The ranks lost in one period are
             survived where one of each lost rank's keepers survives, so any ``state_copies`` ranks at once; each copy
             costs every rank one more send and one more kept state a synchronisation.
+        freeze_heap: while the heartbeat runs, keep the objects alive at setup out of the garbage collector's reach
+            (``gc.freeze``, undone at teardown), so that a full collection, which holds the GIL, cannot stop a live
+            rank's beats for ``stale_s`` (see :mod:`lightning_dp_strategies.core.frozen_heap`). A heap the process
+            froze itself is left alone. ``False``: the collector is untouched, and ``stale_s`` must cover its pauses.
 
     Examples:
         >>> FaultTolerance().timeout_s
@@ -39,14 +43,16 @@ class FaultTolerance:
     heartbeat_s: float = 0.5
     stale_s: float = 5.0
     state_copies: int = 1
+    freeze_heap: bool = True
 
     def __post_init__(self) -> None:
         for name in ("timeout_s", "heartbeat_s", "stale_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"`{name}` must be a positive number of seconds, got {value!r}.")
-        if not isinstance(self.keep_global_batch, bool):
-            raise TypeError(f"`keep_global_batch` must be True or False, got {self.keep_global_batch!r}.")
+        for flag in ("keep_global_batch", "freeze_heap"):
+            if not isinstance(getattr(self, flag), bool):
+                raise TypeError(f"`{flag}` must be True or False, got {getattr(self, flag)!r}.")
         if isinstance(self.state_copies, bool) or not isinstance(self.state_copies, int) or self.state_copies < 1:
             raise ValueError(f"`state_copies` must be a whole number of at least 1, got {self.state_copies!r}.")
         if self.stale_s <= 2 * self.heartbeat_s:

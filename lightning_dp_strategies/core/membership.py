@@ -18,7 +18,9 @@ the group that training runs its collectives on is made with a short timeout (:m
 With heartbeats (:meth:`Membership.start_heartbeat`: a thread adds one to ``heartbeat/<r>`` every ``heartbeat_s``),
 a member that has not announced itself is also left out once its counter has not moved for ``stale_s``: a killed
 process or a node whose link is cut stops beating, so the survivors decide within about ``stale_s`` instead of at the
-agreement's timeout; a hung process whose threads still run keeps beating and is left out at the timeout. The same
+agreement's timeout; a hung process whose threads still run keeps beating and is left out at the timeout. While it
+beats, the objects alive when it started are frozen out of the garbage collector's reach (:mod:`.frozen_heap`): a full
+collection holds the GIL, and over a large heap on a loaded host it would stop the beats for seconds. The same
 counters let a survivor that is still waiting in a collective notice the failure (:meth:`Membership.interrupted`)
 before its own collective times out.
 
@@ -44,6 +46,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from lightning_dp_strategies.comm.failures import PeerFailure, PeerLostError, detect, is_peer_failure
+from lightning_dp_strategies.core import frozen_heap
 
 __all__ = [
     "ExcludedError",
@@ -104,6 +107,9 @@ class MembershipConfig:
     """How often :meth:`Membership.start_heartbeat`'s thread beats."""
     stale_s: float = 5.0
     """A member whose beats stopped this long is taken for gone (only members that have beaten at least once)."""
+    freeze_heap: bool = True
+    """Freeze the objects alive when beating starts out of the garbage collector's reach until it stops (see
+    :mod:`.frozen_heap`), so that a full collection cannot stop the beats for longer than ``stale_s``."""
 
 
 @dataclass
@@ -154,6 +160,7 @@ class Membership:
         self._seen: dict[int, tuple[int, float]] = {}  # member -> (last counter read, when it last changed)
         self._last_beat = time.monotonic()  # when a beat last reached the store
         self._observed: tuple[int, str | None] = (0, None)  # (epoch, what the heartbeat thread saw then)
+        self._holds_heap = False  # whether this rank's beating holds the heap frozen
 
     @property
     def leader(self) -> int:
@@ -173,6 +180,9 @@ class Membership:
         """Beat in a daemon thread from now to :meth:`stop_heartbeat` (one beat at once, so peers see this rank)."""
         if self._heartbeat is not None:
             return
+        if self.config.freeze_heap and not self._holds_heap:
+            frozen_heap.freeze_heap()
+            self._holds_heap = True
         self.store.add(self._heartbeat_key(self.rank), 1)
         self._last_beat = time.monotonic()
         self._beating.set()
@@ -211,9 +221,12 @@ class Membership:
         self.state = MembershipState(epoch=epoch, members=list(range(self.world_size)))
 
     def stop_heartbeat(self) -> None:
-        """Stop beating (peers take this rank for gone ``stale_s`` later)."""
+        """Stop beating (peers take this rank for gone ``stale_s`` later) and give up the hold on the frozen heap."""
         self._beating.clear()
         self._heartbeat = None
+        if self._holds_heap:
+            self._holds_heap = False
+            frozen_heap.thaw_heap()
 
     def stale(self, ranks: list[int]) -> list[int]:
         """Those of ``ranks`` whose heartbeat has not moved for ``stale_s`` as this rank watched it (a rank that
