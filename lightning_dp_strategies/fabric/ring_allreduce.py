@@ -34,7 +34,7 @@ from lightning_dp_strategies.core.checkpoint_io import AtomicByDefault
 from lightning_dp_strategies.core.distinct_batches import DistinctBatches
 from lightning_dp_strategies.core.elastic import init_strategy_process_group
 from lightning_dp_strategies.core.engine import BucketedEngine, EngineView
-from lightning_dp_strategies.core.launch import check_interactive_launch
+from lightning_dp_strategies.core.launch import check_launch
 from lightning_dp_strategies.core.module_state import broadcast_module_buffers, sync_module_states
 from lightning_dp_strategies.core.nonfinite import NonfiniteGuard
 from lightning_dp_strategies.core.options import (
@@ -186,7 +186,7 @@ class FabricRingAllReduceStrategy(DDPStrategy):
     @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
-        check_interactive_launch(self, self._launcher, self._start_method, self.registered_name, "Fabric")
+        check_launch(self, "Fabric")
 
     # ------------------------------------------------------------------ setup
     @override

@@ -55,7 +55,7 @@ from lightning_dp_strategies.core.checkpoint_io import AtomicByDefault
 from lightning_dp_strategies.core.distinct_batches import DistinctBatches
 from lightning_dp_strategies.core.elastic import init_strategy_process_group
 from lightning_dp_strategies.core.engine import BucketedEngine, EngineView
-from lightning_dp_strategies.core.launch import check_interactive_launch
+from lightning_dp_strategies.core.launch import check_launch
 from lightning_dp_strategies.core.module_state import sync_module_states
 from lightning_dp_strategies.core.nonfinite import NonfiniteGuard
 from lightning_dp_strategies.core.options import BucketedConfig, ConfigOption, ReductionOptions, lightning_arguments
@@ -172,7 +172,7 @@ class BucketedDataParallel(DDPStrategy):
     @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
-        check_interactive_launch(self, self._launcher, self._start_method, self.registered_name, "Trainer")
+        check_launch(self, "Trainer")
 
     checkpoint_io = AtomicByDefault()
     """The ``checkpoint_io`` given, else an :class:`~lightning_dp_strategies.AtomicCheckpointIO`."""
