@@ -4,8 +4,7 @@ CPython's garbage collector holds the GIL while it runs, and a collection of the
 object the collector tracks. A training process holds a few hundred thousand of them once torch and Lightning are
 imported: a fraction of a second of CPU for each such collection, and seconds of wall time on a host whose cores are
 shared by more processes than it has. No thread runs meanwhile, the heartbeat thread included, so the other ranks
-can take a live rank for gone (in this package's tests, Python 3.12 ran such collections during training and 3.11
-did not).
+can take a live rank for gone.
 
 :func:`freeze_heap` moves the objects alive when the first heartbeat starts into the collector's permanent generation
 (:func:`gc.freeze`), which no collection traverses; objects made later are collected as before, so a full collection
