@@ -146,7 +146,8 @@ def make_schedule(
         built = _TORCH_CLASSES[schedule](stages, micro_batches, loss_fn=loss_fn, scale_grads=False)
         if loss_fn is None:  # keep the forwards, in the training order, and their sends and receives only
             kinds = torch_schedules._ComputationType
-            forward = (kinds.FORWARD, kinds.SEND_F, kinds.RECV_F)
+            # torch >= 2.15 also lowers each send to a later WAIT_SEND_F, and refuses a send left unwaited
+            forward = {kinds.FORWARD, kinds.SEND_F, kinds.RECV_F, getattr(kinds, "WAIT_SEND_F", kinds.FORWARD)}
             lowered = built.pipeline_order_with_comms
             for rank, actions in lowered.items():
                 lowered[rank] = [a for a in actions if a.computation_type in forward]

@@ -120,15 +120,17 @@ def main(stages: int, world: int, out: Path) -> None:
     result: dict[str, Any] = {**where.seen, "after": built(model)}
     trainer.save_checkpoint(out / "after-fit.ckpt")  # every rank calls it; rank 0 writes, the stages stream to it
     result["validate"] = trainer.validate(model, val, verbose=False)
-    try:  # no run holds the other stages now: every rank must refuse alike (none may wait in the save's barrier)
-        trainer.save_checkpoint(out / "after-validate.ckpt")
-        result["save_after_validate"] = "saved"
-    except RuntimeError as error:
-        result["save_after_validate"] = str(error)
+    trainer.save_checkpoint(out / "after-validate.ckpt")  # the stages still hold the blocks the fit trained
     if trainer.global_rank == 0:
-        for key, name in (("params", out / "ckpt" / "last.ckpt"), ("after_fit_params", out / "after-fit.ckpt")):
-            state = torch.load(name, weights_only=False)["state_dict"]
-            result[key] = {k: v.clone() for k, v in state.items()}
+        saved = {
+            "params": out / "ckpt" / "last.ckpt",
+            "after_fit_params": out / "after-fit.ckpt",
+            "after_validate_params": out / "after-validate.ckpt",
+        }
+        for key, name in saved.items():
+            checkpoint = torch.load(name, weights_only=False)
+            result[key] = {k: v.clone() for k, v in checkpoint["state_dict"].items()}
+            result[key.replace("params", "optimizer")] = checkpoint["optimizer_states"][0]["state"]
     torch.save(result, out / f"rank{trainer.global_rank}.pt")
 
 

@@ -235,6 +235,9 @@ def run_suite(suite: str, outdir: Path) -> None:
         trainer, kept = run_case(case, outdir)
         groups.append(live_groups())
         untouched.append(kept)
+        if suite.startswith("schedules"):  # evaluation runs the schedule's forwards without its backwards
+            metrics = trainer.validate(trainer.lightning_module, loader(VAL_SAMPLES, 4, seed=7))
+            torch.save(metrics[0]["val_loss"], outdir / f"validate-{case.name}-rank{trainer.global_rank}.pt")
     if suite == "world2":
         # predict runs forward-only through the pipeline; afterwards the module is whole again on every rank
         model = PipeNet()

@@ -4,7 +4,8 @@ Each schedule cuts the five blocks of ``PipeNet`` into four chunks, two per rank
 by norm and gradient accumulation, at 2 stages x 1 replica (4 micro-batches) and 2 stages x 2 replicas (2), one
 launch each (``tests/strategies/pipeline_scenarios.py``). Tolerance: max absolute parameter difference <= 1e-5, as
 for GPipe and 1F1B. A checkpoint saved after ``fit`` under ``"zbv"`` (whose rank 0 runs the first and the last
-chunk) holds the whole model, trained to the same parity.
+chunk) holds the whole model, trained to the same parity. ``trainer.validate`` after each fit runs the schedule's
+forwards alone and gives every rank the trained single-device module's loss, within the same tolerance.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.strategies.pipeline_scenarios import SUITES, reference, reference_state
+from tests.strategies.pipeline_scenarios import SUITES, VAL_SAMPLES, make_data, reference, reference_state
 from tests.strategies.test_hybrid_pipeline import TOLERANCE, assert_no_groups_left, check_suite, launch, load_ranks
 
 
@@ -50,12 +51,26 @@ def check_saved(out: Path, suite: str) -> None:
         assert diff <= TOLERANCE, f"momentum of parameter {index}"
 
 
+def check_validated(out: Path, suite: str) -> None:
+    """``trainer.validate`` after each fit, forward-only through the schedule: every rank's ``val_loss`` (synced) is
+    the trained single-device module's loss on the same samples."""
+    x, y = make_data(VAL_SAMPLES, seed=7).tensors
+    for case in SUITES[suite]:
+        model, _ = reference_state(case)
+        with torch.no_grad():
+            expected = torch.nn.functional.cross_entropy(model.body(x), y).item()
+        for rank in range(case.world):
+            val_loss = torch.load(out / f"validate-{case.name}-rank{rank}.pt")
+            assert abs(float(val_loss) - expected) <= TOLERANCE, (case.name, rank)
+
+
 @pytest.mark.timeout(300)
 def test_interleaved_and_zero_bubble_schedules_two_stages_one_replica(tmp_path: Path) -> None:
     out = launch("schedules2", tmp_path)
     check_suite(out, SUITES["schedules2"])
     check_activation_bytes(out, "schedules2")
     check_saved(out, "schedules2")
+    check_validated(out, "schedules2")
     assert_no_groups_left(out, 2)
 
 
@@ -69,4 +84,5 @@ def test_interleaved_and_zero_bubble_schedules_two_stages_two_replicas(tmp_path:
             assert result["overlapped"] == result["synced"] * result["buckets"], (case.name, result)
     check_activation_bytes(out, "schedules4")
     check_saved(out, "schedules4")
+    check_validated(out, "schedules4")
     assert_no_groups_left(out, 4)

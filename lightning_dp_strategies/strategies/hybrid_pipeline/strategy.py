@@ -248,9 +248,9 @@ class HybridPipelineStrategy(PipelineSteps, StreamedCheckpoints):
         self.placement.sync_replicas(module, layout)
         self.runner = self._make_runner(layout, bodies)
         self.metric_groups.bind(module, layout.data_group)
-        if fitting:
+        if fitting:  # validate/test/predict keep the optimizers of the last fit, and the layout they follow
             self._setup_training(trainer, layout)
-        self._optimizers_layout = self.layout if fitting else None
+            self._optimizers_layout = layout
         self.clip_by_norm_across(self._clip_grad_by_norm)
         self.setup_precision_plugin()
         if fitting:
