@@ -170,11 +170,12 @@ class LocalSGDStrategy(LocalSGDInterface, SurvivingDataParallel):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """The averaged model, then this rank's own parameters and the local SGD record, when the checkpoint has one;
-        from another strategy's checkpoint, the anchor is the loaded model."""
+        """The averaged model, then (resuming ``fit``) this rank's own parameters and the local SGD record, when the
+        checkpoint has one; from another strategy's checkpoint, the anchor is the loaded model. ``validate``, ``test``
+        and ``predict`` evaluate the averaged model on every rank."""
         super().load_model_state_dict(checkpoint, strict)
         module = self.lightning_module
-        if self.local_sgd is not None and module is not None:
+        if self.local_sgd is not None and module is not None and module.trainer.state.fn == TrainerFn.FITTING:
             restore_local_record(self.local_sgd, module, checkpoint.get("local_sgd"), self.global_rank)
 
     @override

@@ -237,6 +237,9 @@ def run(name: str, outdir: Path) -> None:
         },
         out / f"rank{trainer.global_rank}.pt",
     )
+    if ckpt is not None:  # the checkpoint evaluated under the same strategy: validation_step records the parameters
+        trainer.validate(model, DataLoader(make_data(), batch_size=PER_RANK_BATCH), ckpt_path=ckpt, verbose=False)
+        torch.save(model.records.pop()["val_params"], out / f"evaluated-rank{trainer.global_rank}.pt")
 
 
 def rank_shards(epoch: int) -> list[list[list[int]]]:

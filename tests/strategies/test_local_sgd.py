@@ -100,6 +100,12 @@ def test_resume_mid_period_equals_an_uninterrupted_run(runs: Path) -> None:
         assert resumed["steps"] == 12 and resumed["syncs"] == full["syncs"]
     ring = results(runs, "resumed@ring")  # the checkpoint resumes under ring_allreduce too
     assert max_diff(ring[0]["state"], ring[1]["state"]) == 0
+    # `trainer.validate(ckpt_path=...)` under either strategy evaluates the averaged model on every rank
+    averaged = torch.cat([v.reshape(-1) for v in ckpt["state_dict"].values()])  # the parameters, in order
+    for name in ("resumed", "resumed@ring"):
+        for rank in range(2):
+            evaluated = torch.load(runs / name / f"evaluated-rank{rank}.pt")
+            assert (evaluated - averaged).abs().max().item() <= TOLERANCE, (name, rank)
 
 
 @pytest.mark.timeout(600)
@@ -166,12 +172,18 @@ def test_4_bit_changes_send_an_eighth_of_the_bytes(runs: Path) -> None:
 
 @pytest.mark.timeout(600)
 def test_resume_with_a_fragment_in_flight_equals_the_uninterrupted_run(runs: Path) -> None:
-    record = torch.load(runs / "stream_full" / "epoch=0.ckpt", weights_only=False)["local_sgd"]
+    checkpoint = torch.load(runs / "stream_full" / "epoch=0.ckpt", weights_only=False)
+    record = checkpoint["local_sgd"]
     assert (record["steps"], record["phase"]) == (6, 6)
     assert [(p["fragment"], p["apply_at"]) for p in record["in_flight"]] == [(0, 7)]  # left at step 6
     for full, resumed in zip(results(runs, "stream_full"), results(runs, "stream_resumed"), strict=True):
         assert max_diff(full["state"], resumed["state"]) <= TOLERANCE
         assert resumed["steps"] == 12 and resumed["syncs"] == full["syncs"]
+    # `trainer.validate(ckpt_path=...)` evaluates the checkpoint's model on every rank (nothing in flight is applied)
+    saved = torch.cat([v.reshape(-1) for v in checkpoint["state_dict"].values()])
+    for rank in range(2):
+        evaluated = torch.load(runs / "stream_resumed" / f"evaluated-rank{rank}.pt")
+        assert (evaluated - saved).abs().max().item() <= TOLERANCE, rank
 
 
 @pytest.mark.timeout(600)
