@@ -217,6 +217,14 @@ def test_no_whole_model_to_save_from_meta_blocks() -> None:
         StreamedCheckpointer().model_state(module, None, whole_on_rank_zero=False, during_run=False, rank_zero=True)
 
 
+def test_an_optimizer_over_another_modules_parameters_is_refused_with_the_fix() -> None:
+    """Bug: after `fit`, `validate(other_module)` and then a save failed with a bare `KeyError` (a parameter's id)."""
+    optimizer = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    layout: Any = object()  # any layout: the check comes before it is read
+    with pytest.raises(RuntimeError, match="Save the checkpoint before running another module"):
+        StreamedCheckpointer().optimizer_state(optimizer, nn.Linear(2, 2), layout)
+
+
 def test_optimizer_state_unwraps_lightnings_optimizer() -> None:
     """Bug: Lightning's optimizer wrapper saved instead of the optimizer's own state."""
     optimizer = torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1)

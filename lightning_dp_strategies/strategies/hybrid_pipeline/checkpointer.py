@@ -40,6 +40,18 @@ from lightning_dp_strategies.strategies.hybrid_pipeline.placement import StagePl
 __all__ = ["PipelineSave", "StreamedCheckpointer", "StreamedCheckpoints"]
 
 
+def _check_optimizer_of(optimizer: Optimizer, module: nn.Module) -> None:
+    """Refuse, on every rank alike, to save an optimizer over parameters that are not ``module``'s: after ``fit``, a
+    ``validate``, ``test`` or ``predict`` of another module leaves the strategy holding the fit's optimizers."""
+    own = {id(p) for p in module.parameters()}
+    if any(id(p) not in own for group in optimizer.param_groups for p in group["params"]):
+        raise RuntimeError(
+            "The optimizers are those of the module the last `fit` trained, and the trainer now runs another "
+            f"{type(module).__name__}: a checkpoint of the two could not be resumed. Save the checkpoint before "
+            "running another module, or `fit` that module first."
+        )
+
+
 @dataclass
 class PipelineSave:
     """One checkpoint being saved: what this stage sends (``outbox``) and, on rank 0, what it waits for (``inbox``)."""
@@ -122,6 +134,7 @@ class StreamedCheckpointer:
         optimizer = getattr(optimizer, "_optimizer", optimizer)
         if layout is None or module is None:
             return optimizer.state_dict()
+        _check_optimizer_of(optimizer, module)
         save = self.current
         whole = whole_optimizer_state(optimizer, module, layout, save.outbox, save.inbox)
         return optimizer.state_dict() if whole is None else whole
