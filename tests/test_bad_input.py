@@ -181,16 +181,22 @@ def hybrid(**options: Any) -> HybridPipelineStrategy:
     return HybridPipelineStrategy(**{"pipeline_stages": 1, **options})
 
 
-def _two_rank_worker(rank: int, world_size: int, out: str, blocks: int) -> None:
-    """One rank of ``Trainer(strategy=HybridPipelineStrategy(pipeline_stages=2), devices=2)`` on ``blocks`` blocks.
+def _two_rank_worker(rank: int, world_size: int, out: str, blocks: int, strategy: str) -> None:
+    """One rank of ``Trainer(devices=2)`` on ``blocks`` blocks: ``strategy="hybrid"`` is
+    ``HybridPipelineStrategy(pipeline_stages=2)``, ``"ring-sync_batchnorm"`` the ring with a BatchNorm probe and
+    ``sync_batchnorm=True``.
 
     The gloo group is already up (``run_distributed``); ``LOCAL_RANK`` tells Lightning that the ranks exist already.
     """
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world_size))
-    model = Probe(blocks).snapshot()
+    batchnorm = strategy == "ring-sync_batchnorm"
+    model = (WithBatchNorm() if batchnorm else Probe(blocks)).snapshot()
     error: BaseException | None = None
     try:
-        trainer = L.Trainer(strategy=HybridPipelineStrategy(pipeline_stages=2, timeout=60), devices=2, **QUIET)
+        chosen: Any = (
+            RingAllReduceStrategy(timeout=60) if batchnorm else HybridPipelineStrategy(pipeline_stages=2, timeout=60)
+        )
+        trainer = L.Trainer(strategy=chosen, devices=2, sync_batchnorm=batchnorm, **QUIET)
         trainer.fit(model, loader())
     except Exception as err:
         error = err
@@ -198,9 +204,9 @@ def _two_rank_worker(rank: int, world_size: int, out: str, blocks: int) -> None:
         pickle.dump({"error": error, "counts": model.counts()}, f)
 
 
-def fit_on_two_ranks(run: Run, blocks: int) -> None:
+def fit_on_two_ranks(run: Run, blocks: int, strategy: str = "hybrid") -> None:
     """Run :func:`_two_rank_worker` on two ranks; re-raise rank 0's error after checking both ranks raised it."""
-    run_distributed(_two_rank_worker, 2, str(run.tmp_path), blocks, timeout=90)
+    run_distributed(_two_rank_worker, 2, str(run.tmp_path), blocks, strategy, timeout=90)
     results = []
     for rank in range(2):
         with open(run.tmp_path / f"rank{rank}.pkl", "rb") as f:
@@ -297,6 +303,13 @@ CATALOGUE = [
         lambda run: fit(run, "ring_allreduce", Frozen(), devices=1),
         ValueError,
         r"Unfreeze at least one parameter",
+        SETUP,
+    ),
+    Misuse(
+        "ring-sync_batchnorm-on-cpu-processes",
+        lambda run: fit_on_two_ranks(run, blocks=2, strategy="ring-sync_batchnorm"),
+        ValueError,
+        r"needs GPUs.*Drop `sync_batchnorm=True`",
         SETUP,
     ),
     # ------------------------------------------------------------------ scatter_gather / dp

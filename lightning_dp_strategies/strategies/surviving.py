@@ -6,20 +6,24 @@
 ``barrier``, ``broadcast``, ``reduce``, ``all_gather`` and ``reduce_boolean_decision`` run over the survivors'
 control group, the leader answering for rank 0, and are redone over the survivors after a peer failure between
 optimizer steps; a checkpoint whose writer was lost is written by the new leader. Without ``fault_tolerant`` every
-one of them is Lightning's.
+one of them is Lightning's. ``sync_batchnorm=True`` is refused at setup where torch's ``SyncBatchNorm`` cannot run:
+across CPU processes, and with ``fault_tolerant`` (it reduces over every process the job started).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from typing_extensions import override
 
 from lightning_dp_strategies.core.fault_tolerance import FaultTolerance, Survivors
 from lightning_dp_strategies.strategies.bucketed import BucketedDataParallel
 
-__all__ = ["SurvivingDataParallel", "as_fault_tolerance"]
+__all__ = ["SurvivingDataParallel", "as_fault_tolerance", "check_layer_sync"]
 
 
 def as_fault_tolerance(fault_tolerant: bool | FaultTolerance) -> FaultTolerance | None:
@@ -36,6 +40,40 @@ def as_fault_tolerance(fault_tolerant: bool | FaultTolerance) -> FaultTolerance 
     return FaultTolerance() if fault_tolerant else None
 
 
+def check_layer_sync(layer_sync: object, device: torch.device, world_size: int, fault_tolerant: bool) -> None:
+    """Refuse ``sync_batchnorm=True`` (``layer_sync`` set) where torch's ``SyncBatchNorm`` cannot run: across
+    processes on CPUs (it synchronises accelerator tensors only), and with ``fault_tolerant`` (it reduces over every
+    process the job started, so a lost rank would stop every forward pass).
+
+    Examples:
+        >>> check_layer_sync(None, torch.device("cpu"), 2, fault_tolerant=True)
+        >>> check_layer_sync(object(), torch.device("cpu"), 1, fault_tolerant=False)  # one process: plain BatchNorm
+        >>> check_layer_sync(object(), torch.device("cpu"), 2, fault_tolerant=False)
+        Traceback (most recent call last):
+        ...
+        ValueError: `sync_batchnorm=True` needs GPUs: ...
+        >>> check_layer_sync(object(), torch.device("cuda", 0), 2, fault_tolerant=False)
+        >>> check_layer_sync(object(), torch.device("cuda", 0), 2, fault_tolerant=True)
+        Traceback (most recent call last):
+        ...
+        ValueError: `fault_tolerant=True` cannot go on with `sync_batchnorm=True`: ...
+    """
+    if layer_sync is None:
+        return
+    if device.type == "cpu" and world_size > 1:
+        raise ValueError(
+            "`sync_batchnorm=True` needs GPUs: torch's SyncBatchNorm synchronises accelerator tensors only, and these "
+            f"{world_size} processes train on CPUs. Drop `sync_batchnorm=True` (each rank's BatchNorm then "
+            "normalises over its own micro-batch)."
+        )
+    if fault_tolerant:
+        raise ValueError(
+            "`fault_tolerant=True` cannot go on with `sync_batchnorm=True`: SyncBatchNorm reduces its statistics over "
+            "every process the job started, so a lost rank would stop every forward pass. Drop "
+            "`sync_batchnorm=True`, or pass `fault_tolerant=False`."
+        )
+
+
 class SurvivingDataParallel(BucketedDataParallel):
     """A bucketed strategy whose Lightning collectives go over the survivors when ``survival`` is set (see the module
     docstring)."""
@@ -44,6 +82,12 @@ class SurvivingDataParallel(BucketedDataParallel):
     def survivors(self) -> Survivors | None:
         """With ``fault_tolerant``: the live ranks, their groups and the failures survived (``recoveries``)."""
         return self.survival.survivors if self.survival is not None else None
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        if trainer.state.fn == TrainerFn.FITTING:  # Lightning converts BatchNorm for fit only
+            check_layer_sync(self._layer_sync, self.root_device, self.world_size, self.survival is not None)
+        super().setup(trainer)
 
     @override
     def on_train_start(self) -> None:
