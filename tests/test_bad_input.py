@@ -130,6 +130,12 @@ class WithBatchNorm(Probe):
         self.body.append(nn.BatchNorm1d(4))
 
 
+class CompiledBlock(Probe):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body[0] = torch.compile(self.body[0])
+
+
 class MaskedForward(Probe):
     """forward takes a mask without the batch dimension: it cannot be scattered across replicas."""
 
@@ -368,6 +374,13 @@ CATALOGUE = [
         lambda run: fit(run, "dp", WithBatchNorm(), devices=2, sync_batchnorm=True),
         ValueError,
         r"Drop `sync_batchnorm=True`",
+        SETUP,
+    ),
+    Misuse(
+        "dp-compiled-submodule",
+        lambda run: fit(run, "dp", CompiledBlock(), devices=2),
+        ValueError,
+        r"train without torch\.compile here, or with one process per device \(strategy='ring_allreduce'",
         SETUP,
     ),
     Misuse(

@@ -15,7 +15,7 @@ from torch.nn import Module
 
 from lightning_dp_strategies.data_parallel.devices import DeviceLike, as_devices
 
-__all__ = ["replicate"]
+__all__ = ["check_replicable", "replicate"]
 
 M = TypeVar("M", bound=Module)
 
@@ -42,12 +42,38 @@ def replicate(module: M, devices: Sequence[DeviceLike]) -> list[M]:
         >>> net.bias.grad  # both replicas' gradients, summed into the root parameter
         tensor([2., 2.])
     """
+    check_replicable(module)
     targets = as_devices(devices)
     if targets[0].type == "cuda":
         from torch.nn.parallel import replicate as cuda_replicate
 
         return cuda_replicate(module, targets, detach=not torch.is_grad_enabled())
     return _logical_replicas(module, len(targets))
+
+
+def check_replicable(module: Module) -> None:
+    """Refuse ``module`` if it or a submodule is ``torch.compile``'d: an ``OptimizedModule``'s compiled forward is
+    bound to the module it compiled, and it forwards attribute writes there, so copying it for a replica (here or in
+    :func:`torch.nn.parallel.replicate`) would overwrite that module's own parameters and submodules.
+
+    Examples:
+        >>> check_replicable(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+        >>> check_replicable(torch.nn.Sequential(torch.compile(torch.nn.Linear(2, 2))))
+        Traceback (most recent call last):
+        ...
+        ValueError: Cannot replicate the module: its submodule `0` is compiled with torch.compile, ...
+    """
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    compiled = [name for name, m in module.named_modules() if isinstance(m, OptimizedModule)]
+    if compiled:
+        what = "the module is" if compiled[0] == "" else f"its submodule `{compiled[0]}` is"
+        raise ValueError(
+            f"Cannot replicate the module: {what} compiled with torch.compile, and a compiled module runs the copy "
+            "it compiled, so a replica could not run its own. Data parallelism in one process copies the module at "
+            "every forward: train without torch.compile here, or with one process per device "
+            "(strategy='ring_allreduce' or 'ddp'), where compiled modules train as usual."
+        )
 
 
 class _ReplicaAliases(torch.autograd.Function):

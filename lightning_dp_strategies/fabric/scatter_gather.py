@@ -24,6 +24,7 @@ from lightning_dp_strategies.core.options import check_dim
 from lightning_dp_strategies.core.registry import register_name
 from lightning_dp_strategies.data_parallel import as_devices
 from lightning_dp_strategies.data_parallel.forward import ParallelForward, ScatterGatherStats
+from lightning_dp_strategies.data_parallel.replicas import check_replicable
 from lightning_dp_strategies.plan import SCATTER_GATHER, CostModel
 
 __all__ = ["FabricScatterGatherStrategy"]
@@ -108,6 +109,8 @@ class FabricScatterGatherStrategy(ParallelForward, DataParallelStrategy):
     def setup_module(self, module: nn.Module) -> nn.Module:  # type: ignore[override]  # not wrapped
         """``module`` in a wrapper whose forward runs :meth:`parallel_forward`; checkpoints hold the module's own
         ``state_dict`` (see :meth:`get_module_state_dict`)."""
+        if len(self.replica_devices()) > 1:
+            check_replicable(module)
         if any(p.requires_grad for p in module.parameters()):
             self._trained = module
         return _ParallelModule(module, self)

@@ -26,6 +26,7 @@ from lightning_dp_strategies.core.options import check_dim
 from lightning_dp_strategies.core.registry import register_name
 from lightning_dp_strategies.data_parallel import as_devices
 from lightning_dp_strategies.data_parallel.forward import ParallelForward, ScatterGatherStats
+from lightning_dp_strategies.data_parallel.replicas import check_replicable
 from lightning_dp_strategies.plan import SCATTER_GATHER, CostModel
 from lightning_dp_strategies.strategies._trainer import with_resumed_sampler_epoch
 
@@ -247,6 +248,8 @@ class ScatterGatherStrategy(ParallelForward, ParallelStrategy):
                 "to train (the first backward would fail). Unfreeze at least one parameter before `trainer.fit`, or "
                 "use `trainer.validate` / `trainer.predict` to run the frozen model."
             )
+        if module is not None and len(self.replica_devices()) > 1:
+            check_replicable(module)  # here, before the sanity check's first forward
         super().setup(trainer)
 
     @override

@@ -66,3 +66,15 @@ def test_batchnorm_updates_of_other_replicas_are_private() -> None:
     parallel_apply([r.forward for r in replicas], scatter(((x,), {}), CPU3), CPU3)
     assert replicas[1].norm.num_batches_tracked.item() == 1 and replicas[2].norm.num_batches_tracked.item() == 1
     assert not torch.equal(replicas[1].norm.running_mean, net.norm.running_mean)
+
+
+def test_a_compiled_submodule_is_refused_before_anything_is_copied() -> None:
+    """A torch.compile'd submodule forwards attribute writes to the module it compiled: copying it for a replica
+    would overwrite that module's parameters and submodules (here ``net[0]`` became a cycle). Refused first."""
+    net = nn.Sequential(torch.compile(nn.Linear(3, 3)), nn.Linear(3, 3))
+    before = {name: p for name, p in net.named_parameters()}
+    for devices in (CPU3, ["cuda:0", "cuda:1"]):  # refused before any device is touched, CUDA as CPU
+        with pytest.raises(ValueError, match=r"submodule `0` is compiled with torch\.compile.*ring_allreduce"):
+            replicate(net, devices)
+    assert {name: p for name, p in net.named_parameters()} == before
+    assert net(torch.ones(2, 3)).shape == (2, 3)

@@ -13,7 +13,7 @@ import sys
 
 if os.environ.get("LDPS_SIMULATE_NOTEBOOK"):
     sys.ps1 = ">>> "  # what Lightning checks (at import) to tell it runs inside Jupyter / an interactive shell
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,7 @@ class Scenario:
     save: bool = False  # save OUTDIR/{name}-{strategy}/last.ckpt after fit
     resume_from: str | None = None  # resume from that scenario's last.ckpt (in the same OUTDIR, ring_allreduce)
     two_optimizers: bool = False  # manual: Adam over the first layer, SGD with momentum over the rest
+    compiled: bool = False  # the body torch.compile'd (AOTAutograd's backward, run eagerly: no C++ compiler needed)
 
 
 SCENARIOS = {
@@ -63,6 +64,7 @@ SCENARIOS = {
     "clip": Scenario(clip=0.05),
     "manual": Scenario(manual=True),
     "bf16": Scenario(precision="bf16-mixed"),
+    "compiled": Scenario(compiled=True),
     # torch's DDP communication hooks averaging the buckets
     "hook_allreduce": Scenario(hook="allreduce"),
     "hook_unused": Scenario(unused=True, hook="allreduce"),
@@ -119,7 +121,8 @@ class ParityNet(L.LightningModule):
         super().__init__()
         self.scenario = scenario
         torch.manual_seed(0)
-        self.body = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 3))
+        body = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 3))
+        self.body = torch.compile(body, backend="aot_eager") if scenario.compiled else body
         if scenario.unused:
             self.never_used = nn.Linear(3, 3)
             self.rank0_only = nn.Linear(8, 3)
@@ -200,7 +203,8 @@ class Recorder(L.Callback):
         )
         torch.save(
             {
-                "params": {n: p.detach().clone() for n, p in module.named_parameters()},
+                # a compiled body's names without torch.compile's wrapper, as the reference's
+                "params": {n.replace("_orig_mod.", ""): p.detach().clone() for n, p in module.named_parameters()},
                 "state_numel": state_numel,
                 "sharded": sharding is not None and sharding.attached,
                 "records": module.records,
@@ -295,7 +299,7 @@ def reference_parameters(name: str, per_shard: bool = False) -> dict[str, Tensor
     batch shape.
     """
     scenario = SCENARIOS[name]
-    model = ParityNet(scenario)
+    model = ParityNet(replace(scenario, compiled=False))  # the specification runs eagerly
     x, y = make_data(scenario).tensors
     optimizers = make_optimizers(scenario, model)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=scenario.precision == "bf16-mixed")

@@ -31,7 +31,7 @@ TORCH_POWERSGD_HERE = not torch.cuda.is_available()
 device): its scenario runs only on machines without one."""
 HOOKS = ["hook_allreduce", "hook_unused", "hook_fp16", *(["hook_powersgd"] if TORCH_POWERSGD_HERE else [])]
 # the scenarios of one world size share one launch (each launch costs seconds of imports, a fit does not)
-WORLD_2 = ["sgd", "sgd@ddp", "adam2", "unused", "accumulate", "clip", "manual", "bf16", *HOOKS]
+WORLD_2 = ["sgd", "sgd@ddp", "adam2", "unused", "accumulate", "clip", "manual", "bf16", "compiled", *HOOKS]
 WORLD_3 = ["sgd3", "adam3", "sgd3@minimal"]
 
 
@@ -76,7 +76,8 @@ def assert_parity(ranks: list[dict[str, Any]], name: str, per_shard: bool = Fals
         diff = max_diff(result["params"], reference)
         assert diff <= TOLERANCE, f"rank {rank} drifted from single-process training by {diff}"
     init = dict(ParityNet(SCENARIOS[name]).named_parameters())
-    assert max_diff({n: p.detach() for n, p in init.items()}, reference) > 1e-2, "training did not move parameters"
+    init = {n.replace("_orig_mod.", ""): p.detach() for n, p in init.items()}  # as the ranks' records name them
+    assert max_diff(init, reference) > 1e-2, "training did not move parameters"
 
 
 @NUMERICS
@@ -159,6 +160,16 @@ def test_manual_optimization_with_no_backward_sync(world2: Path) -> None:
     assert len(steps) == 12
     assert all(s["local_ops"] == 0 for s in steps), "a backward inside no_backward_sync() communicated"
     assert [s["sync_ops"] for s in steps] == list(range(1, 13))
+
+
+@NUMERICS
+@pytest.mark.timeout(600)
+def test_a_torch_compiled_body_trains_at_parity(world2: Path) -> None:
+    """``self.body = torch.compile(...)``: the compiled backward hands every gradient to the buckets as eager
+    autograd does (``aot_eager``: AOTAutograd's graphs, run by eager kernels), against the eager reference."""
+    ranks = results(world2, "compiled")
+    assert_parity(ranks, "compiled")
+    assert all(r["totals"]["ring_operations"] == 12 for r in ranks)  # one bucket a step, none skipped
 
 
 @NUMERICS
