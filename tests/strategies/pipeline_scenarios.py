@@ -42,6 +42,7 @@ class Case:
     balance: tuple[int, ...] | str = "parameters"
     reducer: str = "ring"
     hook: bool = False  # the replicas average through torch's DDP `allreduce_hook` instead of the reducer
+    compiled: bool = False  # each block torch.compile'd (AOTAutograd's graphs, run eagerly: no C++ compiler needed)
 
     @property
     def replicas(self) -> int:
@@ -55,7 +56,11 @@ PARITY_4 = [
     Case(f"s2d2-{sched}-m{m}", world=4, micro_batches=m, schedule=sched) for sched in ("gpipe", "1f1b") for m in (1, 4)
 ]
 SUITES: dict[str, list[Case]] = {
-    "world2": [*PARITY_2, Case("s2d1-clip", clip=0.05, micro_batches=2, balance=(2, 3))],
+    "world2": [
+        *PARITY_2,
+        Case("s2d1-clip", clip=0.05, micro_batches=2, balance=(2, 3)),
+        Case("s2d1-compiled", micro_batches=2, compiled=True),
+    ],
     "world4": [
         *PARITY_4,
         Case("s2d2-accumulate", world=4, accumulate=2, micro_batches=2),
@@ -85,10 +90,12 @@ class PipeNet(L.LightningModule):
 
     pipeline_body = "body"
 
-    def __init__(self) -> None:
+    def __init__(self, compiled: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.body = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+        if compiled:  # the stages are cut from the Sequential, so each block is compiled, not the Sequential
+            self.body = nn.Sequential(*(torch.compile(block, backend="aot_eager") for block in self.body))
         self.seen = SumMetric()
 
     def pipeline_loss(self, output: Tensor, target: Tensor) -> Tensor:
@@ -128,7 +135,8 @@ class Recorder(L.Callback):
         assert isinstance(strategy, HybridPipelineStrategy)
         torch.save(
             {
-                "params": {n: p.detach().clone() for n, p in strategy.bucketed_parameters()},  # what it trains
+                # what it trains, a compiled block's names without torch.compile's wrapper (as the reference's)
+                "params": {n.replace("_orig_mod.", ""): p.detach().clone() for n, p in strategy.bucketed_parameters()},
                 "progress_bar": {k: float(v) for k, v in trainer.progress_bar_metrics.items()},
                 "seen": float(trainer.callback_metrics["seen"]),
                 "bubble": strategy.pipeline_stats.last.bubble,
@@ -213,7 +221,7 @@ class UserObjects(L.Callback):
 
 def run_case(case: Case, outdir: Path) -> tuple[L.Trainer, bool]:
     """Fit ``case``; also whether the user's objects stayed as they were (the body and the precision plugin)."""
-    model = PipeNet()
+    model = PipeNet(compiled=case.compiled)
     trainer = trainer_for(case, outdir, [Recorder(outdir / case.name)])
     user = UserObjects(model, trainer.precision_plugin)
     trainer.callbacks.append(user)

@@ -280,6 +280,10 @@ def test_opt_in_error_names_exactly_what_is_missing() -> None:
     assert "a class attribute `pipeline_body" not in str(only_body.value)
     with pytest.raises(TypeError, match=r"self.body is a Linear\); wrap the blocks in nn.Sequential"):
         _check_opt_in(BodyNotSequential())
+    compiled = PipeNet()
+    compiled.body = torch.compile(compiled.body)  # type: ignore[assignment]
+    with pytest.raises(TypeError, match=r"torch\.compile'd module\); compile each block instead"):
+        _check_opt_in(compiled)
     assert _check_opt_in(PipeNet()) == "body"
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from torch import Tensor, nn
+from torch._dynamo.eval_frame import OptimizedModule
 
 from lightning_dp_strategies.pipeline import PipelineRunner
 from lightning_dp_strategies.pipeline.activations import Activation, describe, is_activation, signature
@@ -98,10 +99,15 @@ def check_opt_in(module: pl.LightningModule) -> str:
     problems = []
     if not isinstance(name, str):
         problems.append('a class attribute `pipeline_body = "<attribute>"` naming its nn.Sequential of blocks')
+    elif isinstance(getattr(module, name, None), OptimizedModule):  # the stages are cut from the Sequential itself
+        problems.append(
+            f"`pipeline_body = {name!r}` to name an nn.Sequential attribute (self.{name} is a torch.compile'd "
+            f"module); compile each block instead: `self.{name} = nn.Sequential(*(torch.compile(b) for b in blocks))`"
+        )
     elif not isinstance(getattr(module, name, None), nn.Sequential):
         found = type(getattr(module, name, None)).__name__
         problems.append(
-            f"`pipeline_body = {name!r}` must name an nn.Sequential attribute (self.{name} is a {found}); "
+            f"`pipeline_body = {name!r}` to name an nn.Sequential attribute (self.{name} is a {found}); "
             "wrap the blocks in nn.Sequential"
         )
     if not callable(getattr(module, "pipeline_loss", None)):
