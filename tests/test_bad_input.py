@@ -85,17 +85,30 @@ class Probe(L.LightningModule):
 
     def snapshot(self) -> Probe:
         """Remember the parameters as they are before ``fit``."""
-        self.initial = {n: p.detach().clone() for n, p in self.named_parameters()}
+        self.initial = {n: p.detach().clone() for n, p in self.named_parameters() if not is_lazy(p)}
         return self
 
     def counts(self) -> dict[str, int]:
-        moved = any(not torch.equal(p.detach().cpu(), self.initial[n]) for n, p in self.named_parameters())
+        moved = any(
+            not torch.equal(p.detach().cpu(), self.initial[n]) for n, p in self.named_parameters() if not is_lazy(p)
+        )
         return {
             "started": self.started,
             "finished": self.finished,
             "optimizer_steps": self.optimizer_steps,
             "moved": int(moved),
         }
+
+
+def is_lazy(p: Tensor) -> bool:
+    """A parameter a lazy module has not made yet (its first forward makes it, and training moves it)."""
+    return isinstance(p, nn.parameter.UninitializedParameter)
+
+
+class Lazy(Probe):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body[0] = nn.LazyLinear(4)
 
 
 class Frozen(Probe):
@@ -312,6 +325,13 @@ CATALOGUE = [
         SETUP,
     ),
     Misuse(
+        "ring-lazy-module",
+        lambda run: fit(run, "ring_allreduce", Lazy(), devices=1),
+        ValueError,
+        r"`body\.0\.weight`, `body\.0\.bias` do not exist yet.*Run one forward on a sample batch before training",
+        SETUP,
+    ),
+    Misuse(
         "ring-sync_batchnorm-on-cpu-processes",
         lambda run: fit_on_two_ranks(run, blocks=2, strategy="ring-sync_batchnorm"),
         ValueError,
@@ -381,6 +401,13 @@ CATALOGUE = [
         lambda run: fit(run, "dp", CompiledBlock(), devices=2),
         ValueError,
         r"train without torch\.compile here, or with one process per device \(strategy='ring_allreduce'",
+        SETUP,
+    ),
+    Misuse(
+        "dp-lazy-module",
+        lambda run: fit(run, "dp", Lazy(), devices=2),
+        ValueError,
+        r"ScatterGatherStrategy needs every parameter when it sets up.*Run one forward on a sample batch",
         SETUP,
     ),
     Misuse(
@@ -529,6 +556,13 @@ CATALOGUE = [
         lambda run: fit(run, hybrid(), Probe(blocks=0), devices=1),
         ValueError,
         r"Put the model's layers into its nn\.Sequential, at least 1",
+        SETUP,
+    ),
+    Misuse(
+        "hybrid-lazy-module",
+        lambda run: fit(run, hybrid(), Lazy(), devices=1),
+        ValueError,
+        r"HybridPipelineStrategy needs every parameter when it sets up.*Run one forward on a sample batch",
         SETUP,
     ),
     Misuse(

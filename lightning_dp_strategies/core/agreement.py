@@ -23,7 +23,7 @@ from lightning_dp_strategies.bucketing import assign_buckets
 from lightning_dp_strategies.core.options import BucketedConfig, ReductionOptions
 from lightning_dp_strategies.reducers import hook_name
 
-__all__ = ["RankMismatchError", "bucketed_options", "check_ranks_agree", "model_fingerprint"]
+__all__ = ["RankMismatchError", "bucketed_options", "check_ranks_agree", "model_fingerprint", "require_materialized"]
 
 
 class RankMismatchError(RuntimeError):
@@ -118,6 +118,7 @@ def bucketed_options(
         >>> options["reducer"], options["bucket_layout"], options["bucket_cap_mb"]
         ('native', [[1, 0]], 25.0)
     """
+    require_materialized(module, type(strategy).__name__)
     reducer = reduction.reducer
     kind = reducer if isinstance(reducer, str) or reducer is None else type(reducer)
     # sizes and dtypes only: a pipeline rank holds the blocks it does not own on the meta device
@@ -149,4 +150,25 @@ def require_trainable(module: nn.Module, strategy: str, fix: str) -> None:
         raise ValueError(
             f"{type(module).__name__} has no parameter that requires grad, so {strategy} has nothing to train. "
             f"Unfreeze at least one parameter before `trainer.fit`, or {fix}."
+        )
+
+
+def require_materialized(module: nn.Module, strategy: str) -> None:
+    """A clear error when ``module`` has parameters a lazy module (``nn.LazyLinear``...) has not made yet: the
+    strategy lays out, broadcasts or replicates every parameter as it sets up.
+
+    Examples:
+        >>> require_materialized(nn.Linear(2, 2), "RingAllReduceStrategy")
+        >>> require_materialized(nn.Sequential(nn.LazyLinear(2)), "RingAllReduceStrategy")
+        Traceback (most recent call last):
+        ...
+        ValueError: RingAllReduceStrategy needs every parameter when it sets up, and `0.weight`, `0.bias` do not ...
+    """
+    lazy = [name for name, p in module.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
+    if lazy:
+        names = ", ".join(f"`{name}`" for name in lazy[:4]) + (f" and {len(lazy) - 4} more" if len(lazy) > 4 else "")
+        raise ValueError(
+            f"{strategy} needs every parameter when it sets up, and {names} do not exist yet: a lazy module "
+            "(nn.LazyLinear and the like) makes them in its first forward. Run one forward on a sample batch before "
+            "training (at the end of your module's `__init__`, say), or give those layers their input sizes."
         )

@@ -18,6 +18,7 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_dp_strategies.core.agreement import require_materialized
 from lightning_dp_strategies.core.checkpoint_io import AtomicByDefault
 from lightning_dp_strategies.core.nonfinite import NonfiniteGuard, check_nonfinite_mode
 from lightning_dp_strategies.core.options import check_dim
@@ -111,6 +112,7 @@ class FabricScatterGatherStrategy(ParallelForward, DataParallelStrategy):
         ``state_dict`` (see :meth:`get_module_state_dict`)."""
         if len(self.replica_devices()) > 1:
             check_replicable(module)
+            require_materialized(module, type(self).__name__)
         if any(p.requires_grad for p in module.parameters()):
             self._trained = module
         return _ParallelModule(module, self)

@@ -20,6 +20,7 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_dp_strategies.core.agreement import require_materialized
 from lightning_dp_strategies.core.checkpoint_io import AtomicByDefault
 from lightning_dp_strategies.core.nonfinite import NonfiniteGuard, check_nonfinite_mode
 from lightning_dp_strategies.core.options import check_dim
@@ -248,8 +249,9 @@ class ScatterGatherStrategy(ParallelForward, ParallelStrategy):
                 "to train (the first backward would fail). Unfreeze at least one parameter before `trainer.fit`, or "
                 "use `trainer.validate` / `trainer.predict` to run the frozen model."
             )
-        if module is not None and len(self.replica_devices()) > 1:
-            check_replicable(module)  # here, before the sanity check's first forward
+        if module is not None and len(self.replica_devices()) > 1:  # here, before the sanity check's first forward
+            check_replicable(module)
+            require_materialized(module, type(self).__name__)
         super().setup(trainer)
 
     @override

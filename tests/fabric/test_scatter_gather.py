@@ -102,3 +102,9 @@ def test_a_compiled_submodule_is_refused_at_setup_and_a_compiled_model_trains_li
         train(wrapped, opt, fabric.backward, steps=2)
         trained.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     torch.testing.assert_close(trained[1], trained[0], rtol=0, atol=TOLERANCE)
+
+
+def test_a_lazy_module_is_refused_at_setup_naming_the_fix() -> None:
+    fabric = L.Fabric(strategy="scatter_gather", accelerator="cpu", devices=2)
+    with pytest.raises(ValueError, match=r"`0\.weight`, `0\.bias` do not exist yet.*Run one forward on a sample batch"):
+        fabric.setup(nn.Sequential(nn.LazyLinear(3)))
