@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.loggers import CSVLogger
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_dp_strategies
@@ -50,6 +51,7 @@ class Scenario:
     resume_from: str | None = None  # resume from that scenario's last.ckpt (in the same OUTDIR, ring_allreduce)
     two_optimizers: bool = False  # manual: Adam over the first layer, SGD with momentum over the rest
     compiled: bool = False  # the body torch.compile'd (AOTAutograd's backward, run eagerly: no C++ compiler needed)
+    checkpointed: bool = False  # the body after its first layer under reentrant activation checkpointing
 
 
 SCENARIOS = {
@@ -65,6 +67,7 @@ SCENARIOS = {
     "manual": Scenario(manual=True),
     "bf16": Scenario(precision="bf16-mixed"),
     "compiled": Scenario(compiled=True),
+    "checkpointed": Scenario(checkpointed=True, accumulate=2),
     # torch's DDP communication hooks averaging the buckets
     "hook_allreduce": Scenario(hook="allreduce"),
     "hook_unused": Scenario(unused=True, hook="allreduce"),
@@ -130,7 +133,10 @@ class ParityNet(L.LightningModule):
         self.records: list[dict[str, Any]] = []
 
     def loss(self, x: Tensor, y: Tensor, shard: int) -> Tensor:
-        out = self.body(x)
+        if self.scenario.checkpointed:  # recomputed in backward: its parameters' gradients arrive there, nested
+            out = checkpoint(self.body[1:], self.body[0](x), use_reentrant=True)
+        else:
+            out = self.body(x)
         if self.scenario.unused and shard == 0:
             out = out + self.rank0_only(x)
         return F.cross_entropy(out, y)
@@ -299,7 +305,7 @@ def reference_parameters(name: str, per_shard: bool = False) -> dict[str, Tensor
     batch shape.
     """
     scenario = SCENARIOS[name]
-    model = ParityNet(replace(scenario, compiled=False))  # the specification runs eagerly
+    model = ParityNet(replace(scenario, compiled=False, checkpointed=False))  # the specification: plain eager
     x, y = make_data(scenario).tensors
     optimizers = make_optimizers(scenario, model)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=scenario.precision == "bf16-mixed")

@@ -31,7 +31,8 @@ TORCH_POWERSGD_HERE = not torch.cuda.is_available()
 device): its scenario runs only on machines without one."""
 HOOKS = ["hook_allreduce", "hook_unused", "hook_fp16", *(["hook_powersgd"] if TORCH_POWERSGD_HERE else [])]
 # the scenarios of one world size share one launch (each launch costs seconds of imports, a fit does not)
-WORLD_2 = ["sgd", "sgd@ddp", "adam2", "unused", "accumulate", "clip", "manual", "bf16", "compiled", *HOOKS]
+WORLD_2 = ["sgd", "sgd@ddp", "adam2", "unused", "accumulate", "clip", "manual", "bf16", *HOOKS]
+WORLD_2 += ["compiled", "checkpointed"]  # torch.compile, activation checkpointing
 WORLD_3 = ["sgd3", "adam3", "sgd3@minimal"]
 
 
@@ -170,6 +171,16 @@ def test_a_torch_compiled_body_trains_at_parity(world2: Path) -> None:
     ranks = results(world2, "compiled")
     assert_parity(ranks, "compiled")
     assert all(r["totals"]["ring_operations"] == 12 for r in ranks)  # one bucket a step, none skipped
+
+
+@NUMERICS
+@pytest.mark.timeout(600)
+def test_reentrant_activation_checkpointing_trains_at_parity(world2: Path) -> None:
+    """The recomputation runs a nested backward inside the outer one, where the checkpointed layers' gradients
+    arrive: each goes into its bucket once, with gradient accumulation (2) as well."""
+    ranks = results(world2, "checkpointed")
+    assert_parity(ranks, "checkpointed")
+    assert all(r["totals"]["ring_operations"] == 6 for r in ranks)  # 12 batches, every second one averages
 
 
 @NUMERICS
