@@ -42,7 +42,7 @@ class Case:
     balance: tuple[int, ...] | str = "parameters"
     reducer: str = "ring"
     hook: bool = False  # the replicas average through torch's DDP `allreduce_hook` instead of the reducer
-    compiled: bool = False  # the first and last blocks torch.compile'd (AOTAutograd's graphs, run eagerly)
+    compiled: bool = False  # the first and last blocks torch.compile'd (dynamo's graphs, run eagerly)
 
     @property
     def replicas(self) -> int:
@@ -96,7 +96,7 @@ class PipeNet(L.LightningModule):
         self.body = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
         if compiled:  # the stages are cut from the Sequential, so blocks are compiled, not the Sequential
             for index in (0, 4):  # a Linear block in each stage
-                self.body[index] = torch.compile(self.body[index], backend="aot_eager")
+                self.body[index] = torch.compile(self.body[index], backend="eager")
         self.seen = SumMetric()
 
     def pipeline_loss(self, output: Tensor, target: Tensor) -> Tensor:
