@@ -63,7 +63,7 @@ def check_replicable(module: Module) -> None:
         ...
         ValueError: Cannot replicate the module: its submodule `0` is compiled with torch.compile, ...
     """
-    from torch._dynamo.eval_frame import OptimizedModule
+    from torch._dynamo import OptimizedModule  # as Lightning's Fabric imports it
 
     compiled = [name for name, m in module.named_modules() if isinstance(m, OptimizedModule)]
     if compiled:

@@ -8,7 +8,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from torch import Tensor, nn
-from torch._dynamo.eval_frame import OptimizedModule
+from torch._dynamo import OptimizedModule  # as Lightning's Fabric imports it
 
 from lightning_dp_strategies.pipeline import PipelineRunner
 from lightning_dp_strategies.pipeline.activations import Activation, describe, is_activation, signature
