@@ -23,6 +23,7 @@ from torch import nn
 
 from lightning_dp_strategies.bucketing.buckets import GradientBuckets
 from lightning_dp_strategies.bucketing.stats import CommStats
+from lightning_dp_strategies.comm.groups import new_group
 from lightning_dp_strategies.reducers import Reducer, StepTiming, as_reducer, close_reducer, setup_reducer
 from lightning_dp_strategies.reducers.thread import close_in_background
 
@@ -94,7 +95,7 @@ class GradientSync:
         A dedicated group keeps the communication thread from interleaving with collectives the main thread issues
         on the default group (metric syncs, SyncBatchNorm, barriers).
         """
-        self.groups = [dist.new_group(list(ranks), backend=backend) for ranks in partition]
+        self.groups = [new_group(ranks, backend) for ranks in partition]
         self.reducer = reducer
         for group, ranks in zip(self.groups, partition, strict=True):
             setup_reducer(reducer, group, list(ranks), backend)

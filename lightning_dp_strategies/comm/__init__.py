@@ -10,6 +10,7 @@
 - :mod:`.clipping`: gradient clipping by the global 2-norm of gradients spread over ranks (pipeline stages, ZeRO).
 - :mod:`.probe`: a link's latency and bandwidth, measured on the live process group.
 - :mod:`.failures`: what a failed collective most likely means, logged on the rank that sees it.
+- :mod:`.groups`: process groups that time out as the default group does (torch gives a new one 30 minutes).
 """
 
 from lightning_dp_strategies.comm import clipping, ops, quantized, ring, shards

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_dp_strategies.comm.groups import new_group
 from lightning_dp_strategies.comm.ops import (
     CommCounter,
     ReduceOpLike,
@@ -249,7 +250,7 @@ def new_duplex_group(ranks: list[int] | None = None, backend: str | None = None)
     size = len(ranks) if ranks is not None else dist.get_world_size()
     if size != 2 or (backend if backend is not None else dist.get_backend()) != "gloo":
         return None
-    return dist.new_group(ranks, backend=backend)
+    return new_group(ranks, backend)
 
 
 def _check_duplex(group: dist.ProcessGroup | None, duplex: object) -> None:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_dp_strategies.comm.groups import new_group
 from lightning_dp_strategies.comm.ops import CommCounter, ReduceOpLike, divide_, is_average
 from lightning_dp_strategies.comm.ring import ring_all_gather, ring_all_reduce, ring_reduce_scatter
 
@@ -110,9 +111,9 @@ def new_two_level_groups(layout: NodeLayout, backend: str | None = None) -> TwoL
     def mine(groups: list[dist.ProcessGroup], members: list[list[int]]) -> dist.ProcessGroup | None:
         return next((g for g, r in zip(groups, members, strict=True) if rank in r), None)
 
-    nodes = [dist.new_group(ranks, backend=backend) for ranks in layout.node_groups()]
-    gathers = [dist.new_group(ranks, backend=backend) for ranks in layout.node_groups()]
-    shards = [dist.new_group(ranks, backend=backend) for ranks in layout.shard_groups()]
+    nodes = [new_group(ranks, backend) for ranks in layout.node_groups()]
+    gathers = [new_group(ranks, backend) for ranks in layout.node_groups()]
+    shards = [new_group(ranks, backend) for ranks in layout.shard_groups()]
     return TwoLevelGroups(
         layout,
         [*nodes, *gathers, *shards],

@@ -28,6 +28,7 @@ from torch.optim import Optimizer
 
 from lightning_dp_strategies.bucketing import CommStats, GradientBuckets
 from lightning_dp_strategies.bucketing.sync import GradientSync, destroy_groups
+from lightning_dp_strategies.comm.groups import new_group
 from lightning_dp_strategies.core.checkpoint_io import atomic_write, can_stream
 from lightning_dp_strategies.core.nonfinite import NonfiniteGuard, check_nonfinite_mode
 from lightning_dp_strategies.core.options import BucketedConfig, ReductionOptions
@@ -122,7 +123,7 @@ class BucketedEngine:
             return
         if getattr(state, "subgroup", None) is None:
             nodes = max(1, world_size // per_node)
-            self._node_groups = [dist.new_group(ranks) for ranks in node_ranks(nodes, per_node)]
+            self._node_groups = [new_group(ranks) for ranks in node_ranks(nodes, per_node)]
             state.subgroup = self._node_groups[rank // per_node]  # type: ignore[attr-defined]
         averager = FlatAverager(resolve_reducer("ring"))
         averager.setup(None, list(range(world_size)), backend)

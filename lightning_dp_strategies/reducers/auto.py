@@ -29,6 +29,7 @@ from torch import Tensor
 from torch.futures import Future
 
 from lightning_dp_strategies.comm import new_duplex_group
+from lightning_dp_strategies.comm.groups import new_group
 from lightning_dp_strategies.comm.probe import probe_ring
 from lightning_dp_strategies.plan import CpuCosts, Link, Reduction, Topology
 from lightning_dp_strategies.plan.auto import ALLOWED, LOSSY_MARGIN, AutoChoice, allowed, choose
@@ -230,7 +231,7 @@ class AutoReducer(ReducerBase):
         figures = torch.zeros(9, dtype=torch.float64)  # per slot: latency, 1 / bandwidth, busy
         for slot, members in kinds:
             # collective: every rank makes each group (and, at two ranks on gloo, the ring's second connection)
-            made = [(m, dist.new_group(m, backend=backend), new_duplex_group(m, backend)) for m in members]
+            made = [(m, new_group(m, backend), new_duplex_group(m, backend)) for m in members]
             for m, probed, duplex in made:
                 if me in m:
                     result = probe_ring(probed, duplex=duplex, device=_device(probed))

@@ -37,6 +37,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
 
 from lightning_dp_strategies.comm.failures import PeerLostError
+from lightning_dp_strategies.comm.groups import new_group
 from lightning_dp_strategies.core.elastic import DistributedStrategy, init_strategy_process_group, running_attempt_store
 from lightning_dp_strategies.core.fault_tolerance import (
     JOIN_ENV,
@@ -223,7 +224,7 @@ class TrainerSurvival:
         if self.strategy.global_rank not in (leader, *joining):
             return None
         box = [state]
-        group = dist.new_group([leader, *joining], backend="gloo", use_local_synchronization=True)
+        group = new_group([leader, *joining], "gloo", use_local_synchronization=True)
         dist.broadcast_object_list(box, leader, group=group)
         return box[0]
 

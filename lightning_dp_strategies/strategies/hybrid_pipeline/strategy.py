@@ -46,6 +46,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from typing_extensions import Unpack, override
 
 from lightning_dp_strategies.bucketing.sync import destroy_groups
+from lightning_dp_strategies.comm.groups import time_out_as_world
 from lightning_dp_strategies.core.checkpoint_io import atomic_write
 from lightning_dp_strategies.pipeline import PipelineRunner
 from lightning_dp_strategies.pipeline.activations import is_activation
@@ -212,6 +213,8 @@ class HybridPipelineStrategy(PipelineSteps, StreamedCheckpoints):
         self._mesh = init_device_mesh(
             self.root_device.type, (stages, replicas), mesh_dim_names=("pipeline", "data_parallel")
         )
+        for name in ("pipeline", "data_parallel"):  # torch's 30 minutes otherwise, whatever `timeout` says
+            time_out_as_world(self._mesh.get_group(name))
 
     @override
     def grad_group_ranks(self) -> list[list[int]]:
