@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from lightning_dp_strategies.comm import CommCounter
-from lightning_dp_strategies.comm.failures import PeerLostError
+from lightning_dp_strategies.comm.failures import PEER_FAILURE_HINT, PeerLostError, announce_failure, is_peer_failure
 from lightning_dp_strategies.reducers import (
     GradBucket,
     NativeReducer,
@@ -155,7 +156,7 @@ class FlatAverager:
             gave_up = None if self.interrupt is None else wait_for(future, None, self.interrupt)
             if gave_up is not None:
                 raise PeerLostError(f"An average over the ranks was given up: {gave_up}.")
-            result = future.wait()
+            result = self._wait(future)
             if isinstance(result, (list, tuple)) and len(result) == 1:
                 result = result[0]
             if isinstance(result, Tensor) and result.data_ptr() != buffer.data_ptr():
@@ -166,6 +167,19 @@ class FlatAverager:
             tensor.detach().copy_(buffer[start : start + n].view_as(tensor))
             start += n
         self.reductions += 1
+
+    def _wait(self, future: Any) -> Any:
+        """The reduction's result; a peer's failure (outside ``fault_tolerant``, which recovers from it) logged at once
+        and raised with what it most likely means."""
+        try:
+            return future.wait()
+        except Exception as error:
+            if self.interrupt is not None or not is_peer_failure(error):
+                raise
+            message = f"Averaging over {self.world_size} ranks failed on rank {dist.get_rank()}: "
+            raise RuntimeError(
+                announce_failure(f"{message}{type(error).__name__}: {error}\n{PEER_FAILURE_HINT}")
+            ) from error
 
 
 class PeriodicAverager:

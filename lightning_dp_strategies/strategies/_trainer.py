@@ -1,9 +1,18 @@
-"""What the Trainer strategies share that is the Trainer's alone: the resumed epoch's sample order, when to log."""
+"""What the Trainer strategies share that is the Trainer's alone: the resumed epoch's sample order, when to log, the
+ranks a failed launching process started."""
 
 from __future__ import annotations
 
+import time
+
 from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.pytorch.strategies import Strategy
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.connectors.signal_connector import _get_sigkill_signal
+
+STOP_GRACE_S = 10.0
+"""How long the ranks a failed launching process started get to end on their own (to raise their own error, as
+every rank does for bad input) before they are stopped."""
 
 
 def with_resumed_sampler_epoch(strategy: Strategy, dataloader: object) -> object:
@@ -32,3 +41,18 @@ def should_log(strategy: Strategy, enabled: bool) -> bool:
         return False
     every = int(getattr(module.trainer, "log_every_n_steps", 1))
     return every > 0 and module.trainer.global_step % every == 0
+
+
+def stop_started_ranks(launcher: object, grace_s: float = STOP_GRACE_S) -> None:
+    """From ``on_exception``: stop the ranks Lightning's script launcher started from this process, once they have had
+    ``grace_s`` seconds to end on their own (nothing elsewhere: torchrun's ranks and forked ones have no such list).
+
+    Lightning stops them itself after Ctrl-C and when one of them fails, but not when the launching process raises:
+    a rank alive but silent (stuck in its data loader, say), which the launching process gave up on after the
+    collective timeout, would otherwise run on after the job ended, holding its memory and devices."""
+    if not isinstance(launcher, _SubprocessScriptLauncher) or not getattr(launcher, "procs", None):
+        return
+    deadline = time.monotonic() + grace_s
+    while any(proc.poll() is None for proc in launcher.procs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    launcher.kill(_get_sigkill_signal())

@@ -64,7 +64,7 @@ from lightning_dp_strategies.core.topology import check_own_reducer, priced
 from lightning_dp_strategies.plan import RING_ALLREDUCE, CostModel
 from lightning_dp_strategies.reducers import CommHook, Reducer
 from lightning_dp_strategies.sharding import OptimizerSharding
-from lightning_dp_strategies.strategies._trainer import with_resumed_sampler_epoch
+from lightning_dp_strategies.strategies._trainer import stop_started_ranks, with_resumed_sampler_epoch
 from lightning_dp_strategies.strategies.options import TRAINER_PLUGINS, StrategyOptions
 from lightning_dp_strategies.strategies.precision import (
     ClipByNorm,
@@ -140,9 +140,8 @@ class BucketedDataParallel(DDPStrategy):
 
     def bucketed_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """The ``(name, parameter)`` pairs this rank's buckets average (default: the whole module's)."""
-        module = self.lightning_module
-        assert module is not None
-        return list(module.named_parameters())
+        assert self.lightning_module is not None
+        return list(self.lightning_module.named_parameters())
 
     def configure_reducer(self) -> Reducer:
         """The reducer of the gradient buckets, called once at setup (default: the hook's when ``ddp_comm_hook`` was
@@ -260,11 +259,10 @@ class BucketedDataParallel(DDPStrategy):
         """What every rank must agree on besides the model; subclasses add their own options."""
         module = self.lightning_module
         assert module is not None
-        trainer = module.trainer
         return {
             **bucketed_options(self, self.reduction, self.config, module, self.precision_plugin),
-            "accumulate_grad_batches": getattr(trainer, "accumulate_grad_batches", None),
-            "gradient_clip_val": getattr(trainer, "gradient_clip_val", None),
+            "accumulate_grad_batches": getattr(module.trainer, "accumulate_grad_batches", None),
+            "gradient_clip_val": getattr(module.trainer, "gradient_clip_val", None),
         }
 
     def _check_ranks_agree(self) -> None:
@@ -383,6 +381,8 @@ class BucketedDataParallel(DDPStrategy):
     def on_exception(self, exception: BaseException) -> None:
         self.engine.abort()
         super().on_exception(exception)
+        if self.survival is None:  # with fault_tolerant, the other ranks go on without this one
+            stop_started_ranks(self.launcher)
 
     @override
     def teardown(self) -> None:
