@@ -23,8 +23,9 @@ __all__ = [
 
 PEER_FAILURE_HINT = (
     "Another rank most likely died or stopped responding (a crash, an out-of-memory kill, a lost node) or the "
-    "collective timed out (the strategy's `timeout`). Look for the first error in the other ranks' logs; checkpoints "
-    "already written are complete, so resume from the last one with `trainer.fit(..., ckpt_path='last')`."
+    "collective timed out (the strategy's `timeout`), which is also what ranks given different numbers of training "
+    "batches in an epoch end in. Look for the first error in the other ranks' logs; checkpoints already written are "
+    "complete, so resume from the last one with `trainer.fit(..., ckpt_path='last')`."
 )
 """What a failed collective most likely means, and what to do; appended to the strategies' errors."""
 
