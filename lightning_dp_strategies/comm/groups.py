@@ -52,7 +52,5 @@ def time_out_as_world(group: dist.ProcessGroup) -> None:
     """Give a group made elsewhere (a ``DeviceMesh``'s) the default group's timeout; the default group itself and
     groups this rank is not in are left as they are."""
     timeout = world_timeout()
-    if timeout is None or group is dist.GroupMember.WORLD or group == dist.GroupMember.NON_GROUP_MEMBER:
-        return
-    if group_timeout(group) != timeout:
+    if timeout is not None and group is not dist.GroupMember.WORLD and group != dist.GroupMember.NON_GROUP_MEMBER:
         _set_pg_timeout(timeout, group)

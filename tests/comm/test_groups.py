@@ -6,7 +6,6 @@ option is the default group's, so every group the package makes must carry it to
 
 from __future__ import annotations
 
-import time
 from datetime import timedelta
 
 import pytest
@@ -50,10 +49,8 @@ def _groups_time_out_as_world(rank: int, world_size: int) -> None:
     # a silent peer: the collective fails after the default group's timeout, not torch's 30 minutes
     store = _get_default_store()
     if rank == 0:
-        start = time.monotonic()
-        with pytest.raises(RuntimeError, match="Timed out"):
+        with pytest.raises(RuntimeError, match="Timed out waiting 3000ms"):
             dist.all_reduce(torch.ones(4), group=sync.group)
-        assert time.monotonic() - start < 30
         store.set("done", "1")
     else:
         store.wait(["done"], timedelta(seconds=90))

@@ -31,14 +31,13 @@ def _running(pid: int) -> bool:
     return state != "Z"
 
 
-def _run(args: list[str], tmp_path: Path, bound: float) -> tuple[str, float, int]:
-    """Run ``dead_rank_scenario`` with ``args``: its output, how long until every rank had exited, and rank 0's exit
-    status; fails if a rank still runs after ``bound`` seconds, or 10 s after rank 0 ended."""
+def _run(args: list[str], tmp_path: Path, bound: float) -> tuple[str, int]:
+    """Run ``dead_rank_scenario`` with ``args``: its output and rank 0's exit status; fails if a rank still runs after
+    ``bound`` seconds, or 10 s after rank 0 ended."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "MASTER_PORT": str(free_port())}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "tests.reliability.dead_rank_scenario", *args]
     # not run_commands: it kills the process group when the command ends, which would hide a rank left running
-    start = time.monotonic()
     proc = subprocess.Popen(
         cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
@@ -49,14 +48,13 @@ def _run(args: list[str], tmp_path: Path, bound: float) -> tuple[str, float, int
         os.killpg(proc.pid, 9)
         output, _ = proc.communicate()
         pytest.fail(f"a rank of the run was still running after {bound} s:\n{output[-4000:]}")
-    elapsed = time.monotonic() - start
     pids = {int(p.name.split("rank")[1]): int(p.read_text()) for p in tmp_path.glob("pid-rank*")}
     assert sorted(pids) == [0, 1], f"both ranks should have started training:\n{output[-4000:]}"
     deadline = time.monotonic() + 10
     while any(_running(pid) for pid in pids.values()) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not [r for r, pid in pids.items() if _running(pid)], "a rank of the run is still running"
-    return output, elapsed, proc.returncode
+    return output, proc.returncode
 
 
 @pytest.mark.timeout(TIMEOUT_S + STARTUP_SLACK_S + 60)
@@ -69,13 +67,12 @@ def test_survivors_exit_nonzero_in_bounded_time_and_the_checkpoint_loads(
     strategy: str, victim: int, tmp_path: Path
 ) -> None:
     args = [strategy, str(victim), str(tmp_path), str(TIMEOUT_S)]
-    output, elapsed, code = _run(args, tmp_path, TIMEOUT_S + STARTUP_SLACK_S)
+    output, code = _run(args, tmp_path, TIMEOUT_S + STARTUP_SLACK_S)
     assert code != 0, f"rank 0 exited 0 although rank {victim} died:\n{output[-4000:]}"
     survivor = 1 - victim
     assert "Another rank most likely died" in output, f"rank {survivor} did not say what happened:\n{output[-4000:]}"
     checkpoint = torch.load(tmp_path / "last.ckpt", map_location="cpu", weights_only=False)
     assert checkpoint["global_step"] >= 3 and "state_dict" in checkpoint
-    assert elapsed < TIMEOUT_S + STARTUP_SLACK_S
 
 
 HANG_TIMEOUT_S = 15.0  # also how long rank 0 waits for rank 1 to start (the rendezvous)
@@ -87,10 +84,9 @@ def test_a_silent_rank_fails_the_others_within_the_timeout_and_is_stopped(tmp_pa
     a group of its own: rank 0 fails once the timeout runs out on that group (not torch's 30 minutes for a new
     group), and stops rank 1, which would never time out itself."""
     args = ["local_sgd", "1", str(tmp_path), str(HANG_TIMEOUT_S), "hang"]
-    output, elapsed, code = _run(args, tmp_path, HANG_TIMEOUT_S + STARTUP_SLACK_S)
+    output, code = _run(args, tmp_path, HANG_TIMEOUT_S + STARTUP_SLACK_S)
     assert code != 0, f"rank 0 exited 0 although rank 1 went silent:\n{output[-4000:]}"
     assert f"Timed out waiting {HANG_TIMEOUT_S * 1000:.0f}ms" in output, f"rank 0 did not time out:\n{output[-4000:]}"
     assert "Averaging over 2 ranks failed on rank 0" in output and "Another rank most likely died" in output
     checkpoint = torch.load(tmp_path / "last.ckpt", map_location="cpu", weights_only=False)
     assert checkpoint["global_step"] >= 3
-    assert elapsed < HANG_TIMEOUT_S + STARTUP_SLACK_S
