@@ -226,10 +226,11 @@ class LocalSGD:
         self.in_flight = []
 
     def close(self) -> None:
-        """Wait for the reductions in flight and stop the channel's thread."""
-        self.release()
+        """Wait for the reductions started and stop the channel's thread. Held ones are dropped, unstarted: nothing
+        applies them after this, and after an exception before their release the other ranks may never join them."""
         for pending in self.in_flight:
-            pending.result()
+            if pending.work is None:
+                pending.result()
         if self.channel is not None:
             self.channel.close()
 

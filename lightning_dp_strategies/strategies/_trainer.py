@@ -1,14 +1,18 @@
-"""What the Trainer strategies share that is the Trainer's alone: the resumed epoch's sample order, when to log, the
-ranks a failed launching process started."""
+"""What the Trainer strategies share that is the Trainer's alone: the resumed epoch's sample order, where a training
+batch stands in its epoch, when to log, the ranks a failed launching process started."""
 
 from __future__ import annotations
 
+import math
 import time
+from collections.abc import Mapping
 
-from lightning.fabric.utilities.data import _set_sampler_epoch
+from lightning.fabric.utilities.data import _set_sampler_epoch, has_iterable_dataset
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.connectors.signal_connector import _get_sigkill_signal
+
+from lightning_dp_strategies.core.even_batches import UNKNOWN, BatchPosition
 
 STOP_GRACE_S = 10.0
 """How long the ranks a failed launching process started get to end on their own (to raise their own error, as
@@ -31,6 +35,33 @@ def with_resumed_sampler_epoch(strategy: Strategy, dataloader: object) -> object
         epoch = trainer.fit_loop.epoch_progress.current.processed  # type: ignore[attr-defined]  # as Lightning
         _set_sampler_epoch(dataloader, epoch)
     return dataloader
+
+
+def _loaders(iterables: object) -> list[object]:
+    """The loaders of a ``train_dataloader`` collection (a loader, or mappings and sequences of them)."""
+    if isinstance(iterables, Mapping):
+        return [loader for value in iterables.values() for loader in _loaders(value)]
+    if isinstance(iterables, (list, tuple)):
+        return [loader for value in iterables for loader in _loaders(value)]
+    return [iterables]
+
+
+def batch_position(strategy: Strategy, batch_idx: int) -> BatchPosition:
+    """Where the training batch whose ``on_train_batch_start`` runs stands in its epoch, on this rank of ``strategy``.
+
+    The epoch's count is Lightning's (``num_training_batches``, limits applied) where the loaders have a length and
+    none holds an ``IterableDataset`` (whose length need not be what it yields), else unknown. The batch ends this
+    rank's epoch if it is its last: Lightning knows that here (it fetches one batch ahead), and so decides whether to
+    validate after it. A rank at its epoch's last batch therefore parts from one that is not even where both stop at
+    ``max_steps``: only the first validates.
+    """
+    assert strategy.lightning_module is not None
+    trainer = strategy.lightning_module.trainer
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    count = trainer.num_training_batches
+    known = not math.isinf(count) and not any(has_iterable_dataset(dl) for dl in _loaders(trainer.train_dataloader))
+    last = progress.is_last_batch or progress.current.ready == count
+    return BatchPosition(trainer.current_epoch, batch_idx, int(count) if known else UNKNOWN, last)
 
 
 def should_log(strategy: Strategy, enabled: bool) -> bool:

@@ -55,6 +55,7 @@ from lightning_dp_strategies.core.checkpoint_io import AtomicByDefault
 from lightning_dp_strategies.core.distinct_batches import DistinctBatches
 from lightning_dp_strategies.core.elastic import init_strategy_process_group
 from lightning_dp_strategies.core.engine import BucketedEngine, EngineView
+from lightning_dp_strategies.core.even_batches import EvenBatches
 from lightning_dp_strategies.core.launch import check_launch
 from lightning_dp_strategies.core.module_state import sync_module_states
 from lightning_dp_strategies.core.nonfinite import NonfiniteGuard
@@ -64,7 +65,7 @@ from lightning_dp_strategies.core.topology import check_own_reducer, priced
 from lightning_dp_strategies.plan import RING_ALLREDUCE, CostModel
 from lightning_dp_strategies.reducers import CommHook, Reducer
 from lightning_dp_strategies.sharding import OptimizerSharding
-from lightning_dp_strategies.strategies._trainer import stop_started_ranks, with_resumed_sampler_epoch
+from lightning_dp_strategies.strategies._trainer import batch_position, stop_started_ranks, with_resumed_sampler_epoch
 from lightning_dp_strategies.strategies.options import TRAINER_PLUGINS, StrategyOptions
 from lightning_dp_strategies.strategies.precision import (
     ClipByNorm,
@@ -132,6 +133,7 @@ class BucketedDataParallel(DDPStrategy):
         self.engine = BucketedEngine(config, reduction, options.get("nonfinite_grads"))
         self._clipping: GlobalNormClipping | None = None
         self.distinct_batches = DistinctBatches()  # warns when ranks of a group read the same first batch of a fit
+        self.even_batches = EvenBatches()  # fails on every rank when the ranks' batches in an epoch differ
 
     # ------------------------------------------------------------------ what a subclass says
     def grad_group_ranks(self) -> list[list[int]]:
@@ -243,6 +245,7 @@ class BucketedDataParallel(DDPStrategy):
             check_survivable(trainer)
         super().setup(trainer)
         self.distinct_batches.pending = trainer.state.fn == TrainerFn.FITTING
+        self.even_batches.reset()
         if self.engine.sharded:
             self.clip_by_norm_across(self._clip_pieces_by_norm)
 
@@ -252,8 +255,7 @@ class BucketedDataParallel(DDPStrategy):
 
     def _require_trainable(self, fix: str) -> None:
         """A clear error, on every rank, when the module has no parameter that requires grad."""
-        assert self.lightning_module is not None
-        require_trainable(self.lightning_module, type(self).__name__, fix)
+        require_trainable(self.lightning_module, type(self).__name__, fix)  # type: ignore[arg-type]
 
     def _fingerprint_options(self) -> dict[str, Any]:
         """What every rank must agree on besides the model; subclasses add their own options."""
@@ -279,6 +281,7 @@ class BucketedDataParallel(DDPStrategy):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
         self.distinct_batches.check(batch, self.grad_group_ranks(), self.root_device)
+        self.even_batches.check(batch_position(self, batch_idx), self.root_device)
 
     @contextmanager
     @override
@@ -352,12 +355,9 @@ class BucketedDataParallel(DDPStrategy):
         if not self.engine.sharded:
             super().save_checkpoint(checkpoint, filepath, storage_options)
             return
-
-        def save_whole(whole: dict[str, Any]) -> None:
-            self.checkpoint_io.save_checkpoint(whole, filepath, storage_options=storage_options)
-
         device = self.root_device if self._process_group_backend == "nccl" else torch.device("cpu")
         writer, io = self.is_global_zero, self.checkpoint_io
+        save_whole = functools.partial(io.save_checkpoint, path=filepath, storage_options=storage_options)
         self.engine.save_sharded(checkpoint, filepath, io, writer, device, save_whole, storage_options)
 
     @override

@@ -96,6 +96,7 @@ class SurvivingDataParallel(BucketedDataParallel):
             if self.survival.joining:  # a replacement: the live ranks are mid-fit, none compares batches with it
                 self.distinct_batches.pending = False
             self.distinct_batches.gather = self.survival.control.all_gather
+            self.even_batches.enabled = False  # it gathers over a fixed world; the live ranks change mid-fit
             self.survival.on_train_start(self.lightning_module.trainer)
 
     @override

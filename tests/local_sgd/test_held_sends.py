@@ -60,3 +60,13 @@ def test_a_collective_starts_the_held_fragments_first_on_every_rank_alike() -> N
     assert averager.calls == [2, 4, 2]
     assert [len(p["averaged"]) for p in state["in_flight"]] == [2]
     local.close()
+
+
+@pytest.mark.parametrize("hold", [False, True])
+def test_closing_waits_for_a_started_fragment_and_drops_a_held_one(hold: bool) -> None:
+    # After an exception before the release (say, a rank's batches ran out), the other ranks never start a held
+    # fragment: starting it at close would wait for them until the timeout.
+    local, averager, _ = streaming(hold)
+    local.after_step()  # fragment 0 leaves: started, or held
+    local.close()
+    assert averager.calls == ([] if hold else [2])

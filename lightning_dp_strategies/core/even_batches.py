@@ -1,0 +1,155 @@
+"""Whether the data-parallel ranks run as many training batches an epoch, checked at every batch's start.
+
+Every training batch a rank runs joins collectives that every other rank must join too: a gradient bucket's
+all-reduce, local SGD's average, Lightning's own per-batch broadcast. A rank given fewer batches ends its epoch early
+and goes on to validation or the next epoch while the others wait in the next batch's collective; the job then fails
+only when the strategy's ``timeout`` runs out, without saying why (Lightning's ``ddp`` waits just as long).
+Lightning's ``DistributedSampler`` gives every rank the same count (it pads the last batch); a sampler of one's own
+(``use_distributed_sampler=False``) or an ``IterableDataset`` split by rank need not.
+
+:class:`EvenBatches` raises :class:`UnevenBatchesError` on every rank as soon as the ranks disagree, before any
+collective goes astray:
+
+- at the first batch of every epoch it gathers each rank's batch count for the epoch, :data:`UNKNOWN` where the loader
+  cannot tell (no length, or an ``IterableDataset``, whose length need not be what it yields); known counts that
+  differ fail there;
+- where some rank's count is unknown it gathers, at every batch of that epoch, whether it is each rank's last; some
+  ending their epoch while others go on fails there. That costs one all-gather of one integer a batch, which
+  the epochs of loaders of known length do not pay.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_dp_strategies.core.distinct_batches import gather_world
+
+__all__ = ["UNKNOWN", "BatchPosition", "EvenBatches", "UnevenBatchesError"]
+
+UNKNOWN = -1
+"""The batch count of an epoch whose loader cannot tell it in advance."""
+
+SAME_COUNT_FIX = (
+    "Give every rank the same number of training batches an epoch: leave `use_distributed_sampler=True` (Lightning's "
+    "`DistributedSampler` pads the ranks' shares to one length), give a sampler of your own the same length on every "
+    "rank, or set `limit_train_batches` to the smallest count."
+)
+ITERABLE_FIX = (
+    "An `IterableDataset` split by rank must yield the same number of batches on every rank: stop each rank's "
+    "iterator at the smallest share (drop the remainder), pad the shorter shares, or set `limit_train_batches` to at "
+    "most the smallest count."
+)
+
+
+class UnevenBatchesError(RuntimeError):
+    """The ranks have different numbers of training batches in an epoch; raised on every rank, before the batch at
+    which they part.
+
+    Examples:
+        >>> issubclass(UnevenBatchesError, RuntimeError)  # caught by ``except RuntimeError`` as well
+        True
+    """
+
+
+@dataclass(frozen=True)
+class BatchPosition:
+    """Where a rank stands at the start of a training batch, as the check needs it.
+
+    Examples:
+        >>> BatchPosition(epoch=0, batch_idx=3, count=UNKNOWN, ends=True).count_known
+        False
+    """
+
+    epoch: int
+    batch_idx: int
+    count: int
+    """This rank's number of training batches in the epoch; :data:`UNKNOWN` where its loader cannot tell."""
+    ends: bool
+    """Whether this batch is the last of this rank's epoch."""
+
+    @property
+    def count_known(self) -> bool:
+        return self.count != UNKNOWN
+
+
+def _ranks(ranks: list[int], verb: tuple[str, str]) -> str:
+    """``ranks`` and ``verb`` (``("end", "ends")``) as one sentence's subject and verb."""
+    plural = len(ranks) > 1
+    return f"rank{'s' if plural else ''} {', '.join(map(str, ranks))} {verb[0] if plural else verb[1]}"
+
+
+def count_message(epoch: int, counts: list[int]) -> str:
+    """The error for differing known ``counts`` (every rank's, in rank order).
+
+    Examples:
+        >>> count_message(0, [5, 4])[:86]
+        'The ranks have different numbers of training batches in epoch 0 (rank 0: 5, rank 1: 4)'
+    """
+    said = ", ".join(f"rank {rank}: {count}" for rank, count in enumerate(counts))
+    return (
+        f"The ranks have different numbers of training batches in epoch {epoch} ({said}). A rank that "
+        "ends its epoch early leaves the others waiting in a collective until the strategy's `timeout`. "
+        f"{SAME_COUNT_FIX}"
+    )
+
+
+def ends_message(epoch: int, batch_idx: int, ends: list[int]) -> str:
+    """The error for ranks whose epoch ends with batch ``batch_idx`` while others go on (``ends``: every rank's flag,
+    in rank order).
+
+    Examples:
+        >>> ends_message(1, 3, [0, 1])[:70]
+        'The ranks ran out of training batches at different points: rank 1 ends'
+    """
+    ending = _ranks([rank for rank, flag in enumerate(ends) if flag], ("end", "ends"))
+    going = _ranks([rank for rank, flag in enumerate(ends) if not flag], ("have", "has"))
+    return (
+        f"The ranks ran out of training batches at different points: {ending} epoch {epoch} after "
+        f"{batch_idx + 1} batches while {going} more. A rank that ends its epoch early leaves the others waiting in a "
+        f"collective until the strategy's `timeout`. {ITERABLE_FIX}"
+    )
+
+
+class EvenBatches:
+    """Raises :class:`UnevenBatchesError` on every rank when the ranks' training batches in an epoch differ.
+
+    Call :meth:`reset` when a fit is set up and :meth:`check` at every training batch's start on every rank. Costs one
+    all-gather of one integer at each epoch's first batch, and one at every batch of an epoch whose count some rank
+    cannot tell in advance. A no-op over fewer than two ranks or while :attr:`enabled` is false.
+    """
+
+    def __init__(self) -> None:
+        self.enabled = True
+        """Whether :meth:`check` checks (a strategy whose ranks may leave mid-fit turns it off)."""
+        self.gather: Callable[[Tensor], Tensor] = gather_world
+        """How every rank's integer is gathered, stacked in rank order."""
+        self._epoch: int | None = None
+        self._every_batch = False
+
+    def reset(self) -> None:
+        """A new fit begins: its first batch compares counts again, whatever epoch it resumes."""
+        self._epoch, self._every_batch = None, False
+
+    def check(self, position: BatchPosition, device: torch.device) -> None:
+        """Compare this batch's ``position`` with every rank's and raise :class:`UnevenBatchesError` where they part."""
+        if not self.enabled or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+            return
+        if position.epoch != self._epoch:
+            self._epoch = position.epoch
+            counts = self._gather(position.count, device)
+            known = [count for count in counts if count != UNKNOWN]
+            if len(set(known)) > 1:
+                raise UnevenBatchesError(count_message(position.epoch, counts))
+            self._every_batch = len(known) < len(counts)
+        if self._every_batch:
+            ends = self._gather(int(position.ends), device)
+            if 0 < sum(ends) < len(ends):
+                raise UnevenBatchesError(ends_message(position.epoch, position.batch_idx, ends))
+
+    def _gather(self, value: int, device: torch.device) -> list[int]:
+        return [int(v) for v in self.gather(torch.tensor([value], dtype=torch.int64, device=device)).reshape(-1)]

@@ -1,0 +1,146 @@
+"""Trainer runs whose ranks get equal or unequal numbers of training batches (``test_even_batches.py``).
+
+Run as ``python -m tests.strategies.uneven_batches_scenarios OUTDIR CASE[,CASE...]`` on 2 ranks started as torchrun
+starts them. Each case fits a small classifier with a validation loop; every rank writes ``OUTDIR/rank{r}.json``,
+mapping each case to the error the fit raised (its type and message, or ``None``), the batches each rank trained on
+and the optimizer steps it took. Cases that raise come last: a fit that fails leaves the process group usable, but a
+case after it would prove nothing about a clean start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, IterableDataset, Sampler, TensorDataset
+
+from lightning_dp_strategies import HybridPipelineStrategy, LocalSGDStrategy, RingAllReduceStrategy
+
+TIMEOUT = timedelta(seconds=60)  # an undetected mismatch fails the test by its deadline, not by this
+
+
+class Stream(IterableDataset):
+    """An ``IterableDataset`` split by rank that yields ``counts[rank]`` batches of 4: each rank its own, or with
+    ``alike`` the same ones (the stages of one pipeline read one batch)."""
+
+    def __init__(self, counts: tuple[int, int], alike: bool) -> None:
+        self.counts, self.alike = counts, alike
+
+    def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
+        rank = int(os.environ["RANK"])
+        generator = torch.Generator().manual_seed(0 if self.alike else rank)
+        for _ in range(self.counts[rank]):
+            x = torch.randn(4, 6, generator=generator)
+            yield x, (x.sum(1) > 0).long()
+
+
+class RankShare(Sampler[int]):
+    """A sampler of one's own that gives rank ``r`` the indices ``r, r + 2, ...``, rank 1 four fewer."""
+
+    def __init__(self, size: int) -> None:
+        rank = int(os.environ["RANK"])
+        self.indices = list(range(rank, size, 2))[: size // 2 - 4 * rank]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+class Classifier(L.LightningModule):
+    pipeline_body = "net"  # for hybrid_pipeline
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+        self.trained = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)
+
+    def pipeline_loss(self, output: Tensor, target: Tensor) -> Tensor:  # for hybrid_pipeline
+        return F.cross_entropy(output, target)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        self.trained += 1
+        x, y = batch
+        return self.pipeline_loss(self(x), y)
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x), y), sync_dist=True)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def loader(data: str, alike: bool) -> DataLoader:
+    if data.startswith("stream"):  # stream5-4: 5 batches on rank 0, 4 on rank 1
+        counts = tuple(int(n) for n in data[len("stream") :].split("-"))
+        return DataLoader(Stream(counts, alike), batch_size=None)  # type: ignore[arg-type]
+    generator = torch.Generator().manual_seed(0)
+    dataset = TensorDataset(torch.randn(36, 6, generator=generator), torch.randint(0, 2, (36,), generator=generator))
+    return DataLoader(dataset, batch_size=4, sampler=RankShare(len(dataset)))  # 5 batches on rank 0, 4 on rank 1
+
+
+def strategy(name: str) -> Any:
+    if name == "ring_allreduce":
+        return RingAllReduceStrategy(timeout=TIMEOUT)
+    if name == "streaming_diloco":
+        return LocalSGDStrategy(sync_every=2, fragments=2, delay=1, outer_precision="int8", timeout=TIMEOUT)
+    return HybridPipelineStrategy(pipeline_stages=2, timeout=TIMEOUT)  # 1 replica of 2 stages
+
+
+CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    # name: (strategy, training data, Trainer arguments)
+    "even_stream": ("streaming_diloco", "stream4-4", {"max_epochs": 2}),
+    "uneven_stream_limited": ("ring_allreduce", "stream5-4", {"max_epochs": 2, "limit_train_batches": 3}),
+    "uneven_stream_max_steps": ("ring_allreduce", "stream5-4", {"max_steps": 3}),  # ends before either runs out
+    "uneven_stream_ring": ("ring_allreduce", "stream5-4", {"max_epochs": 1}),
+    "uneven_stream_streaming": ("streaming_diloco", "stream5-4", {"max_epochs": 1}),
+    "uneven_stream_accumulating": ("ring_allreduce", "stream5-4", {"max_epochs": 1, "accumulate_grad_batches": 3}),
+    "uneven_stream_hybrid": ("hybrid_pipeline", "stream5-4", {"max_epochs": 1}),
+    "uneven_sampler": ("ring_allreduce", "sampler", {"max_epochs": 1, "use_distributed_sampler": False}),
+}
+
+
+def run(name: str, data: str, arguments: dict[str, Any]) -> dict[str, Any]:
+    L.seed_everything(0)
+    model = Classifier()
+    trainer = L.Trainer(
+        strategy=strategy(name),
+        accelerator="cpu",
+        devices=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **arguments,
+    )
+    error = None
+    try:
+        alike = name == "hybrid_pipeline"  # its 2 ranks are the 2 stages of one pipeline
+        trainer.fit(model, loader(data, alike), loader("stream2-2", alike))
+    except Exception as exc:  # the case records what was raised
+        error = [type(exc).__name__, str(exc)]
+    return {"error": error, "trained": model.trained, "steps": trainer.global_step}
+
+
+def main(out: Path, names: list[str]) -> None:
+    rank = int(os.environ["RANK"])
+    results = {name: run(*CASES[name]) for name in names}
+    (out / f"rank{rank}.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2].split(","))
