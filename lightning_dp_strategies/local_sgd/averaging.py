@@ -152,11 +152,7 @@ class FlatAverager:
             torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors], out=buffer)
         bucket = GradBucket(buffer, self.group, self.counter, shapes=[t.shape for t in tensors], op="avg", last=True)
         if self.world_size > 1:
-            future = self.reducer(bucket)
-            gave_up = None if self.interrupt is None else wait_for(future, None, self.interrupt)
-            if gave_up is not None:
-                raise PeerLostError(f"An average over the ranks was given up: {gave_up}.")
-            result = self._wait(future)
+            result = self._reduce(bucket)
             if isinstance(result, (list, tuple)) and len(result) == 1:
                 result = result[0]
             if isinstance(result, Tensor) and result.data_ptr() != buffer.data_ptr():
@@ -168,10 +164,15 @@ class FlatAverager:
             start += n
         self.reductions += 1
 
-    def _wait(self, future: Any) -> Any:
-        """The reduction's result; a peer's failure (outside ``fault_tolerant``, which recovers from it) logged at once
-        and raised with what it most likely means."""
+    def _reduce(self, bucket: GradBucket) -> Any:
+        """The reducer's result for ``bucket``; a peer's failure, whether the reducer raises it (one that exchanges
+        before it returns its future, as the quantized one does) or its future does, logged at once and raised with
+        what it most likely means (outside ``fault_tolerant``, which recovers from it)."""
         try:
+            future = self.reducer(bucket)
+            gave_up = None if self.interrupt is None else wait_for(future, None, self.interrupt)
+            if gave_up is not None:
+                raise PeerLostError(f"An average over the ranks was given up: {gave_up}.")
             return future.wait()
         except Exception as error:
             if self.interrupt is not None or not is_peer_failure(error):

@@ -1,15 +1,22 @@
 """FlatAverager with a lossy outer precision: only the parameter changes go through the lossy reducer; values
 (buffers, the averaged model) go through the exact companion. One process: the routing, not the sums (the 2-rank
-checkpoint test in ``tests/strategies/test_local_sgd.py`` checks the exact mean)."""
+checkpoint test in ``tests/strategies/test_local_sgd.py`` checks the exact mean). Two processes: what an average
+whose peer never answers raises, in every precision's way of failing."""
 
 from __future__ import annotations
+
+import time
+from datetime import timedelta
 
 import pytest
 import torch
 from pytest_mock import MockerFixture
 
+from lightning_dp_strategies.comm.failures import PEER_FAILURE_HINT
+from lightning_dp_strategies.comm.groups import new_group
 from lightning_dp_strategies.local_sgd import outer_averager
 from lightning_dp_strategies.reducers import NativeReducer, PowerSGD, RingReducer
+from tests.helpers.distributed import run_distributed
 
 
 @pytest.mark.parametrize("precision", ["bf16", "int8", "int4"])
@@ -32,3 +39,24 @@ def test_an_exact_fp32_reducer_needs_no_companion_and_a_lossy_one_gets_it() -> N
     assert outer_averager("fp32", RingReducer()).exact is None
     assert outer_averager("fp32", NativeReducer()).exact is None
     assert outer_averager("fp32", PowerSGD("ring", rank=1)).exact is not None
+
+
+def _average_with_a_silent_peer(rank: int, world_size: int, precision: str) -> None:
+    group = new_group([0, 1], timeout=timedelta(seconds=3))
+    averager = outer_averager(precision, NativeReducer())
+    averager.setup(group, [0, 1], "gloo")
+    if rank == 1:  # alive, but never joins the average
+        time.sleep(6)
+        return
+    with pytest.raises(RuntimeError) as raised:
+        averager.average([torch.ones(300)])
+    message = str(raised.value)
+    assert message.startswith("Averaging over 2 ranks failed on rank 0: RuntimeError:"), message
+    assert "Timed out waiting 3000ms" in message and PEER_FAILURE_HINT in message
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_an_average_whose_peer_never_answers_fails_with_what_it_most_likely_means(precision: str) -> None:
+    # The 8-bit reducer exchanges before it returns its future, so its failure comes from the call, not the wait.
+    run_distributed(_average_with_a_silent_peer, 2, precision, timeout=90)
