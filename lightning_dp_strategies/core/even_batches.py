@@ -13,9 +13,9 @@ collective goes astray:
 - at the first batch of every epoch it gathers each rank's batch count for the epoch, :data:`UNKNOWN` where the loader
   cannot tell (no length, or an ``IterableDataset``, whose length need not be what it yields); known counts that
   differ fail there;
-- where some rank's count is unknown it gathers, at every batch of that epoch, whether it is each rank's last; some
-  ending their epoch while others go on fails there. That costs one all-gather of one integer a batch, which
-  the epochs of loaders of known length do not pay.
+- where some rank's count is unknown it counts, at every batch of that epoch, the ranks for which it is the last;
+  some but not all fails there (the flags are then gathered to name the ranks). That costs one all-reduce of one
+  integer a batch, which the epochs of loaders of known length do not pay.
 """
 
 from __future__ import annotations
@@ -119,8 +119,8 @@ class EvenBatches:
     """Raises :class:`UnevenBatchesError` on every rank when the ranks' training batches in an epoch differ.
 
     Call :meth:`reset` when a fit is set up and :meth:`check` at every training batch's start on every rank. Costs one
-    all-gather of one integer at each epoch's first batch, and one at every batch of an epoch whose count some rank
-    cannot tell in advance. A no-op over fewer than two ranks or while :attr:`enabled` is false.
+    all-gather of one integer at each epoch's first batch, and an all-reduce of one at every batch of an epoch whose
+    count some rank cannot tell in advance. A no-op over fewer than two ranks or while :attr:`enabled` is false.
     """
 
     def __init__(self) -> None:
@@ -128,6 +128,8 @@ class EvenBatches:
         """Whether :meth:`check` checks (a strategy whose ranks may leave mid-fit turns it off)."""
         self.gather: Callable[[Tensor], Tensor] = gather_world
         """How every rank's integer is gathered, stacked in rank order."""
+        self.total: Callable[[Tensor], Tensor] = total_world
+        """How every rank's integer is summed."""
         self._epoch: int | None = None
         self._every_batch = False
 
@@ -147,9 +149,16 @@ class EvenBatches:
                 raise UnevenBatchesError(count_message(position.epoch, counts))
             self._every_batch = len(known) < len(counts)
         if self._every_batch:
-            ends = self._gather(int(position.ends), device)
-            if 0 < sum(ends) < len(ends):
+            ending = int(self.total(torch.tensor([int(position.ends)], dtype=torch.int64, device=device)).item())
+            if 0 < ending < dist.get_world_size():  # alike on every rank: all gather the flags to name the ranks
+                ends = self._gather(int(position.ends), device)
                 raise UnevenBatchesError(ends_message(position.epoch, position.batch_idx, ends))
 
     def _gather(self, value: int, device: torch.device) -> list[int]:
         return [int(v) for v in self.gather(torch.tensor([value], dtype=torch.int64, device=device)).reshape(-1)]
+
+
+def total_world(tensor: Tensor) -> Tensor:
+    """``tensor`` summed over the default group, in place (an all-reduce: cheaper than an all-gather)."""
+    dist.all_reduce(tensor)
+    return tensor

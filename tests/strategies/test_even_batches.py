@@ -45,16 +45,24 @@ def test_uneven_ranks_fail_together_before_the_batch_they_part_at_and_even_ones_
 
 
 class TwoRanks:
-    """The other rank's answers to :class:`EvenBatches`'s gathers, and how many gathers there were."""
+    """The other rank's answers to :class:`EvenBatches`'s gathers and sums, in order, and how many there were."""
 
     def __init__(self, mocker: MockerFixture, other: list[int]) -> None:
         mocker.patch.object(dist, "is_initialized", return_value=True)
         mocker.patch.object(dist, "get_world_size", return_value=2)
         self.other, self.calls = list(other), 0
 
-    def __call__(self, mine: torch.Tensor) -> torch.Tensor:
+    def gather(self, mine: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         return torch.stack([mine, torch.tensor([self.other.pop(0)])])
+
+    def total(self, mine: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return mine + self.other.pop(0)
+
+    def answer(self, check: EvenBatches) -> EvenBatches:
+        check.gather, check.total = self.gather, self.total
+        return check
 
 
 def position(epoch: int, batch_idx: int, count: int, ends: bool = False) -> BatchPosition:
@@ -62,8 +70,8 @@ def position(epoch: int, batch_idx: int, count: int, ends: bool = False) -> Batc
 
 
 def test_equal_known_counts_are_compared_once_an_epoch_and_never_at_a_batch(mocker: MockerFixture) -> None:
-    check, other = EvenBatches(), TwoRanks(mocker, [5, 5])
-    check.gather = other
+    other = TwoRanks(mocker, [5, 5])
+    check = other.answer(EvenBatches())
     for epoch in (0, 1):
         for batch_idx in range(5):
             check.check(position(epoch, batch_idx, 5, ends=batch_idx == 4), CPU)
@@ -71,15 +79,13 @@ def test_equal_known_counts_are_compared_once_an_epoch_and_never_at_a_batch(mock
 
 
 def test_known_counts_that_differ_fail_at_the_epochs_first_batch(mocker: MockerFixture) -> None:
-    check = EvenBatches()
-    check.gather = TwoRanks(mocker, [4])
+    check = TwoRanks(mocker, [4]).answer(EvenBatches())
     with pytest.raises(UnevenBatchesError, match=r"in epoch 2 \(rank 0: 5, rank 1: 4\)"):
         check.check(position(2, 0, 5), CPU)
 
 
 def test_an_unknown_count_is_followed_batch_by_batch_until_one_rank_ends_alone(mocker: MockerFixture) -> None:
-    check = EvenBatches()
-    check.gather = TwoRanks(mocker, [UNKNOWN, 0, 0, 1])
+    check = TwoRanks(mocker, [UNKNOWN, 0, 0, 1, 1]).answer(EvenBatches())
     check.check(position(0, 0, UNKNOWN), CPU)  # counts, then the batch
     check.check(position(0, 1, UNKNOWN), CPU)
     with pytest.raises(UnevenBatchesError, match="rank 1 ends epoch 0 after 3 batches while rank 0 has more"):
@@ -87,8 +93,8 @@ def test_an_unknown_count_is_followed_batch_by_batch_until_one_rank_ends_alone(m
 
 
 def test_ranks_that_end_their_epoch_together_pass_and_a_new_fit_compares_counts_again(mocker: MockerFixture) -> None:
-    check, other = EvenBatches(), TwoRanks(mocker, [UNKNOWN, 0, 1, 3])
-    check.gather = other
+    other = TwoRanks(mocker, [UNKNOWN, 0, 1, 3])
+    check = other.answer(EvenBatches())
     check.check(position(0, 0, UNKNOWN), CPU)
     check.check(position(0, 1, UNKNOWN, ends=True), CPU)
     check.reset()
@@ -98,8 +104,8 @@ def test_ranks_that_end_their_epoch_together_pass_and_a_new_fit_compares_counts_
 
 
 def test_a_disabled_check_and_a_world_of_one_gather_nothing(mocker: MockerFixture) -> None:
-    check, other = EvenBatches(), TwoRanks(mocker, [])
-    check.gather = other
+    other = TwoRanks(mocker, [])
+    check = other.answer(EvenBatches())
     check.enabled = False
     check.check(position(0, 0, UNKNOWN), CPU)
     check.enabled = True
