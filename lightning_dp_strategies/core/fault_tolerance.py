@@ -254,8 +254,12 @@ class Survivors:
         self.recoveries.append(record)
         if membership.rank == membership.leader:
             batch = "training the lost ranks' batches too" if self.options.keep_global_batch else "with a smaller batch"
-            message = "Lost rank(s) %s at step %d (%s); ranks %s go on, %s."
-            _log.warning(message, record.lost, step, record.reason, record.members, batch)
+            if record.lost:
+                message = "Lost rank(s) %s at step %d (%s); ranks %s go on, %s."
+                _log.warning(message, record.lost, step, record.reason, record.members, batch)
+            else:
+                message = "A collective failed at step %d (%s) with no rank lost; ranks %s try it again."
+                _log.warning(message, step, record.reason, record.members)
         return record
 
     def lost_ranks(self) -> list[int]:

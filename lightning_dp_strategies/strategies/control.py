@@ -44,11 +44,20 @@ Interrupt = Callable[[], str | None] | None
 """Polled while a collective waits: why it cannot complete (a peer known lost), or ``None``; ``None``: not polled."""
 
 
+GAVE_UP_HINT = (
+    "If no rank was lost in these failures (the warnings before this say so), the ranks are alive but not running the "
+    "same collectives: ranks given different numbers of training batches in an epoch, as from an `IterableDataset` "
+    "split by rank, end this way."
+)
+"""Appended by :func:`redone` to the error of what it gives up after repeated peer failures."""
+
+
 def redone(attempt: Callable[[BaseException | None], T], tries: int, gave_up: Exception) -> T:
     """``attempt(failure)``, tried again after each peer failure, at most ``tries`` times; ``failure`` is the last
     one (``None`` at first), and the attempt recovers from it first. The recovery runs inside the attempt, so a loss
     while the survivors recover is met like any other and the recovery starts again. ``ExcludedError`` (this rank was
-    left out) and every other error propagate; ``gave_up`` is raised after ``tries`` failures.
+    left out) and every other error propagate; after ``tries`` failures, an error of ``gave_up``'s type with its
+    message and :data:`GAVE_UP_HINT`.
 
     Examples:
         >>> failures = [PeerLostError("a peer is gone")]
@@ -67,7 +76,7 @@ def redone(attempt: Callable[[BaseException | None], T], tries: int, gave_up: Ex
             if isinstance(error, ExcludedError) or not is_peer_failure(error):
                 raise
             failure = error
-    raise gave_up from failure
+    raise type(gave_up)(f"{gave_up} {GAVE_UP_HINT}") from failure
 
 
 def barrier(group: dist.ProcessGroup, interrupt: Interrupt) -> None:

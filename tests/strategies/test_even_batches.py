@@ -1,6 +1,7 @@
 """Ranks given different numbers of training batches in an epoch fail together, at once, with the reason, instead of
 waiting in a collective until the timeout (``core/even_batches.py``); equal counts, limits and ``max_steps`` that
-stop the ranks together do not fail."""
+stop the ranks together do not fail. Under ``fault_tolerant``, which is not checked, the error it gives up with names
+the cause."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch.distributed as dist
 from pytest_mock import MockerFixture
 
 from lightning_dp_strategies.core.even_batches import UNKNOWN, BatchPosition, EvenBatches, UnevenBatchesError
+from lightning_dp_strategies.strategies.control import GAVE_UP_HINT
 from tests.helpers.distributed import run_ranks
 from tests.strategies.uneven_batches_scenarios import CASES
 
@@ -42,6 +44,9 @@ def test_uneven_ranks_fail_together_before_the_batch_they_part_at_and_even_ones_
         assert "training batches in epoch 0 (rank 0: 5, rank 1: 4)" in message
         assert "leave `use_distributed_sampler=True`" in message
         assert rank["uneven_sampler"]["trained"] == 0
+    for rank in ranks:  # not checked under fault_tolerant: its tries fail with every rank alive, and it gives up
+        kind, message = rank["uneven_stream_fault_tolerant"]["error"]
+        assert kind == "PeerLostError" and message.endswith(GAVE_UP_HINT), message
 
 
 class TwoRanks:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, IterableDataset, Sampler, TensorDataset
 
-from lightning_dp_strategies import HybridPipelineStrategy, LocalSGDStrategy, RingAllReduceStrategy
+from lightning_dp_strategies import FaultTolerance, HybridPipelineStrategy, LocalSGDStrategy, RingAllReduceStrategy
 
 TIMEOUT = timedelta(seconds=60)  # an undetected mismatch fails the test by its deadline, not by this
 
@@ -96,6 +96,9 @@ def loader(data: str, alike: bool) -> DataLoader:
 def strategy(name: str) -> Any:
     if name == "ring_allreduce":
         return RingAllReduceStrategy(timeout=TIMEOUT)
+    if name == "ring_fault_tolerant":  # not checked: a batch the others never join fails its tries and gives up
+        tolerance = FaultTolerance(timeout_s=3.0, heartbeat_s=0.2, stale_s=1.5, keep_global_batch=False)
+        return RingAllReduceStrategy(fault_tolerant=tolerance, timeout=TIMEOUT)
     if name == "streaming_diloco":
         return LocalSGDStrategy(sync_every=2, fragments=2, delay=1, outer_precision="int8", timeout=TIMEOUT)
     return HybridPipelineStrategy(pipeline_stages=2, timeout=TIMEOUT)  # 1 replica of 2 stages
@@ -111,6 +114,7 @@ CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "uneven_stream_accumulating": ("ring_allreduce", "stream5-4", {"max_epochs": 1, "accumulate_grad_batches": 3}),
     "uneven_stream_hybrid": ("hybrid_pipeline", "stream5-4", {"max_epochs": 1}),
     "uneven_sampler": ("ring_allreduce", "sampler", {"max_epochs": 1, "use_distributed_sampler": False}),
+    "uneven_stream_fault_tolerant": ("ring_fault_tolerant", "stream5-4", {"max_epochs": 1}),
 }
 
 
