@@ -51,9 +51,9 @@ def batch_position(strategy: Strategy, batch_idx: int) -> BatchPosition:
 
     The epoch's count is Lightning's (``num_training_batches``, limits applied) where the loaders have a length and
     none holds an ``IterableDataset`` (whose length need not be what it yields), else unknown. The batch ends this
-    rank's epoch if it is its last: Lightning knows that here (it fetches one batch ahead), and so decides whether to
-    validate after it. A rank at its epoch's last batch therefore parts from one that is not even where both stop at
-    ``max_steps``: only the first validates.
+    rank's epoch if it is its last: Lightning knows that here (it fetches one batch ahead), and validates after it. A
+    rank at its epoch's last batch therefore parts from one that is not even where ``max_steps`` stops both there:
+    only the first validates.
     """
     assert strategy.lightning_module is not None
     trainer = strategy.lightning_module.trainer
