@@ -34,7 +34,12 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_dp_strategies import HybridPipelineStrategy, RingAllReduceStrategy, ScatterGatherStrategy
+from lightning_dp_strategies import (
+    HybridPipelineStrategy,
+    LocalSGDStrategy,
+    RingAllReduceStrategy,
+    ScatterGatherStrategy,
+)
 from lightning_dp_strategies.reducers import AutoReducer
 from tests.helpers.distributed import run_distributed
 
@@ -109,6 +114,17 @@ class Lazy(Probe):
     def __init__(self) -> None:
         super().__init__()
         self.body[0] = nn.LazyLinear(4)
+
+
+class SparseEmbedding(Probe):
+    """A probe with an embedding table that gets sparse gradients (``sparse=True``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Embedding(8, 4, sparse=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.body(x) + self.table(torch.zeros(len(x), dtype=torch.long, device=x.device))
 
 
 class Frozen(Probe):
@@ -329,6 +345,20 @@ CATALOGUE = [
         lambda run: fit(run, "ring_allreduce", Lazy(), devices=1),
         ValueError,
         r"`body\.0\.weight`, `body\.0\.bias` do not exist yet.*Run one forward on a sample batch before training",
+        SETUP,
+    ),
+    Misuse(
+        "ring-sparse-embedding",
+        lambda run: fit(run, "ring_allreduce", SparseEmbedding(), devices=1),
+        ValueError,
+        r"`table\.weight` \(Embedding\(8, 4, sparse=True\)\) gets sparse gradients.*Pass `sparse=False`",
+        SETUP,
+    ),
+    Misuse(
+        "ring-sparse-embedding-local-sgd-warm-up",  # the warm-up's gradients are averaged in the buckets
+        lambda run: fit(run, LocalSGDStrategy(sync_every=2, warmup_steps=1), SparseEmbedding(), devices=1),
+        ValueError,
+        r"gets sparse gradients.*without `warmup_steps`",
         SETUP,
     ),
     Misuse(
@@ -694,13 +724,15 @@ def test_misuse_is_refused_before_training_naming_the_fix(
 
 @pytest.mark.parametrize(
     ("strategy", "devices"),
-    [("dp", 2), ("ring_allreduce", 1), ("hybrid_pipeline", 1)],
+    [("dp", 2), ("ring_allreduce", 1), ("hybrid_pipeline", 1), ("local_sgd-sparse", 1)],
 )
 @pytest.mark.timeout(120)
 def test_the_probe_trains_when_used_correctly(strategy: str, devices: int) -> None:
-    """The control: the probe's counters do move, so zero counts above mean that training never started."""
+    """The control: the probe's counters do move, so zero counts above mean that training never started. Local SGD
+    without warm-up averages no gradients, so it trains a sparse embedding."""
     chosen = hybrid() if strategy == "hybrid_pipeline" else strategy  # the registered name has 2 stages
-    probe = Probe().snapshot()
+    probe = SparseEmbedding().snapshot() if strategy == "local_sgd-sparse" else Probe().snapshot()
+    chosen = "local_sgd" if strategy == "local_sgd-sparse" else chosen
     L.Trainer(strategy=chosen, devices=devices, **QUIET).fit(probe, loader())
     counts = probe.counts()
     assert counts["started"] == counts["finished"] == counts["optimizer_steps"] == 2 and counts["moved"] == 1

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import lightning.fabric
@@ -23,7 +23,14 @@ from lightning_dp_strategies.bucketing import assign_buckets
 from lightning_dp_strategies.core.options import BucketedConfig, ReductionOptions
 from lightning_dp_strategies.reducers import hook_name
 
-__all__ = ["RankMismatchError", "bucketed_options", "check_ranks_agree", "model_fingerprint", "require_materialized"]
+__all__ = [
+    "RankMismatchError",
+    "bucketed_options",
+    "check_ranks_agree",
+    "model_fingerprint",
+    "require_dense_gradients",
+    "require_materialized",
+]
 
 
 class RankMismatchError(RuntimeError):
@@ -150,6 +157,33 @@ def require_trainable(module: nn.Module, strategy: str, fix: str) -> None:
         raise ValueError(
             f"{type(module).__name__} has no parameter that requires grad, so {strategy} has nothing to train. "
             f"Unfreeze at least one parameter before `trainer.fit`, or {fix}."
+        )
+
+
+def require_dense_gradients(module: nn.Module, named_params: Sequence[tuple[str, nn.Parameter]]) -> None:
+    """A clear error, at setup and on every rank alike, when a trainable parameter of ``named_params`` (those the
+    gradient buckets average) is the table of an embedding of ``module`` that makes sparse gradients: the buckets hold
+    dense gradients, and would fail at the first backward.
+
+    Examples:
+        >>> model = nn.Sequential(nn.Embedding(10, 3, sparse=True), nn.Linear(3, 2))
+        >>> require_dense_gradients(model, list(model[1].named_parameters()))  # the table is not averaged here
+        >>> require_dense_gradients(model, list(model.named_parameters()))
+        Traceback (most recent call last):
+        ...
+        ValueError: `0.weight` (Embedding(10, 3, sparse=True)) gets sparse gradients, which the gradient buckets ...
+    """
+    averaged = {id(p) for _, p in named_params if p.requires_grad}
+    sparse = [
+        f"`{name + '.' if name else ''}weight` ({sub!r})"
+        for name, sub in module.named_modules()
+        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse and id(sub.weight) in averaged
+    ]
+    if sparse:
+        raise ValueError(
+            f"{', '.join(sparse)} gets sparse gradients, which the gradient buckets cannot average: they hold dense "
+            "gradients. Pass `sparse=False` (the gradient is then dense: the whole table is averaged every step), or "
+            "train with `local_sgd` / `streaming_diloco` without `warmup_steps`, which average no gradients."
         )
 
 

@@ -29,6 +29,7 @@ from torch.optim import Optimizer
 from lightning_dp_strategies.bucketing import CommStats, GradientBuckets
 from lightning_dp_strategies.bucketing.sync import GradientSync, destroy_groups
 from lightning_dp_strategies.comm.groups import new_group
+from lightning_dp_strategies.core.agreement import require_dense_gradients
 from lightning_dp_strategies.core.checkpoint_io import atomic_write, can_stream
 from lightning_dp_strategies.core.nonfinite import NonfiniteGuard, check_nonfinite_mode
 from lightning_dp_strategies.core.options import BucketedConfig, ReductionOptions
@@ -137,13 +138,22 @@ class BucketedEngine:
         averager.setup(self.grad_sync.group, list(range(world_size)), backend)
         self.local_sgd = LocalSGD(config, averager)
 
+    @property
+    def averages_gradients(self) -> bool:
+        """Whether the buckets ever average gradients: always but under local SGD without warm-up steps."""
+        return self.local_sgd is None or self.local_sgd.config.warmup_steps > 0
+
     def attach(
         self,
         named_params: list[tuple[str, nn.Parameter]],
         timeout: timedelta | None,
         allow_no_trainable: bool = False,
+        module: nn.Module | None = None,
     ) -> None:
-        """Attach the gradient buckets to ``named_params``; with sharded state, cut them into every rank's pieces."""
+        """Attach the gradient buckets to ``named_params``; with sharded state, cut them into every rank's pieces.
+        Where the buckets average gradients, ``module``'s sparse embeddings among ``named_params`` are refused."""
+        if module is not None and self.averages_gradients:
+            require_dense_gradients(module, named_params)
         cfg = self.config
         self.grad_sync.attach(
             named_params,

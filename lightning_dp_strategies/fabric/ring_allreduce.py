@@ -215,7 +215,7 @@ class FabricRingAllReduceStrategy(DDPStrategy):
         check_ranks_agree(model_fingerprint(module, self._fingerprint_options(module)))  # before the broadcast
         sync_module_states(module)
         if trainable:
-            self.engine.attach(list(module.named_parameters()), self._timeout)
+            self.engine.attach(list(module.named_parameters()), self._timeout, module=module)
             self._trained = module
             if self.world_size > 1:
                 self._distinct_hook = DistinctBatches("fabric").watch(module, self.root_device)

@@ -229,7 +229,7 @@ class BucketedDataParallel(DDPStrategy):
         """Attach the gradient buckets to ``named_params`` (default: :meth:`bucketed_parameters`); with
         ``allow_no_trainable`` a rank may own no trainable parameter (every rank of its group alike)."""
         named = list(self.bucketed_parameters() if named_params is None else named_params)
-        self.engine.attach(named, self._timeout, allow_no_trainable=allow_no_trainable)
+        self.engine.attach(named, self._timeout, allow_no_trainable, self.lightning_module)
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:

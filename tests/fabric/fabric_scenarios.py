@@ -164,7 +164,8 @@ def resume(out: Path) -> dict[str, Any]:
 
 
 def refusals(out: Path) -> dict[str, Any]:
-    """Ranks that build different models fail together at setup; a second trainable module is refused."""
+    """Ranks that build different models fail together at setup; a second trainable module and a sparse embedding
+    are refused."""
     fabric = launch("ring_allreduce")
     errors = {}
     try:
@@ -179,6 +180,12 @@ def refusals(out: Path) -> dict[str, Any]:
         fabric.setup(make_model())
     except ValueError as err:
         errors["second"] = str(err)
+    fabric.strategy.teardown()
+    fabric = launch("ring_allreduce")
+    try:
+        fabric.setup(nn.Sequential(nn.Embedding(8, 4, sparse=True), nn.Linear(4, 2)))
+    except ValueError as err:
+        errors["sparse"] = str(err)
     fabric.strategy.teardown()
     return errors
 

@@ -148,10 +148,11 @@ def test_sharded_optimizer_state_clips_saves_and_loads_at_parity(runs: Path) -> 
 
 
 @pytest.mark.timeout(240)
-def test_ranks_that_disagree_fail_together_and_a_second_trainable_module_is_refused(runs: Path) -> None:
+def test_ranks_that_disagree_fail_together_and_a_second_module_or_a_sparse_one_is_refused(runs: Path) -> None:
     for result in results(runs, "refusals"):
         assert "parameter '0.weight' is [[32, 8]" in result["mismatch"] and "[[33, 8]" in result["mismatch"]
         assert "one `nn.Module`" in result["second"]
+        assert "`0.weight` (Embedding(8, 4, sparse=True)) gets sparse gradients" in result["sparse"]
 
 
 @pytest.mark.timeout(240)
