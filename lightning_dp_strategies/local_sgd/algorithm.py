@@ -188,8 +188,7 @@ class LocalSGD:
         (:func:`~lightning_dp_strategies.plan.streaming.choose_period`), log them, and start the period."""
         measured = torch.tensor([statistics.median(v) if v else 0.0 for v in self.timings.values()])
         if self.averager.world_size > 1:
-            group = self.averager.group
-            self._collective(lambda: dist.all_reduce(measured, dist.ReduceOp.MAX, group))
+            self._collective(lambda: self.averager.maximum(measured))
         step, fragment = measured.tolist()
         self.sync_every, self.delay = choose_period(self.config.fragments, self.config.delay, step, fragment)
         self._set_turns()

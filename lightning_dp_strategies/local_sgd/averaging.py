@@ -164,16 +164,30 @@ class FlatAverager:
             start += n
         self.reductions += 1
 
+    def maximum(self, tensor: Tensor) -> None:
+        """Replace ``tensor`` by its element-wise maximum over the group (collective; the ranks agreeing on their
+        slowest timings); a peer's failure raised as :meth:`average` raises it."""
+        if self.world_size > 1:
+            self._guarded(lambda: dist.all_reduce(tensor, dist.ReduceOp.MAX, self.group))
+
     def _reduce(self, bucket: GradBucket) -> Any:
-        """The reducer's result for ``bucket``; a peer's failure, whether the reducer raises it (one that exchanges
-        before it returns its future, as the quantized one does) or its future does, logged at once and raised with
-        what it most likely means (outside ``fault_tolerant``, which recovers from it)."""
-        try:
+        """The reducer's result for ``bucket``, :meth:`_guarded`: whether the reducer raises a peer's failure (one
+        that exchanges before it returns its future, as the quantized one does) or its future does."""
+
+        def reduce() -> Any:
             future = self.reducer(bucket)
             gave_up = None if self.interrupt is None else wait_for(future, None, self.interrupt)
             if gave_up is not None:
                 raise PeerLostError(f"An average over the ranks was given up: {gave_up}.")
             return future.wait()
+
+        return self._guarded(reduce)
+
+    def _guarded(self, collective: Callable[[], Any]) -> Any:
+        """``collective()``; a peer's failure in it logged at once and raised with what it most likely means (outside
+        ``fault_tolerant``, which recovers from it)."""
+        try:
+            return collective()
         except Exception as error:
             if self.interrupt is not None or not is_peer_failure(error):
                 raise

@@ -43,20 +43,24 @@ def test_an_exact_fp32_reducer_needs_no_companion_and_a_lossy_one_gets_it() -> N
 
 def _average_with_a_silent_peer(rank: int, world_size: int, precision: str) -> None:
     group = new_group([0, 1], timeout=timedelta(seconds=3))
-    averager = outer_averager(precision, NativeReducer())
+    averager = outer_averager("fp32" if precision == "maximum" else precision, NativeReducer())
     averager.setup(group, [0, 1], "gloo")
     if rank == 1:  # alive, but never joins the average
         time.sleep(6)
         return
     with pytest.raises(RuntimeError) as raised:
-        averager.average([torch.ones(300)])
+        if precision == "maximum":  # the ranks agreeing on their slowest timings (sync_every="auto")
+            averager.maximum(torch.ones(2))
+        else:
+            averager.average([torch.ones(300)])
     message = str(raised.value)
     assert message.startswith("Averaging over 2 ranks failed on rank 0: RuntimeError:"), message
     assert "Timed out waiting 3000ms" in message and PEER_FAILURE_HINT in message
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("precision", ["fp32", "int8"])
+@pytest.mark.parametrize("precision", ["fp32", "int8", "maximum"])
 def test_an_average_whose_peer_never_answers_fails_with_what_it_most_likely_means(precision: str) -> None:
-    # The 8-bit reducer exchanges before it returns its future, so its failure comes from the call, not the wait.
+    # The 8-bit reducer exchanges before it returns its future, so its failure comes from the call, not the wait;
+    # "maximum" is the agreement on the slowest timings that sync_every="auto" makes.
     run_distributed(_average_with_a_silent_peer, 2, precision, timeout=90)
