@@ -29,7 +29,7 @@ from torch import Tensor
 
 from lightning_dp_strategies.core.distinct_batches import gather_world
 
-__all__ = ["UNKNOWN", "BatchPosition", "EvenBatches", "UnevenBatchesError"]
+__all__ = ["UNKNOWN", "BatchPosition", "EvenBatches", "UnevenBatchesError", "total_world"]
 
 UNKNOWN = -1
 """The batch count of an epoch whose loader cannot tell it in advance."""
@@ -58,12 +58,7 @@ class UnevenBatchesError(RuntimeError):
 
 @dataclass(frozen=True)
 class BatchPosition:
-    """Where a rank stands at the start of a training batch, as the check needs it.
-
-    Examples:
-        >>> BatchPosition(epoch=0, batch_idx=3, count=UNKNOWN, ends=True).count_known
-        False
-    """
+    """Where a rank stands at the start of a training batch, as the check needs it."""
 
     epoch: int
     batch_idx: int
@@ -71,10 +66,6 @@ class BatchPosition:
     """This rank's number of training batches in the epoch; :data:`UNKNOWN` where its loader cannot tell."""
     ends: bool
     """Whether this batch is the last of this rank's epoch."""
-
-    @property
-    def count_known(self) -> bool:
-        return self.count != UNKNOWN
 
 
 def _ranks(ranks: list[int], verb: tuple[str, str]) -> str:
