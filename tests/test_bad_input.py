@@ -351,7 +351,7 @@ CATALOGUE = [
         "ring-sparse-embedding",
         lambda run: fit(run, "ring_allreduce", SparseEmbedding(), devices=1),
         ValueError,
-        r"`table\.weight` \(Embedding\(8, 4, sparse=True\)\) gets sparse gradients.*Pass `sparse=False`",
+        r"`table\.weight` \(`nn\.Embedding\(\.\.\., sparse=True\)`\) gets sparse gradients.*Pass `sparse=False`",
         SETUP,
     ),
     Misuse(

@@ -171,19 +171,20 @@ def require_dense_gradients(module: nn.Module, named_params: Sequence[tuple[str,
         >>> require_dense_gradients(model, list(model.named_parameters()))
         Traceback (most recent call last):
         ...
-        ValueError: `0.weight` (Embedding(10, 3, sparse=True)) gets sparse gradients, which the gradient buckets ...
+        ValueError: `0.weight` (`nn.Embedding(..., sparse=True)`) gets sparse gradients, which the gradient buckets ...
     """
     averaged = {id(p) for _, p in named_params if p.requires_grad}
     sparse = [
-        f"`{name + '.' if name else ''}weight` ({sub!r})"
+        f"`{name + '.' if name else ''}weight` (`nn.{type(sub).__name__}(..., sparse=True)`)"
         for name, sub in module.named_modules()
         if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse and id(sub.weight) in averaged
     ]
     if sparse:
         raise ValueError(
-            f"{', '.join(sparse)} gets sparse gradients, which the gradient buckets cannot average: they hold dense "
-            "gradients. Pass `sparse=False` (the gradient is then dense: the whole table is averaged every step), or "
-            "train with `local_sgd` / `streaming_diloco` without `warmup_steps`, which average no gradients."
+            f"{', '.join(sparse)} get{'s' if len(sparse) == 1 else ''} sparse gradients, which the gradient buckets "
+            "cannot average: they hold dense gradients. Pass `sparse=False` (the gradient is then dense: the whole "
+            "table is averaged every step), or train with `local_sgd` / `streaming_diloco` without `warmup_steps`, "
+            "which average no gradients."
         )
 
 

@@ -45,9 +45,9 @@ Interrupt = Callable[[], str | None] | None
 
 
 GAVE_UP_HINT = (
-    "If no rank was lost in these failures (the warnings before this say so), the ranks are alive but not running the "
-    "same collectives: ranks given different numbers of training batches in an epoch, as from an `IterableDataset` "
-    "split by rank, end this way."
+    "If no rank was lost in these failures (the lowest live rank logs each one, saying whether it lost any), the "
+    "ranks are alive but not running the same collectives: ranks given different numbers of training batches in an "
+    "epoch, as from an `IterableDataset` split by rank, end this way."
 )
 """Appended by :func:`redone` to the error of what it gives up after repeated peer failures."""
 
