@@ -723,16 +723,15 @@ def test_misuse_is_refused_before_training_naming_the_fix(
 
 
 @pytest.mark.parametrize(
-    ("strategy", "devices"),
-    [("dp", 2), ("ring_allreduce", 1), ("hybrid_pipeline", 1), ("local_sgd-sparse", 1)],
+    ("strategy", "devices", "model"),
+    [("dp", 2, Probe), ("ring_allreduce", 1, Probe), ("hybrid_pipeline", 1, Probe), ("local_sgd", 1, SparseEmbedding)],
 )
 @pytest.mark.timeout(120)
-def test_the_probe_trains_when_used_correctly(strategy: str, devices: int) -> None:
+def test_the_probe_trains_when_used_correctly(strategy: str, devices: int, model: type[Probe]) -> None:
     """The control: the probe's counters do move, so zero counts above mean that training never started. Local SGD
     without warm-up averages no gradients, so it trains a sparse embedding."""
     chosen = hybrid() if strategy == "hybrid_pipeline" else strategy  # the registered name has 2 stages
-    probe = SparseEmbedding().snapshot() if strategy == "local_sgd-sparse" else Probe().snapshot()
-    chosen = "local_sgd" if strategy == "local_sgd-sparse" else chosen
+    probe = model().snapshot()
     L.Trainer(strategy=chosen, devices=devices, **QUIET).fit(probe, loader())
     counts = probe.counts()
     assert counts["started"] == counts["finished"] == counts["optimizer_steps"] == 2 and counts["moved"] == 1

@@ -138,11 +138,6 @@ class BucketedEngine:
         averager.setup(self.grad_sync.group, list(range(world_size)), backend)
         self.local_sgd = LocalSGD(config, averager)
 
-    @property
-    def averages_gradients(self) -> bool:
-        """Whether the buckets ever average gradients: always but under local SGD without warm-up steps."""
-        return self.local_sgd is None or self.local_sgd.config.warmup_steps > 0
-
     def attach(
         self,
         named_params: list[tuple[str, nn.Parameter]],
@@ -151,8 +146,9 @@ class BucketedEngine:
         module: nn.Module | None = None,
     ) -> None:
         """Attach the gradient buckets to ``named_params``; with sharded state, cut them into every rank's pieces.
-        Where the buckets average gradients, ``module``'s sparse embeddings among ``named_params`` are refused."""
-        if module is not None and self.averages_gradients:
+        Where the buckets ever average gradients (always, but local SGD's only in its warm-up steps), ``module``'s
+        sparse embeddings among ``named_params`` are refused."""
+        if module is not None and (self.local_sgd is None or self.local_sgd.config.warmup_steps > 0):
             require_dense_gradients(module, named_params)
         cfg = self.config
         self.grad_sync.attach(
