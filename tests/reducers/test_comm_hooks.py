@@ -193,6 +193,8 @@ def misbehave(rank: int, world: int, out: str) -> None:
     reducer.close()
     errors["returned"] = str(lent.process_group is None)
     torch.save(errors, Path(out) / f"rank{rank}.pt")
+    # rank 0 hosts the store that rank 1's single-rank group is made through: it must not exit before rank 1 is done
+    dist.barrier()
 
 
 @pytest.mark.timeout(120)
