@@ -6,6 +6,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
@@ -16,6 +17,7 @@ __all__ = [
     "PeerLostError",
     "announce_failure",
     "detect",
+    "guarded",
     "is_peer_failure",
     "wait_work",
 ]
@@ -86,6 +88,33 @@ def is_peer_failure(error: BaseException) -> bool:
     return isinstance(error, dist.DistError) or (
         isinstance(error, RuntimeError) and any(marker in str(error) for marker in PEER_FAILURE_MARKERS)
     )
+
+
+T = TypeVar("T")
+
+
+def guarded(what: str, collective: Callable[..., T], *args: Any) -> T:
+    """``collective(*args)``; a peer's failure in it is logged at once and raised as a ``RuntimeError`` that names
+    ``what``, this rank and :data:`PEER_FAILURE_HINT` (the original error is its ``__cause__``, so
+    :func:`is_peer_failure` still says yes); any other exception propagates as it is.
+
+    Examples:
+        >>> guarded("Adding", lambda a, b: a + b, 1, 2)
+        3
+        >>> def collective(): raise RuntimeError("Timed out waiting 2000ms for recv operation to complete")
+        >>> guarded("Comparing the ranks' counts", collective)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        RuntimeError: Comparing the ranks' counts failed on rank 0: RuntimeError: Timed out waiting 2000ms ...
+    """
+    try:
+        return collective(*args)
+    except Exception as error:
+        if not is_peer_failure(error):
+            raise
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        message = f"{what} failed on rank {rank}: {type(error).__name__}: {error}\n{PEER_FAILURE_HINT}"
+        raise RuntimeError(announce_failure(message)) from error
 
 
 def detect(fn: Callable[[], object]) -> PeerFailure | None:

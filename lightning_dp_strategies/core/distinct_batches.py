@@ -11,6 +11,7 @@ digests over the ranks and warns when ranks that average together hold the same 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
@@ -21,6 +22,8 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.fabric.utilities.warnings import PossibleUserWarning
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
+
+from lightning_dp_strategies.comm.failures import guarded
 
 Owner = Literal["trainer", "fabric"]
 """Whose API a warning's fix is written for: Lightning's ``Trainer`` or Fabric."""
@@ -124,6 +127,10 @@ def gather_world(tensor: Tensor) -> Tensor:
     return torch.stack(gathered)
 
 
+GATHER_WHAT = "Comparing the ranks' first training batches"
+"""What the check's gather is called in the error a peer's failure in it raises."""
+
+
 class DistinctBatches:
     """Warns once a fit, on rank 0, when ranks that average together read the same first training batch.
 
@@ -137,8 +144,9 @@ class DistinctBatches:
         """Whose API the warning's fix names."""
         self.pending = False
         """Whether the next training batch is the first of a fit."""
-        self.gather: Callable[[Tensor], Tensor] = gather_world
-        """How every rank's digest is gathered, stacked in rank order (a fault-tolerant run: over the survivors)."""
+        self.gather: Callable[[Tensor], Tensor] = functools.partial(guarded, GATHER_WHAT, gather_world)
+        """How every rank's digest is gathered, stacked in rank order (a fault-tolerant run: over the survivors); by
+        default a peer's failure in it is raised with what it most likely means."""
 
     def watch(self, module: nn.Module, device: torch.device) -> RemovableHandle:
         """Arm the check for ``module``'s first training forward (train mode, gradients on) and run it there, on the

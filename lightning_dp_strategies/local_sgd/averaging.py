@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_dp_strategies.comm import CommCounter
-from lightning_dp_strategies.comm.failures import PEER_FAILURE_HINT, PeerLostError, announce_failure, is_peer_failure
+from lightning_dp_strategies.comm.failures import PeerLostError, guarded
 from lightning_dp_strategies.reducers import (
     GradBucket,
     NativeReducer,
@@ -186,15 +186,9 @@ class FlatAverager:
     def _guarded(self, collective: Callable[[], Any]) -> Any:
         """``collective()``; a peer's failure in it logged at once and raised with what it most likely means (outside
         ``fault_tolerant``, which recovers from it)."""
-        try:
+        if self.interrupt is not None:
             return collective()
-        except Exception as error:
-            if self.interrupt is not None or not is_peer_failure(error):
-                raise
-            message = f"Averaging over {self.world_size} ranks failed on rank {dist.get_rank()}: "
-            raise RuntimeError(
-                announce_failure(f"{message}{type(error).__name__}: {error}\n{PEER_FAILURE_HINT}")
-            ) from error
+        return guarded(f"Averaging over {self.world_size} ranks", collective)
 
 
 class PeriodicAverager:

@@ -8,8 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from lightning.fabric.utilities.warnings import PossibleUserWarning
+from pytest_mock import MockerFixture
 
+from lightning_dp_strategies.comm.failures import PEER_FAILURE_HINT
 from lightning_dp_strategies.core.distinct_batches import DistinctBatches, batch_digest, repeated_ranks
 from tests.helpers.distributed import run_ranks
 
@@ -82,6 +85,21 @@ def test_the_check_gathers_once_a_fit_and_warns_naming_the_ranks() -> None:
     with pytest.warns(PossibleUserWarning, match=r"same first training batch \(ranks 0, 1\)"):
         assert check.check(batch, [[0, 1]], torch.device("cpu")) == [[0, 1]]
     assert check.check(batch, [[0, 1]], torch.device("cpu")) == [] and len(calls) == 1
+
+
+def test_a_peer_failure_in_the_gather_says_what_it_most_likely_means(mocker: MockerFixture) -> None:
+    timed_out = "[unbound_buffer.cc:81] Timed out waiting 3000ms for recv operation to complete"
+    mocker.patch.object(dist, "get_world_size", return_value=2)
+    mocker.patch.object(dist, "get_rank", return_value=1)
+    mocker.patch.object(dist, "is_initialized", return_value=True)
+    mocker.patch.object(dist, "all_gather", side_effect=RuntimeError(timed_out))
+    check = DistinctBatches()
+    check.pending = True
+    with pytest.raises(RuntimeError) as raised:
+        check.check(torch.ones(2), [[0, 1]], torch.device("cpu"))
+    message = str(raised.value)
+    assert message.startswith("Comparing the ranks' first training batches failed on rank 1: RuntimeError: [unbound")
+    assert PEER_FAILURE_HINT in message and str(raised.value.__cause__) == timed_out
 
 
 def test_groups_smaller_than_the_world_name_their_own_size() -> None:
