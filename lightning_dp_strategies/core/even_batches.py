@@ -16,10 +16,15 @@ collective goes astray:
 - where some rank's count is unknown it counts, at every batch of that epoch, the ranks for which it is the last;
   some but not all fails there (the flags are then gathered to name the ranks). That costs one all-reduce of one
   integer a batch, which the epochs of loaders of known length do not pay.
+
+A rank with no batch at all in an epoch never reaches the check, and the others' comparison fails only at the
+``timeout``; that rank warns on its own of the epochs it had no batch in, at its next batch or when training ends.
 """
 
 from __future__ import annotations
 
+import functools
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_dp_strategies.comm.failures import guarded
 from lightning_dp_strategies.core.distinct_batches import gather_world
 
 __all__ = ["UNKNOWN", "BatchPosition", "EvenBatches", "UnevenBatchesError", "total_world"]
@@ -44,6 +50,10 @@ ITERABLE_FIX = (
     "iterator at the smallest share (drop the remainder), pad the shorter shares, or set `limit_train_batches` to at "
     "most the smallest count."
 )
+
+
+CHECK_WHAT = "Comparing the ranks' numbers of training batches"
+"""What the check's collectives are called in the error a peer's failure in them raises."""
 
 
 class UnevenBatchesError(RuntimeError):
@@ -106,32 +116,74 @@ def ends_message(epoch: int, batch_idx: int, ends: list[int]) -> str:
     )
 
 
+def empty_message(rank: int, epochs: list[int], world_size: int) -> str:
+    """The warning of a rank that had no training batch in ``epochs``.
+
+    Examples:
+        >>> empty_message(1, [0, 1], 2)[:68]
+        'Rank 1 had no training batch in epochs 0, 1 of this fit, while 2 ran'
+    """
+    said = f"epoch{'s' if len(epochs) > 1 else ''} {', '.join(map(str, epochs))}"
+    return (
+        f"Rank {rank} had no training batch in {said} of this fit, while {world_size} ranks train together. Unless no "
+        "rank had one (an iterable that is exhausted after one pass, such as a generator, yields nothing in later "
+        "epochs), the other ranks waited for this one in a collective until the strategy's `timeout`, and it may "
+        f"have ended its fit without an error of its own. {ITERABLE_FIX}"
+    )
+
+
 class EvenBatches:
     """Raises :class:`UnevenBatchesError` on every rank when the ranks' training batches in an epoch differ.
 
-    Call :meth:`reset` when a fit is set up and :meth:`check` at every training batch's start on every rank. Costs one
-    all-gather of one integer at each epoch's first batch, and an all-reduce of one at every batch of an epoch whose
-    count some rank cannot tell in advance. A no-op over fewer than two ranks or while :attr:`enabled` is false.
+    Call :meth:`begin` when a fit's training loader is set up, :meth:`check` at every training batch's start on every
+    rank and :meth:`end` when training ends. Costs one all-gather of one integer at each epoch's first batch, and an
+    all-reduce of one at every batch of an epoch whose count some rank cannot tell in advance. A no-op over fewer than
+    two ranks or while :attr:`enabled` is false.
+
+    A rank with no batch at all in an epoch never reaches :meth:`check`; it warns, on its own, at its next batch or
+    when training ends (the others have by then failed in a collective, or every rank had none).
     """
 
     def __init__(self) -> None:
         self.enabled = True
         """Whether :meth:`check` checks (a strategy whose ranks may leave mid-fit turns it off)."""
-        self.gather: Callable[[Tensor], Tensor] = gather_world
-        """How every rank's integer is gathered, stacked in rank order."""
-        self.total: Callable[[Tensor], Tensor] = total_world
-        """How every rank's integer is summed."""
+        self.gather: Callable[[Tensor], Tensor] = functools.partial(guarded, CHECK_WHAT, gather_world)
+        """How every rank's integer is gathered, stacked in rank order (a peer's failure in it raised with what it
+        most likely means)."""
+        self.total: Callable[[Tensor], Tensor] = functools.partial(guarded, CHECK_WHAT, total_world)
+        """How every rank's integer is summed (likewise)."""
         self._epoch: int | None = None
         self._every_batch = False
+        self._last_with_batch: int | None = None
 
-    def reset(self) -> None:
-        """A new fit begins: its first batch compares counts again, whatever epoch it resumes."""
+    def begin(self, epoch: int, at_start: bool) -> None:
+        """Training starts (or its loader is reloaded) in ``epoch``: at its start, or (``at_start`` false) resumed
+        within it, which may leave it no batch to run on any rank. The next batch compares counts again, whatever
+        epoch it is in."""
         self._epoch, self._every_batch = None, False
+        self._last_with_batch = epoch - 1 if at_start else epoch
+
+    def end(self, epochs: int) -> None:
+        """Training ended with ``epochs`` epochs completed (Lightning's ``current_epoch`` then)."""
+        if self._active():
+            self._warn_empty(epochs)
+        self._last_with_batch = None
+
+    def _active(self) -> bool:
+        return self.enabled and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+    def _warn_empty(self, epoch: int) -> None:
+        """Warn if this rank ran no batch in the epochs since its last batch and before ``epoch``."""
+        if self._last_with_batch is not None and epoch > self._last_with_batch + 1:
+            empty = list(range(self._last_with_batch + 1, epoch))
+            warnings.warn(empty_message(dist.get_rank(), empty, dist.get_world_size()), stacklevel=3)
 
     def check(self, position: BatchPosition, device: torch.device) -> None:
         """Compare this batch's ``position`` with every rank's and raise :class:`UnevenBatchesError` where they part."""
-        if not self.enabled or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+        if not self._active():
             return
+        self._warn_empty(position.epoch)
+        self._last_with_batch = position.epoch
         if position.epoch != self._epoch:
             self._epoch = position.epoch
             counts = self._gather(position.count, device)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from lightning.fabric.utilities.data import _set_sampler_epoch, has_iterable_dataset
 from lightning.pytorch.strategies import Strategy
@@ -19,8 +19,11 @@ STOP_GRACE_S = 10.0
 every rank does for bad input) before they are stopped."""
 
 
-def with_resumed_sampler_epoch(strategy: Strategy, dataloader: object) -> object:
-    """Set the epoch of ``dataloader``'s sampler to the one the fit loop is about to train, if it is the train loader.
+def with_resumed_sampler_epoch(
+    strategy: Strategy, dataloader: object, starting: Callable[[int, bool], None] | None = None
+) -> object:
+    """Set the epoch of ``dataloader``'s sampler to the one the fit loop is about to train, if it is the train loader,
+    and tell ``starting`` that epoch and whether training starts at its start rather than resumed within it.
 
     Lightning calls ``set_epoch`` on the training sampler (the ``DistributedSampler`` it adds, shuffled with seed 0) at
     the start of every epoch. When it resumes from a checkpoint taken mid-epoch it first restores the loader's
@@ -34,6 +37,8 @@ def with_resumed_sampler_epoch(strategy: Strategy, dataloader: object) -> object
     if trainer is not None and trainer.training:
         epoch = trainer.fit_loop.epoch_progress.current.processed  # type: ignore[attr-defined]  # as Lightning
         _set_sampler_epoch(dataloader, epoch)
+        if starting is not None:
+            starting(epoch, trainer.fit_loop.epoch_loop.batch_progress.current.ready == 0)
     return dataloader
 
 

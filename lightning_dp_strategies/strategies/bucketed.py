@@ -245,7 +245,6 @@ class BucketedDataParallel(DDPStrategy):
             check_survivable(trainer)
         super().setup(trainer)
         self.distinct_batches.pending = trainer.state.fn == TrainerFn.FITTING
-        self.even_batches.reset()
         if self.engine.sharded:
             self.clip_by_norm_across(self._clip_pieces_by_norm)
 
@@ -273,8 +272,8 @@ class BucketedDataParallel(DDPStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        """The loader as Lightning prepared it; the train sampler already set to the epoch that is resumed."""
-        return with_resumed_sampler_epoch(self, super().process_dataloader(dataloader))
+        """The loader as Lightning prepared it; the train sampler already set to the epoch training starts in."""
+        return with_resumed_sampler_epoch(self, super().process_dataloader(dataloader), self.even_batches.begin)
 
     # ------------------------------------------------------------------ one step
     @override
@@ -282,6 +281,11 @@ class BucketedDataParallel(DDPStrategy):
         super().on_train_batch_start(batch, batch_idx)
         self.distinct_batches.check(batch, self.grad_group_ranks(), self.root_device)
         self.even_batches.check(batch_position(self, batch_idx), self.root_device)
+
+    @override
+    def on_train_end(self) -> None:
+        self.even_batches.end(self.lightning_module.current_epoch)  # type: ignore[union-attr]
+        super().on_train_end()
 
     @contextmanager
     @override
@@ -314,16 +318,12 @@ class BucketedDataParallel(DDPStrategy):
 
     @override
     def optimizer_step(
-        self,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        model: pl.LightningModule | Any | None = None,
-        **kwargs: Any,
+        self, optimizer: Optimizer, closure: Callable[[], Any], model: pl.LightningModule | Any | None = None, **kw: Any
     ) -> Any:
         module = self.lightning_module
         if module is not None:
             closure = self.engine.guard(closure, optimizer, module.named_parameters(), self.root_device)
-        step = functools.partial(super().optimizer_step, optimizer, closure, model, **kwargs)
+        step = functools.partial(super().optimizer_step, optimizer, closure, model, **kw)
         output = step() if self.survival is None else self.survival.step(step, closure)
         self.engine.after_step(optimizer)
         self._log_step()

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from pytest_mock import MockerFixture
 
+from lightning_dp_strategies.comm.failures import PEER_FAILURE_HINT
 from lightning_dp_strategies.core.even_batches import UNKNOWN, BatchPosition, EvenBatches, UnevenBatchesError
 from lightning_dp_strategies.strategies.control import GAVE_UP_HINT
 from tests.helpers.distributed import run_ranks
@@ -28,9 +29,17 @@ def test_uneven_ranks_fail_together_before_the_batch_they_part_at_and_even_ones_
     # gloo's message, and a run of them all would pass the deadline below.
     run_ranks("tests.strategies.uneven_batches_scenarios", [str(tmp_path), ",".join(CASES)], 2, timeout=150)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    for name, steps in (("even_stream", 8), ("uneven_stream_limited", 6), ("uneven_stream_max_steps", 3)):
+    evens = {"even_stream": 8, "uneven_stream_limited": 6, "uneven_stream_max_steps": 3, "resumed_after_last_batch": 8}
+    for name, steps in evens.items():
         assert [rank[name]["error"] for rank in ranks] == [None, None], name
         assert [rank[name]["steps"] for rank in ranks] == [steps, steps], name
+        assert [rank[name]["empty_epochs_warned"] for rank in ranks] == [[], []], name
+    for r, rank in enumerate(ranks):  # no batch on any rank in some epochs: each rank warns of them, and trains
+        for name, empty in (("exhausted_stream", "epochs 1, 2"), ("late_stream", "epoch 0")):
+            case = rank[name]
+            assert case["error"] is None and case["steps"] == 3, case
+            [warned] = case["empty_epochs_warned"]
+            assert warned.startswith(f"Rank {r} had no training batch in {empty} of this fit"), warned
     for name in UNEVEN_STREAMS:  # rank 0 has 5 batches, rank 1 has 4: both fail at the start of the 4th
         for rank in ranks:
             kind, message = rank[name]["error"]
@@ -74,6 +83,38 @@ def position(epoch: int, batch_idx: int, count: int, ends: bool = False) -> Batc
     return BatchPosition(epoch=epoch, batch_idx=batch_idx, count=count, ends=ends)
 
 
+@pytest.mark.filterwarnings("error")  # any other warning fails
+def test_a_rank_warns_of_epochs_it_had_no_batch_in_at_its_next_batch_and_at_the_end(mocker: MockerFixture) -> None:
+    # Such a rank never reaches the comparison; it can only tell on its own, once it runs again.
+    other = TwoRanks(mocker, [UNKNOWN, 0, 0, 0, 0])
+    mocker.patch.object(dist, "get_rank", return_value=1)
+    check = other.answer(EvenBatches())
+    check.begin(0, at_start=True)
+    with pytest.warns(UserWarning, match=r"^Rank 1 had no training batch in epoch 0 of this fit, while 2 ranks"):
+        check.check(position(1, 0, UNKNOWN), CPU)
+    check.check(position(1, 1, UNKNOWN), CPU)
+    check.check(position(2, 0, UNKNOWN), CPU)
+    with pytest.warns(UserWarning, match=r"^Rank 1 had no training batch in epochs 3, 4 of this fit"):
+        check.end(5)
+
+
+@pytest.mark.filterwarnings("error")
+def test_epochs_with_batches_and_a_resumed_epoch_left_without_any_are_not_warned_of(mocker: MockerFixture) -> None:
+    other = TwoRanks(mocker, [4, 4])
+    check = other.answer(EvenBatches())
+    check.begin(0, at_start=True)
+    check.check(position(0, 0, 4), CPU)
+    check.check(position(1, 0, 4), CPU)
+    check.end(2)
+    check.begin(6, at_start=False)  # resumed after the last batch of epoch 6: nothing left to run in it
+    check.end(7)
+    check.end(9)  # no training started: nothing to warn of
+    check.begin(0, at_start=True)
+    check.enabled = False  # as under fault_tolerant
+    check.end(3)
+    assert other.calls == 2
+
+
 def test_equal_known_counts_are_compared_once_an_epoch_and_never_at_a_batch(mocker: MockerFixture) -> None:
     other = TwoRanks(mocker, [5, 5])
     check = other.answer(EvenBatches())
@@ -102,7 +143,7 @@ def test_ranks_that_end_their_epoch_together_pass_and_a_new_fit_compares_counts_
     check = other.answer(EvenBatches())
     check.check(position(0, 0, UNKNOWN), CPU)
     check.check(position(0, 1, UNKNOWN, ends=True), CPU)
-    check.reset()
+    check.begin(0, at_start=True)
     with pytest.raises(UnevenBatchesError, match=r"rank 0: 4, rank 1: 3"):
         check.check(position(0, 0, 4), CPU)  # epoch 0 again, in a new fit
     assert other.calls == 4
@@ -117,3 +158,34 @@ def test_a_disabled_check_and_a_world_of_one_gather_nothing(mocker: MockerFixtur
     mocker.patch.object(dist, "get_world_size", return_value=1)
     check.check(position(0, 0, UNKNOWN), CPU)
     assert other.calls == 0
+
+
+TIMED_OUT = "[unbound_buffer.cc:81] Timed out waiting 3000ms for recv operation to complete"
+
+
+@pytest.mark.parametrize("failing", ["all_gather", "all_reduce"])
+def test_a_peer_failure_in_the_checks_collectives_says_what_it_most_likely_means(
+    failing: str, mocker: MockerFixture
+) -> None:
+    # A rank that had no batch at all in an epoch never reaches the check, so the others' comparison times out.
+    mocker.patch.object(dist, "is_initialized", return_value=True)
+    mocker.patch.object(dist, "get_world_size", return_value=2)
+    mocker.patch.object(dist, "get_rank", return_value=0)
+
+    def all_gather(out: list[torch.Tensor], mine: torch.Tensor) -> None:
+        if failing == "all_gather":
+            raise RuntimeError(TIMED_OUT)
+        for tensor in out:
+            tensor.fill_(UNKNOWN)  # counts unknown: every batch then sums the flags
+
+    mocker.patch.object(dist, "all_gather", side_effect=all_gather)
+    mocker.patch.object(dist, "all_reduce", side_effect=RuntimeError(TIMED_OUT))
+    with pytest.raises(RuntimeError) as raised:
+        EvenBatches().check(position(0, 0, UNKNOWN), CPU)
+    message = str(raised.value)
+    prefix = "Comparing the ranks' numbers of training batches failed on rank 0: RuntimeError: [unbound_buffer"
+    assert message.startswith(prefix) and PEER_FAILURE_HINT in message, message
+    assert str(raised.value.__cause__) == TIMED_OUT
+    mocker.patch.object(dist, "all_gather", side_effect=RuntimeError("Tensors must have the same shape"))
+    with pytest.raises(RuntimeError, match=r"^Tensors must have the same shape$"):  # not a peer's failure: as it is
+        EvenBatches().check(position(0, 0, UNKNOWN), CPU)

@@ -2,9 +2,9 @@
 
 Run as ``python -m tests.strategies.uneven_batches_scenarios OUTDIR CASE[,CASE...]`` on 2 ranks started as torchrun
 starts them. Each case fits a small classifier with a validation loop; every rank writes ``OUTDIR/rank{r}.json``,
-mapping each case to the error the fit raised (its type and message, or ``None``), the batches each rank trained on
-and the optimizer steps it took. Cases that raise come last: a fit that fails leaves the process group usable, but a
-case after it would prove nothing about a clean start.
+mapping each case to the error the fit raised (its type and message, or ``None``), the batches each rank trained on,
+the optimizer steps it took and the warnings it gave of epochs in which the rank had no batch. Cases that raise come
+last: a fit that fails leaves the process group usable, but a case after it would prove nothing about a clean start.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import warnings
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -20,6 +21,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, IterableDataset, Sampler, TensorDataset
 
@@ -41,6 +43,19 @@ class Stream(IterableDataset):
         for _ in range(self.counts[rank]):
             x = torch.randn(4, 6, generator=generator)
             yield x, (x.sum(1) > 0).long()
+
+
+class Once(IterableDataset):
+    """An iterable whose 3 batches come in one pass only: the first (a user's mistake: an exhausted iterator), or with
+    ``late`` the second (the first epoch has none)."""
+
+    def __init__(self, late: bool = False) -> None:
+        generator = torch.Generator().manual_seed(int(os.environ["RANK"]))
+        self.batches = [(x, (x.sum(1) > 0).long()) for x in torch.randn(3, 4, 6, generator=generator)]
+        self.passes = [[], self.batches] if late else [self.batches]
+
+    def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
+        return iter(self.passes.pop(0) if self.passes else [])
 
 
 class RankShare(Sampler[int]):
@@ -85,6 +100,8 @@ class Classifier(L.LightningModule):
 
 
 def loader(data: str, alike: bool) -> DataLoader:
+    if data in ("once", "late"):
+        return DataLoader(Once(late=data == "late"), batch_size=None)
     if data.startswith("stream"):  # stream5-4: 5 batches on rank 0, 4 on rank 1
         counts = tuple(int(n) for n in data[len("stream") :].split("-"))
         return DataLoader(Stream(counts, alike), batch_size=None)  # type: ignore[arg-type]
@@ -109,6 +126,10 @@ CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "even_stream": ("streaming_diloco", "stream4-4", {"max_epochs": 2}),
     "uneven_stream_limited": ("ring_allreduce", "stream5-4", {"max_epochs": 2, "limit_train_batches": 3}),
     "uneven_stream_max_steps": ("ring_allreduce", "stream5-4", {"max_steps": 3}),  # ends before either runs out
+    "exhausted_stream": ("ring_allreduce", "once", {"max_epochs": 3}),  # no rank has a batch after the first epoch
+    "late_stream": ("streaming_diloco", "late", {"max_epochs": 2}),  # no rank has a batch in the first epoch
+    # resumed from the checkpoint of the last batch of its last epoch: nothing left to run, nothing to warn of
+    "resumed_after_last_batch": ("ring_allreduce", "stream4-4", {"max_epochs": 2, "resume_at_step": 8}),
     "uneven_stream_ring": ("ring_allreduce", "stream5-4", {"max_epochs": 1}),
     "uneven_stream_streaming": ("streaming_diloco", "stream5-4", {"max_epochs": 1}),
     "uneven_stream_accumulating": ("ring_allreduce", "stream5-4", {"max_epochs": 1, "accumulate_grad_batches": 3}),
@@ -118,31 +139,45 @@ CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 
 
-def run(name: str, data: str, arguments: dict[str, Any]) -> dict[str, Any]:
-    L.seed_everything(0)
-    model = Classifier()
-    trainer = L.Trainer(
+def trainer(name: str, arguments: dict[str, Any], checkpoint: ModelCheckpoint | None = None) -> L.Trainer:
+    return L.Trainer(
         strategy=strategy(name),
         accelerator="cpu",
         devices=2,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=checkpoint is not None,
+        callbacks=[checkpoint] if checkpoint is not None else None,
         enable_progress_bar=False,
         enable_model_summary=False,
         **arguments,
     )
+
+
+def run(out: Path, name: str, data: str, arguments: dict[str, Any]) -> dict[str, Any]:
+    L.seed_everything(0)
+    model, alike = Classifier(), name == "hybrid_pipeline"  # its 2 ranks are the 2 stages of one pipeline
+    arguments, resume_at = dict(arguments), arguments.get("resume_at_step")
+    ckpt_path = None
+    if resume_at is not None:  # a first fit writes the checkpoint of that step, after its training step
+        del arguments["resume_at_step"]
+        checkpoint = ModelCheckpoint(dirpath=out / "checkpoints", every_n_train_steps=resume_at, save_top_k=-1)
+        trainer(name, arguments, checkpoint).fit(Classifier(), loader(data, alike), loader("stream2-2", alike))
+        ckpt_path = str(out / "checkpoints" / f"epoch={arguments['max_epochs'] - 1}-step={resume_at}.ckpt")
+    fit = trainer(name, arguments)
     error = None
-    try:
-        alike = name == "hybrid_pipeline"  # its 2 ranks are the 2 stages of one pipeline
-        trainer.fit(model, loader(data, alike), loader("stream2-2", alike))
-    except Exception as exc:  # the case records what was raised
-        error = [type(exc).__name__, str(exc)]
-    return {"error": error, "trained": model.trained, "steps": trainer.global_step}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            fit.fit(model, loader(data, alike), loader("stream2-2", alike), ckpt_path=ckpt_path)
+        except Exception as exc:  # the case records what was raised
+            error = [type(exc).__name__, str(exc)]
+    empty = [str(w.message) for w in caught if "had no training batch" in str(w.message)]
+    return {"error": error, "trained": model.trained, "steps": fit.global_step, "empty_epochs_warned": empty}
 
 
 def main(out: Path, names: list[str]) -> None:
     rank = int(os.environ["RANK"])
-    results = {name: run(*CASES[name]) for name in names}
+    results = {name: run(out, *CASES[name]) for name in names}
     (out / f"rank{rank}.json").write_text(json.dumps(results))
 
 
