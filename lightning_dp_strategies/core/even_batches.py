@@ -156,12 +156,14 @@ class EvenBatches:
         self._every_batch = False
         self._last_with_batch: int | None = None
 
-    def begin(self, epoch: int, at_start: bool) -> None:
-        """Training starts (or its loader is reloaded) in ``epoch``: at its start, or (``at_start`` false) resumed
-        within it, which may leave it no batch to run on any rank. The next batch compares counts again, whatever
-        epoch it is in."""
+    def begin(self, epoch: int, at_start: bool, reloaded: bool = False) -> None:
+        """Training's loader is set up in ``epoch``: at its start, or (``at_start`` false) resumed within it, which may
+        leave it no batch to run on any rank; or ``reloaded`` in the fit (``reload_dataloaders_every_n_epochs``),
+        which leaves the record of the epochs this rank had batches in as it is. The next batch compares counts
+        again, whatever epoch it is in."""
         self._epoch, self._every_batch = None, False
-        self._last_with_batch = epoch - 1 if at_start else epoch
+        if not reloaded:
+            self._last_with_batch = epoch - 1 if at_start else epoch
 
     def end(self, epochs: int) -> None:
         """Training ended with ``epochs`` epochs completed (Lightning's ``current_epoch`` then)."""

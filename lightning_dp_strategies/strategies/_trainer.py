@@ -20,10 +20,11 @@ every rank does for bad input) before they are stopped."""
 
 
 def with_resumed_sampler_epoch(
-    strategy: Strategy, dataloader: object, starting: Callable[[int, bool], None] | None = None
+    strategy: Strategy, dataloader: object, starting: Callable[[int, bool, bool], None] | None = None
 ) -> object:
     """Set the epoch of ``dataloader``'s sampler to the one the fit loop is about to train, if it is the train loader,
-    and tell ``starting`` that epoch and whether training starts at its start rather than resumed within it.
+    and tell ``starting`` that epoch, whether training starts at its start rather than resumed within it, and whether
+    the loader is reloaded in the fit rather than set up for it.
 
     Lightning calls ``set_epoch`` on the training sampler (the ``DistributedSampler`` it adds, shuffled with seed 0) at
     the start of every epoch. When it resumes from a checkpoint taken mid-epoch it first restores the loader's
@@ -37,8 +38,9 @@ def with_resumed_sampler_epoch(
     if trainer is not None and trainer.training:
         epoch = trainer.fit_loop.epoch_progress.current.processed  # type: ignore[attr-defined]  # as Lightning
         _set_sampler_epoch(dataloader, epoch)
-        if starting is not None:
-            starting(epoch, trainer.fit_loop.epoch_loop.batch_progress.current.ready == 0)
+        if starting is not None:  # an epoch the fit loop has started but not processed is resumed within
+            started = trainer.fit_loop.epoch_progress.current.started  # type: ignore[attr-defined]
+            starting(epoch, started == epoch, trainer.train_dataloader is not None)
     return dataloader
 
 

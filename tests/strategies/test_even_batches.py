@@ -35,9 +35,14 @@ def test_uneven_ranks_fail_together_before_the_batch_they_part_at_and_even_ones_
         assert [rank[name]["steps"] for rank in ranks] == [steps, steps], name
         assert [rank[name]["empty_epochs_warned"] for rank in ranks] == [[], []], name
     for r, rank in enumerate(ranks):  # no batch on any rank in some epochs: each rank warns of them, and trains
-        for name, empty in (("exhausted_stream", "epochs 1, 2"), ("late_stream", "epoch 0")):
+        for name, empty, steps in (
+            ("exhausted_stream", "epochs 1, 2", 3),
+            ("exhausted_reloaded", "epochs 1, 2", 3),
+            ("late_stream", "epoch 0", 3),
+            ("late_after_epoch_end", "epoch 1", 6),
+        ):
             case = rank[name]
-            assert case["error"] is None and case["steps"] == 3, case
+            assert case["error"] is None and case["steps"] == steps, case
             [warned] = case["empty_epochs_warned"]
             assert warned.startswith(f"Rank {r} had no training batch in {empty} of this fit"), warned
     for name in UNEVEN_STREAMS:  # rank 0 has 5 batches, rank 1 has 4: both fail at the start of the 4th
@@ -86,7 +91,7 @@ def position(epoch: int, batch_idx: int, count: int, ends: bool = False) -> Batc
 @pytest.mark.filterwarnings("error")  # any other warning fails
 def test_a_rank_warns_of_epochs_it_had_no_batch_in_at_its_next_batch_and_at_the_end(mocker: MockerFixture) -> None:
     # Such a rank never reaches the comparison; it can only tell on its own, once it runs again.
-    other = TwoRanks(mocker, [UNKNOWN, 0, 0, 0, 0])
+    other = TwoRanks(mocker, [UNKNOWN, 0, 0, 0, 0, UNKNOWN, 0])
     mocker.patch.object(dist, "get_rank", return_value=1)
     check = other.answer(EvenBatches())
     check.begin(0, at_start=True)
@@ -96,11 +101,17 @@ def test_a_rank_warns_of_epochs_it_had_no_batch_in_at_its_next_batch_and_at_the_
     check.check(position(2, 0, UNKNOWN), CPU)
     with pytest.warns(UserWarning, match=r"^Rank 1 had no training batch in epochs 3, 4 of this fit"):
         check.end(5)
+    check.begin(0, at_start=True)
+    check.check(position(0, 0, UNKNOWN), CPU)
+    check.begin(1, at_start=True, reloaded=True)  # reload_dataloaders_every_n_epochs: epoch 0 had the last batch
+    check.begin(2, at_start=True, reloaded=True)
+    with pytest.warns(UserWarning, match=r"^Rank 1 had no training batch in epochs 1, 2 of this fit"):
+        check.end(3)
 
 
 @pytest.mark.filterwarnings("error")
 def test_epochs_with_batches_and_a_resumed_epoch_left_without_any_are_not_warned_of(mocker: MockerFixture) -> None:
-    other = TwoRanks(mocker, [4, 4])
+    other = TwoRanks(mocker, [4, 4, 4, 4])
     check = other.answer(EvenBatches())
     check.begin(0, at_start=True)
     check.check(position(0, 0, 4), CPU)
@@ -109,10 +120,15 @@ def test_epochs_with_batches_and_a_resumed_epoch_left_without_any_are_not_warned
     check.begin(6, at_start=False)  # resumed after the last batch of epoch 6: nothing left to run in it
     check.end(7)
     check.end(9)  # no training started: nothing to warn of
+    check.begin(3, at_start=True)
+    check.check(position(3, 0, 4), CPU)
+    check.begin(4, at_start=True, reloaded=True)  # the loader reloaded in the fit: epoch 4 has batches
+    check.check(position(4, 0, 4), CPU)
+    check.end(5)
     check.begin(0, at_start=True)
     check.enabled = False  # as under fault_tolerant
     check.end(3)
-    assert other.calls == 2
+    assert other.calls == 4
 
 
 def test_equal_known_counts_are_compared_once_an_epoch_and_never_at_a_batch(mocker: MockerFixture) -> None:

@@ -128,6 +128,9 @@ CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "uneven_stream_max_steps": ("ring_allreduce", "stream5-4", {"max_steps": 3}),  # ends before either runs out
     "exhausted_stream": ("ring_allreduce", "once", {"max_epochs": 3}),  # no rank has a batch after the first epoch
     "late_stream": ("streaming_diloco", "late", {"max_epochs": 2}),  # no rank has a batch in the first epoch
+    "exhausted_reloaded": ("ring_allreduce", "once", {"max_epochs": 3, "reload_dataloaders_every_n_epochs": 1}),
+    # resumed from the checkpoint of an epoch's end, saved without validation: the next epoch has no batch
+    "late_after_epoch_end": ("ring_allreduce", "late", {"max_epochs": 3, "resume_after_epochs": 1}),
     # resumed from the checkpoint of the last batch of its last epoch: nothing left to run, nothing to warn of
     "resumed_after_last_batch": ("ring_allreduce", "stream4-4", {"max_epochs": 2, "resume_at_step": 8}),
     "uneven_stream_ring": ("ring_allreduce", "stream5-4", {"max_epochs": 1}),
@@ -153,16 +156,26 @@ def trainer(name: str, arguments: dict[str, Any], checkpoint: ModelCheckpoint | 
     )
 
 
+def first_fit(out: Path, name: str, data: str, arguments: dict[str, Any], alike: bool) -> str | None:
+    """The checkpoint a fit resumes from, written by a first fit (popped from ``arguments``): with ``resume_at_step``
+    the one of that step, after its training step; with ``resume_after_epochs`` the one of that many epochs' end, of
+    a fit without validation on 3 batches a rank."""
+    if (step := arguments.pop("resume_at_step", None)) is not None:
+        checkpoint = ModelCheckpoint(dirpath=out / "at_step", every_n_train_steps=step, save_top_k=-1)
+        trainer(name, arguments, checkpoint).fit(Classifier(), loader(data, alike), loader("stream2-2", alike))
+        return str(out / "at_step" / f"epoch={arguments['max_epochs'] - 1}-step={step}.ckpt")
+    if (epochs := arguments.pop("resume_after_epochs", None)) is not None:
+        checkpoint = ModelCheckpoint(dirpath=out / "at_epoch_end", save_top_k=-1)
+        trainer(name, {"max_epochs": epochs}, checkpoint).fit(Classifier(), loader("stream3-3", alike))
+        return str(out / "at_epoch_end" / f"epoch={epochs - 1}-step={3 * epochs}.ckpt")
+    return None
+
+
 def run(out: Path, name: str, data: str, arguments: dict[str, Any]) -> dict[str, Any]:
     L.seed_everything(0)
     model, alike = Classifier(), name == "hybrid_pipeline"  # its 2 ranks are the 2 stages of one pipeline
-    arguments, resume_at = dict(arguments), arguments.get("resume_at_step")
-    ckpt_path = None
-    if resume_at is not None:  # a first fit writes the checkpoint of that step, after its training step
-        del arguments["resume_at_step"]
-        checkpoint = ModelCheckpoint(dirpath=out / "checkpoints", every_n_train_steps=resume_at, save_top_k=-1)
-        trainer(name, arguments, checkpoint).fit(Classifier(), loader(data, alike), loader("stream2-2", alike))
-        ckpt_path = str(out / "checkpoints" / f"epoch={arguments['max_epochs'] - 1}-step={resume_at}.ckpt")
+    arguments = dict(arguments)
+    ckpt_path = first_fit(out, name, data, arguments, alike)
     fit = trainer(name, arguments)
     error = None
     with warnings.catch_warnings(record=True) as caught:
