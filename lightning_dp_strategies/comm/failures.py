@@ -54,6 +54,7 @@ PEER_FAILURE_MARKERS = (
     "Connection reset by peer",
     "Broken pipe",
     "Timed out waiting",
+    "Application timeout caused pair closure",  # gloo, on a rank whose peer's side of the pair timed out
     "Connect timeout",
     "wait timeout",
 )
