@@ -53,11 +53,12 @@ def test_uneven_ranks_fail_together_before_the_batch_they_part_at_and_even_ones_
             assert "An `IterableDataset` split by rank must yield the same number of batches" in message
             assert rank[name]["trained"] == 3 or name == "uneven_stream_hybrid", (name, rank[name])
     for rank in ranks:  # a sampler of one's own with 5 batches on rank 0 and 4 on rank 1: fails before the first
-        kind, message = rank["uneven_sampler"]["error"]
-        assert kind == "UnevenBatchesError", message
-        assert "training batches in epoch 0 (rank 0: 5, rank 1: 4)" in message
-        assert "leave `use_distributed_sampler=True`" in message
-        assert rank["uneven_sampler"]["trained"] == 0
+        for name in ("uneven_sampler", "uneven_sampler_dataloader_iter"):  # also where the step reads the iterator
+            kind, message = rank[name]["error"]
+            assert kind == "UnevenBatchesError", message
+            assert "training batches in epoch 0 (rank 0: 5, rank 1: 4)" in message
+            assert "leave `use_distributed_sampler=True`" in message
+            assert rank[name]["trained"] == 0
     for rank in ranks:  # not checked under fault_tolerant: its tries fail with every rank alive, and it gives up
         kind, message = rank["uneven_stream_fault_tolerant"]["error"]
         assert kind == "PeerLostError" and message.endswith(GAVE_UP_HINT), message

@@ -99,6 +99,14 @@ class Classifier(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+class IteratorStep(Classifier):
+    """The classifier with a ``training_step`` that reads its batch from ``dataloader_iter``."""
+
+    def training_step(self, dataloader_iter: Iterator[Any]) -> Tensor:  # type: ignore[override]
+        batch, batch_idx, _ = next(dataloader_iter)
+        return super().training_step(batch, batch_idx)
+
+
 def loader(data: str, alike: bool) -> DataLoader:
     if data in ("once", "late"):
         return DataLoader(Once(late=data == "late"), batch_size=None)
@@ -139,6 +147,11 @@ CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "uneven_stream_hybrid": ("hybrid_pipeline", "stream5-4", {"max_epochs": 1}),
     "uneven_sampler": ("ring_allreduce", "sampler", {"max_epochs": 1, "use_distributed_sampler": False}),
     "uneven_stream_fault_tolerant": ("ring_fault_tolerant", "stream5-4", {"max_epochs": 1}),
+    "uneven_sampler_dataloader_iter": (
+        "ring_allreduce",
+        "sampler",
+        {"max_epochs": 1, "use_distributed_sampler": False, "dataloader_iter": True},
+    ),
 }
 
 
@@ -173,8 +186,8 @@ def first_fit(out: Path, name: str, data: str, arguments: dict[str, Any], alike:
 
 def run(out: Path, name: str, data: str, arguments: dict[str, Any]) -> dict[str, Any]:
     L.seed_everything(0)
-    model, alike = Classifier(), name == "hybrid_pipeline"  # its 2 ranks are the 2 stages of one pipeline
-    arguments = dict(arguments)
+    arguments, alike = dict(arguments), name == "hybrid_pipeline"  # its 2 ranks are the 2 stages of one pipeline
+    model = IteratorStep() if arguments.pop("dataloader_iter", False) else Classifier()
     ckpt_path = first_fit(out, name, data, arguments, alike)
     fit = trainer(name, arguments)
     error = None
