@@ -15,7 +15,9 @@ collective goes astray:
   differ fail there;
 - where some rank's count is unknown it counts, at every batch of that epoch, the ranks for which it is the last;
   some but not all fails there (the flags are then gathered to name the ranks). That costs one all-reduce of one
-  integer a batch, which the epochs of loaders of known length do not pay.
+  integer a batch, which the epochs of loaders of known length do not pay. A ``training_step(dataloader_iter)``
+  learns of the end only from its own ``next()``: the iterator it is given counts, at each ``next()``, the ranks
+  that ran out instead (:meth:`EvenBatches.reading`).
 
 A rank with no batch at all in an epoch never reaches the check, and the others' comparison fails only at the
 ``timeout``; that rank warns on its own of the epochs it had no batch in, at its next batch or when training ends.
@@ -25,8 +27,9 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -52,6 +55,8 @@ ITERABLE_FIX = (
 )
 
 
+T = TypeVar("T")
+
 CHECK_WHAT = "Comparing the ranks' numbers of training batches"
 """What the check's collectives are called in the error a peer's failure in them raises."""
 
@@ -74,8 +79,9 @@ class BatchPosition:
     batch_idx: int
     count: int
     """This rank's number of training batches in the epoch; :data:`UNKNOWN` where its loader cannot tell."""
-    ends: bool
-    """Whether this batch is the last of this rank's epoch."""
+    ends: bool | None
+    """Whether this batch is the last of this rank's epoch; ``None`` where only the training step's own ``next()``
+    tells (a ``training_step(dataloader_iter)``)."""
 
 
 def _ranks(ranks: list[int], verb: tuple[str, str]) -> str:
@@ -154,6 +160,8 @@ class EvenBatches:
         """How every rank's integer is summed (likewise)."""
         self._epoch: int | None = None
         self._every_batch = False
+        self._reads_checked = False
+        self._fetches = 0
         self._last_with_batch: int | None = None
 
     def begin(self, epoch: int, at_start: bool, reloaded: bool = False) -> None:
@@ -187,17 +195,39 @@ class EvenBatches:
         self._warn_empty(position.epoch)
         self._last_with_batch = position.epoch
         if position.epoch != self._epoch:
-            self._epoch = position.epoch
+            self._epoch, self._fetches = position.epoch, 0
             counts = self._gather(position.count, device)
             known = [count for count in counts if count != UNKNOWN]
             if len(set(known)) > 1:
                 raise UnevenBatchesError(count_message(position.epoch, counts))
             self._every_batch = len(known) < len(counts)
-        if self._every_batch:
-            ending = int(self.total(torch.tensor([int(position.ends)], dtype=torch.int64, device=device)).item())
-            if 0 < ending < dist.get_world_size():  # alike on every rank: all gather the flags to name the ranks
-                ends = self._gather(int(position.ends), device)
-                raise UnevenBatchesError(ends_message(position.epoch, position.batch_idx, ends))
+        self._reads_checked = self._every_batch and position.ends is None
+        if self._every_batch and position.ends is not None:
+            self._compare_ends(position.ends, position.batch_idx, device)
+
+    def reading(self, args: tuple[Any, ...], device: torch.device) -> tuple[Any, ...]:
+        """A training step's arguments; where the batch's end is told only by the step's own ``next()`` and some
+        rank's count is unknown, its one argument, the iterator, wrapped to check each ``next()`` (:meth:`fetched`)."""
+        return (CheckedReads(args[0], self, device),) if self._reads_checked and len(args) == 1 else args
+
+    def fetched(self, fetch: Callable[[], T], device: torch.device) -> T:
+        """``fetch()``, a ``next()`` of the iterator a training step reads, compared with every rank's: raises
+        :class:`UnevenBatchesError` on every rank where some but not all ran out, ``StopIteration`` where all did."""
+        try:
+            item, ends = fetch(), False
+        except StopIteration:
+            ends = True
+        self._compare_ends(ends, self._fetches - 1, device)
+        if ends:
+            raise StopIteration
+        self._fetches += 1
+        return item
+
+    def _compare_ends(self, ends: bool, batch_idx: int, device: torch.device) -> None:
+        """Raise on every rank where ``ends`` (whether this rank's epoch ends at batch ``batch_idx``) differs."""
+        ending = int(self.total(torch.tensor([int(ends)], dtype=torch.int64, device=device)).item())
+        if 0 < ending < dist.get_world_size():  # alike on every rank: all gather the flags to name the ranks
+            raise UnevenBatchesError(ends_message(self._epoch or 0, batch_idx, self._gather(int(ends), device)))
 
     def _gather(self, value: int, device: torch.device) -> list[int]:
         return [int(v) for v in self.gather(torch.tensor([value], dtype=torch.int64, device=device)).reshape(-1)]
@@ -207,3 +237,23 @@ def total_world(tensor: Tensor) -> Tensor:
     """``tensor`` summed over the default group, in place (an all-reduce: cheaper than an all-gather)."""
     dist.all_reduce(tensor)
     return tensor
+
+
+class CheckedReads(Iterator[T]):
+    """``inner``, the iterator a training step reads its batches from, each ``next()`` through ``check.fetched``;
+    its other attributes (a ``dataloader_iter``'s ``done``, say) the inner one's."""
+
+    def __init__(self, inner: Iterator[T], check: EvenBatches, device: torch.device) -> None:
+        self.inner, self.check, self.device = inner, check, device
+
+    def __iter__(self) -> CheckedReads[T]:
+        return self
+
+    def __next__(self) -> T:
+        return self.check.fetched(self.inner.__next__, self.device)
+
+    def __getattr__(self, name: str) -> Any:
+        inner = self.__dict__.get("inner")
+        if inner is None:
+            raise AttributeError(name)
+        return getattr(inner, name)

@@ -11,6 +11,7 @@ from lightning.fabric.utilities.data import _set_sampler_epoch, has_iterable_dat
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.connectors.signal_connector import _get_sigkill_signal
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 
 from lightning_dp_strategies.core.even_batches import UNKNOWN, BatchPosition
 
@@ -60,7 +61,7 @@ def batch_position(strategy: Strategy, batch_idx: int) -> BatchPosition:
     none holds an ``IterableDataset`` (whose length need not be what it yields), else unknown. The batch ends this
     rank's epoch if it is its last: Lightning knows that here (it fetches one batch ahead), and validates after it. A
     rank at its epoch's last batch therefore parts from one that is not even where ``max_steps`` stops both there:
-    only the first validates.
+    only the first validates. A ``training_step(dataloader_iter)`` fetches its batch itself: there it is not known.
     """
     assert strategy.lightning_module is not None
     trainer = strategy.lightning_module.trainer
@@ -68,7 +69,8 @@ def batch_position(strategy: Strategy, batch_idx: int) -> BatchPosition:
     count = trainer.num_training_batches
     known = not math.isinf(count) and not any(has_iterable_dataset(dl) for dl in _loaders(trainer.train_dataloader))
     last = progress.is_last_batch or progress.current.ready == count
-    return BatchPosition(trainer.current_epoch, batch_idx, int(count) if known else UNKNOWN, last)
+    reads = is_param_in_hook_signature(strategy.lightning_module.training_step, "dataloader_iter", explicit=True)
+    return BatchPosition(trainer.current_epoch, batch_idx, int(count) if known else UNKNOWN, None if reads else last)
 
 
 def should_log(strategy: Strategy, enabled: bool) -> bool:

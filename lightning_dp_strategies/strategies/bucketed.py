@@ -36,7 +36,6 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.optimizer import _optimizer_to_device
-from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
@@ -69,6 +68,7 @@ from lightning_dp_strategies.strategies._trainer import batch_position, stop_sta
 from lightning_dp_strategies.strategies.options import TRAINER_PLUGINS, StrategyOptions
 from lightning_dp_strategies.strategies.precision import (
     ClipByNorm,
+    ClippingAcrossRanks,
     GlobalNormClipping,
     readable_by_wrapper,
     stored_under_plugin_name,
@@ -178,17 +178,8 @@ class BucketedDataParallel(DDPStrategy):
     checkpoint_io = AtomicByDefault()
     """The ``checkpoint_io`` given, else an :class:`~lightning_dp_strategies.AtomicCheckpointIO`."""
 
-    @property
-    @override
-    def precision_plugin(self) -> Precision:
-        """Lightning's plugin; from setup to teardown where clipping by norm spans ranks, it wrapped."""
-        clipping = self.__dict__.get("_clipping")
-        return clipping if clipping is not None else super().precision_plugin
-
-    @precision_plugin.setter
-    def precision_plugin(self, precision_plugin: Precision | None) -> None:
-        self._clipping = None
-        DDPStrategy.precision_plugin.fset(self, precision_plugin)  # type: ignore[attr-defined]
+    precision_plugin = ClippingAcrossRanks()
+    """Lightning's plugin; from setup to teardown where clipping by norm spans ranks, it wrapped."""
 
     def clip_by_norm_across(self, clip_grad_by_norm: ClipByNorm) -> None:
         """From now to teardown, clipping by norm (``gradient_clip_val``) calls ``clip_grad_by_norm``."""
@@ -281,6 +272,11 @@ class BucketedDataParallel(DDPStrategy):
         super().on_train_batch_start(batch, batch_idx)
         self.distinct_batches.check(batch, self.grad_group_ranks(), self.root_device)
         self.even_batches.check(batch_position(self, batch_idx), self.root_device)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's; a ``dataloader_iter`` it is given may be checked at each ``next()`` (``even_batches``)."""
+        return super().training_step(*self.even_batches.reading(args, self.root_device), **kwargs)
 
     @override
     def on_train_end(self) -> None:

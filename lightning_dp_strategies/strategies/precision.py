@@ -16,11 +16,19 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch.optim import Optimizer
 from typing_extensions import override
 
-__all__ = ["ClipByNorm", "GlobalNormClipping", "checkpoint_key", "readable_by_wrapper", "stored_under_plugin_name"]
+__all__ = [
+    "ClipByNorm",
+    "ClippingAcrossRanks",
+    "GlobalNormClipping",
+    "checkpoint_key",
+    "readable_by_wrapper",
+    "stored_under_plugin_name",
+]
 
 ClipByNorm = Callable[[Optimizer, float], None]
 
@@ -135,3 +143,32 @@ class GlobalNormClipping(Precision):
     on_load_checkpoint = _forwarded("on_load_checkpoint")
     on_save_checkpoint = _forwarded("on_save_checkpoint")
     teardown = _forwarded("teardown")
+
+
+class ClippingAcrossRanks:
+    """A strategy's ``precision_plugin`` attribute: Lightning's plugin, or, while the strategy's ``_clipping`` holds
+    a :class:`GlobalNormClipping` (from its setup to its teardown), that wrapper. Setting a plugin drops the wrapper;
+    Lightning sets and reads it as it does its own strategies' property.
+
+    Examples:
+        >>> from lightning.pytorch.strategies import SingleDeviceStrategy
+        >>> class Strategy(SingleDeviceStrategy):
+        ...     precision_plugin = ClippingAcrossRanks()
+        >>> strategy = Strategy("cpu", precision_plugin=Precision())
+        >>> strategy._clipping = GlobalNormClipping(strategy.precision_plugin, lambda optimizer, value: None)
+        >>> type(strategy.precision_plugin).__name__
+        'GlobalNormClipping'
+        >>> strategy.precision_plugin = Precision()
+        >>> type(strategy.precision_plugin).__name__, strategy._clipping
+        ('Precision', None)
+    """
+
+    def __get__(self, obj: Any, owner: type) -> Any:
+        if obj is None:
+            return self
+        clipping = obj.__dict__.get("_clipping")
+        return clipping if clipping is not None else Strategy.precision_plugin.fget(obj)  # type: ignore[attr-defined]
+
+    def __set__(self, obj: Any, plugin: Precision | None) -> None:
+        obj._clipping = None
+        Strategy.precision_plugin.fset(obj, plugin)  # type: ignore[attr-defined]

@@ -30,6 +30,7 @@ def test_uneven_ranks_fail_together_before_the_batch_they_part_at_and_even_ones_
     run_ranks("tests.strategies.uneven_batches_scenarios", [str(tmp_path), ",".join(CASES)], 2, timeout=150)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     evens = {"even_stream": 8, "uneven_stream_limited": 6, "uneven_stream_max_steps": 3, "resumed_after_last_batch": 8}
+    evens["even_stream_dataloader_iter"] = 8
     for name, steps in evens.items():
         assert [rank[name]["error"] for rank in ranks] == [None, None], name
         assert [rank[name]["steps"] for rank in ranks] == [steps, steps], name
@@ -52,6 +53,11 @@ def test_uneven_ranks_fail_together_before_the_batch_they_part_at_and_even_ones_
             assert "rank 1 ends epoch 0 after 4 batches while rank 0 has more" in message, message
             assert "An `IterableDataset` split by rank must yield the same number of batches" in message
             assert rank[name]["trained"] == 3 or name == "uneven_stream_hybrid", (name, rank[name])
+    for rank in ranks:  # a training_step(dataloader_iter): both fail at the 5th next(), where rank 1 runs out
+        kind, message = rank["uneven_stream_dataloader_iter"]["error"]
+        assert kind == "UnevenBatchesError", message
+        assert "rank 1 ends epoch 0 after 4 batches while rank 0 has more" in message, message
+        assert rank["uneven_stream_dataloader_iter"]["trained"] == 4
     for rank in ranks:  # a sampler of one's own with 5 batches on rank 0 and 4 on rank 1: fails before the first
         for name in ("uneven_sampler", "uneven_sampler_dataloader_iter"):  # also where the step reads the iterator
             kind, message = rank[name]["error"]
@@ -85,7 +91,7 @@ class TwoRanks:
         return check
 
 
-def position(epoch: int, batch_idx: int, count: int, ends: bool = False) -> BatchPosition:
+def position(epoch: int, batch_idx: int, count: int, ends: bool | None = False) -> BatchPosition:
     return BatchPosition(epoch=epoch, batch_idx=batch_idx, count=count, ends=ends)
 
 
@@ -164,6 +170,34 @@ def test_ranks_that_end_their_epoch_together_pass_and_a_new_fit_compares_counts_
     with pytest.raises(UnevenBatchesError, match=r"rank 0: 4, rank 1: 3"):
         check.check(position(0, 0, 4), CPU)  # epoch 0 again, in a new fit
     assert other.calls == 4
+
+
+def test_a_step_that_reads_its_iterator_is_compared_at_each_next_and_fails_where_one_rank_ran_out(
+    mocker: MockerFixture,
+) -> None:
+    # training_step(dataloader_iter): the end shows only at the step's own next(), so the flags are summed there.
+    other = TwoRanks(mocker, [UNKNOWN, 0, 0, 1, UNKNOWN, 0, 0, 0])  # the other rank: 2 batches, then 2 or more
+    check = other.answer(EvenBatches())
+    check.check(position(0, 0, UNKNOWN, ends=None), CPU)  # the epoch's counts; no flag before the step's next()
+    assert other.calls == 1
+    fake = iter([("a", 0, 0), ("b", 1, 0)])
+    [reads] = check.reading((fake,), CPU)
+    assert next(reads) == ("a", 0, 0) and other.calls == 2
+    assert [batch for batch, _, _ in reads] == ["b"] and other.calls == 4  # a for loop ends where every rank ends
+    check.check(position(1, 0, UNKNOWN, ends=None), CPU)
+    [reads] = check.reading((iter([("c", 0, 0)]),), CPU)
+    next(reads)
+    with pytest.raises(UnevenBatchesError, match="rank 0 ends epoch 1 after 1 batches while rank 1 has more"):
+        next(reads)
+    assert check.reading((fake, 0), CPU)[0] is fake  # (batch, batch_idx): nothing to wrap
+
+
+def test_a_step_that_reads_its_iterator_over_known_counts_is_not_compared_per_batch(mocker: MockerFixture) -> None:
+    other = TwoRanks(mocker, [5])
+    check = other.answer(EvenBatches())
+    check.check(position(0, 0, 5, ends=None), CPU)
+    fake = iter([1])
+    assert check.reading((fake,), CPU)[0] is fake and other.calls == 1
 
 
 def test_a_disabled_check_and_a_world_of_one_gather_nothing(mocker: MockerFixture) -> None:

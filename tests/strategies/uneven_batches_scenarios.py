@@ -132,6 +132,7 @@ def strategy(name: str) -> Any:
 CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
     # name: (strategy, training data, Trainer arguments)
     "even_stream": ("streaming_diloco", "stream4-4", {"max_epochs": 2}),
+    "even_stream_dataloader_iter": ("streaming_diloco", "stream4-4", {"max_epochs": 2, "dataloader_iter": True}),
     "uneven_stream_limited": ("ring_allreduce", "stream5-4", {"max_epochs": 2, "limit_train_batches": 3}),
     "uneven_stream_max_steps": ("ring_allreduce", "stream5-4", {"max_steps": 3}),  # ends before either runs out
     "exhausted_stream": ("ring_allreduce", "once", {"max_epochs": 3}),  # no rank has a batch after the first epoch
@@ -147,6 +148,7 @@ CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "uneven_stream_hybrid": ("hybrid_pipeline", "stream5-4", {"max_epochs": 1}),
     "uneven_sampler": ("ring_allreduce", "sampler", {"max_epochs": 1, "use_distributed_sampler": False}),
     "uneven_stream_fault_tolerant": ("ring_fault_tolerant", "stream5-4", {"max_epochs": 1}),
+    "uneven_stream_dataloader_iter": ("ring_allreduce", "stream5-4", {"max_epochs": 1, "dataloader_iter": True}),
     "uneven_sampler_dataloader_iter": (
         "ring_allreduce",
         "sampler",
