@@ -314,12 +314,16 @@ class BucketedDataParallel(DDPStrategy):
 
     @override
     def optimizer_step(
-        self, optimizer: Optimizer, closure: Callable[[], Any], model: pl.LightningModule | Any | None = None, **kw: Any
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | Any | None = None,
+        **kwargs: Any,
     ) -> Any:
         module = self.lightning_module
         if module is not None:
             closure = self.engine.guard(closure, optimizer, module.named_parameters(), self.root_device)
-        step = functools.partial(super().optimizer_step, optimizer, closure, model, **kw)
+        step = functools.partial(super().optimizer_step, optimizer, closure, model, **kwargs)
         output = step() if self.survival is None else self.survival.step(step, closure)
         self.engine.after_step(optimizer)
         self._log_step()

@@ -29,8 +29,13 @@ def test_uneven_ranks_fail_together_before_the_batch_they_part_at_and_even_ones_
     # gloo's message, and a run of them all would pass the deadline below.
     run_ranks("tests.strategies.uneven_batches_scenarios", [str(tmp_path), ",".join(CASES)], 2, timeout=150)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    evens = {"even_stream": 8, "uneven_stream_limited": 6, "uneven_stream_max_steps": 3, "resumed_after_last_batch": 8}
-    evens["even_stream_dataloader_iter"] = 8
+    evens = {
+        "even_stream": 8,
+        "even_stream_dataloader_iter": 8,
+        "uneven_stream_limited": 6,
+        "uneven_stream_max_steps": 3,
+        "resumed_after_last_batch": 8,
+    }
     for name, steps in evens.items():
         assert [rank[name]["error"] for rank in ranks] == [None, None], name
         assert [rank[name]["steps"] for rank in ranks] == [steps, steps], name
