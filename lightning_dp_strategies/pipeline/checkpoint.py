@@ -5,7 +5,7 @@ A stage holds the state of its own blocks, and the last stage also the state out
 rank 0 builds the whole model's state in its own key and parameter order, with meta-device stand-ins for the other
 stages' tensors, which :func:`~lightning_dp_strategies.pipeline.streamed.write_streamed` fills in one tensor at a
 time as the file is written. The result is what one device would save, so it loads under any strategy. Loading
-takes from such a checkpoint what this stage holds. The save functions are collectives over every rank (the default
+takes from such a checkpoint what this rank holds. The save functions are collectives over every rank (the default
 group, which outlives the strategy's own groups, so saving after ``fit`` works); the load functions over the
 pipeline group.
 """
@@ -103,19 +103,34 @@ def whole_optimizer_state(
     return merge_optimizer_states(parts, layout.param_order)
 
 
-def load_stage_state(module: nn.Module, layout: Layout, state: Mapping[str, Any], strict: bool = True) -> None:
-    """Load the entries of a whole-model ``state_dict`` that this stage owns; ``strict`` checks the keys against the
-    whole model."""
+def load_stage_state(module: nn.Module, layout: Layout | None, state: Mapping[str, Any], strict: bool = True) -> None:
+    """Load the entries of a whole-model ``state_dict`` that this rank holds: every tensor of ``module`` that is not
+    on the meta device (its stage's blocks, the submodules outside the body, the blocks a finetuning run keeps); the
+    other stages' blocks are left as they are. ``strict`` checks the keys against the whole model (``layout``'s, or
+    ``module``'s own where there is no layout).
+
+    Examples:
+        >>> import torch
+        >>> with torch.device("meta"):
+        ...     elsewhere = nn.Linear(2, 2)
+        >>> held = nn.Sequential(nn.Linear(2, 2, bias=False), elsewhere)
+        >>> load_stage_state(held, None, {"0.weight": torch.ones(2, 2), "1.weight": torch.ones(2, 2),
+        ...                               "1.bias": torch.ones(2)})
+        >>> held[0].weight.sum().item(), held[1].weight.is_meta
+        (4.0, True)
+    """
+    current = module.state_dict(keep_vars=True)
     if strict:
-        full = set(layout.full_keys)
-        missing = sorted(k for k in layout.full_keys if k not in state)
-        unexpected = sorted(k for k in state if k not in full)
+        keys = layout.full_keys if layout is not None else list(current)
+        missing = sorted(k for k in keys if k not in state)
+        unexpected = sorted(k for k in state if k not in set(keys))
         if missing or unexpected:
             raise RuntimeError(
                 f"The checkpoint does not match {type(module).__name__}: missing keys {missing}, unexpected keys "
                 f"{unexpected}. Pass `strict=False` to load what matches."
             )
-    module.load_state_dict({k: v for k, v in state.items() if layout.owns(k)}, strict=False)
+    held = {k: v for k, v in state.items() if k in current and not current[k].is_meta}
+    module.load_state_dict(held, strict=False)
 
 
 def load_stage_optimizer_state(

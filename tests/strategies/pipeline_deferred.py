@@ -4,7 +4,8 @@ Run as ``python -m tests.strategies.pipeline_deferred STAGES WORLD OUTDIR`` (``S
 module initializes every block itself with :func:`materialize`, as each stage does for its own). Every rank writes
 ``OUTDIR/rank{r}.pt``: which blocks hold storage at the start and the end of ``fit`` and after it, and ``validate``
 after ``fit``; rank 0 adds the trained parameters from the checkpoint ``ModelCheckpoint`` wrote during ``fit`` and
-from the one ``trainer.save_checkpoint`` wrote after it. ``LDPS_UNINITIALIZABLE=1`` ends the body with a
+from the one ``trainer.save_checkpoint`` wrote after it. A fresh module then validates from that checkpoint and
+resumes from it for a third epoch (``resume``). ``LDPS_UNINITIALIZABLE=1`` ends the body with a
 block that cannot be initialized from meta; ``LDPS_FINETUNING=1`` adds a ``BaseFinetuning`` callback.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -131,7 +133,27 @@ def main(stages: int, world: int, out: Path) -> None:
             checkpoint = torch.load(name, weights_only=False)
             result[key] = {k: v.clone() for k, v in checkpoint["state_dict"].items()}
             result[key.replace("params", "optimizer")] = checkpoint["optimizer_states"][0]["state"]
+    result.update(resume(stages, world, out / "after-fit.ckpt", train, val))
     torch.save(result, out / f"rank{trainer.global_rank}.pt")
+
+
+def resume(stages: int, world: int, path: Path, train: Any, val: Any) -> dict[str, Any]:
+    """A fresh module, built on meta again, validated from the checkpoint ``path`` and trained on from it for one
+    more epoch; with the torch warnings of loads into the meta device that did nothing."""
+    trainer, _, _ = cpu_trainer(
+        stages, world, max_epochs=3, logger=False, enable_model_summary=False, enable_checkpointing=False
+    )
+    fresh = DeferredNet(one_device=stages == 0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = trainer.validate(fresh, val, ckpt_path=path, verbose=False)
+        trainer.fit(fresh, train, val, ckpt_path=path)
+    trainer.save_checkpoint(path.parent / "resumed.ckpt")
+    noops = [str(w.message) for w in caught if "which is a no-op" in str(w.message)]
+    result: dict[str, Any] = {"validate_loaded": loaded, "noop_loads": noops}
+    if trainer.global_rank == 0:
+        result["resumed_params"] = torch.load(path.parent / "resumed.ckpt", weights_only=False)["state_dict"]
+    return result
 
 
 if __name__ == "__main__":

@@ -185,17 +185,15 @@ class StreamedCheckpointer:
     def load_model_state(
         module: nn.Module, layout: Layout | None, state_dict: Mapping[str, Any], strict: bool = True
     ) -> None:
-        """Load a whole-model ``state_dict`` (from any strategy or a single device); each stage takes its part.
+        """Load a whole-model ``state_dict`` (from any strategy or a single device); each rank takes what it holds,
+        the other stages' blocks (on the meta device here) are left to their stages.
 
         Args:
             module: the LightningModule.
-            layout: this run's layout (``None``: the module loads it whole).
+            layout: this run's layout (``None``: outside a run, the module's own keys are the whole model's).
             state_dict: the whole model's state.
             strict: as in ``nn.Module.load_state_dict``.
         """
-        if layout is None:
-            module.load_state_dict(state_dict, strict=strict)
-            return
         load_stage_state(module, layout, state_dict, strict)
 
     @staticmethod
@@ -272,6 +270,13 @@ class StreamedCheckpoints(BucketedDataParallel):
 
         target, io = (filepath, storage_options), (self.checkpoint_io, save_plain)
         self.checkpointer.finish(checkpoint, target, self.is_global_zero, device, io, write)
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Restore after setup: a module built on the meta device has its stage's blocks only then, and each rank
+        loads what it holds."""
+        return True
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
