@@ -103,21 +103,26 @@ def whole_optimizer_state(
     return merge_optimizer_states(parts, layout.param_order)
 
 
-def load_stage_state(module: nn.Module, layout: Layout | None, state: Mapping[str, Any], strict: bool = True) -> None:
+def load_stage_state(
+    module: nn.Module, layout: Layout | None, state: Mapping[str, Any], strict: bool = True
+) -> dict[str, Any]:
     """Load the entries of a whole-model ``state_dict`` that this rank holds: every tensor of ``module`` that is not
-    on the meta device (its stage's blocks, the submodules outside the body, the blocks a finetuning run keeps); the
-    other stages' blocks are left as they are. ``strict`` checks the keys against the whole model (``layout``'s, or
-    ``module``'s own where there is no layout).
+    on the meta device (its stage's blocks, the submodules outside the body, the blocks a finetuning run keeps).
+    ``strict`` checks the keys against the whole model (``layout``'s, or ``module``'s own where there is no layout).
+
+    Returns:
+        The entries left out, whose tensors are on the meta device here (another stage's blocks, or blocks not yet
+        allocated).
 
     Examples:
         >>> import torch
         >>> with torch.device("meta"):
         ...     elsewhere = nn.Linear(2, 2)
         >>> held = nn.Sequential(nn.Linear(2, 2, bias=False), elsewhere)
-        >>> load_stage_state(held, None, {"0.weight": torch.ones(2, 2), "1.weight": torch.ones(2, 2),
-        ...                               "1.bias": torch.ones(2)})
-        >>> held[0].weight.sum().item(), held[1].weight.is_meta
-        (4.0, True)
+        >>> left = load_stage_state(held, None, {"0.weight": torch.ones(2, 2), "1.weight": torch.ones(2, 2),
+        ...                                      "1.bias": torch.ones(2)})
+        >>> held[0].weight.sum().item(), held[1].weight.is_meta, sorted(left)
+        (4.0, True, ['1.bias', '1.weight'])
     """
     current = module.state_dict(keep_vars=True)
     if strict:
@@ -131,6 +136,7 @@ def load_stage_state(module: nn.Module, layout: Layout | None, state: Mapping[st
             )
     held = {k: v for k, v in state.items() if k in current and not current[k].is_meta}
     module.load_state_dict(held, strict=False)
+    return {k: v for k, v in state.items() if k in current and current[k].is_meta}
 
 
 def load_stage_optimizer_state(

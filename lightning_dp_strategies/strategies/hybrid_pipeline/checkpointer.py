@@ -82,6 +82,9 @@ class StreamedCheckpointer:
     def __init__(self) -> None:
         self.current = PipelineSave()
         """The save in progress (a fresh one between saves): what ``optimizer_state`` describes into."""
+        self.pending: dict[str, Any] = {}
+        """Entries of a checkpoint loaded before setup whose tensors were on the meta device then (:meth:`load_pending`
+        loads them once the stage has its blocks)."""
 
     # ------------------------------------------------------------------ save
     def begin(self) -> PipelineSave:
@@ -181,20 +184,28 @@ class StreamedCheckpointer:
             save.inbox.drain(_receive, device)  # after a failure: no sender is left waiting
 
     # ------------------------------------------------------------------ load
-    @staticmethod
     def load_model_state(
-        module: nn.Module, layout: Layout | None, state_dict: Mapping[str, Any], strict: bool = True
+        self, module: nn.Module, layout: Layout | None, state_dict: Mapping[str, Any], strict: bool = True
     ) -> None:
-        """Load a whole-model ``state_dict`` (from any strategy or a single device); each rank takes what it holds,
-        the other stages' blocks (on the meta device here) are left to their stages.
+        """Load a whole-model ``state_dict`` (from any strategy or a single device); each rank takes what it holds.
+        Before setup (no ``layout``), what lands on the meta device (a body built there, or the other stages' blocks
+        after an earlier run) is kept for :meth:`load_pending`; during a run, the other stages' blocks are theirs.
 
         Args:
             module: the LightningModule.
-            layout: this run's layout (``None``: outside a run, the module's own keys are the whole model's).
+            layout: this run's layout (``None``: before setup, the module's own keys are the whole model's).
             state_dict: the whole model's state.
             strict: as in ``nn.Module.load_state_dict``.
         """
-        load_stage_state(module, layout, state_dict, strict)
+        left = load_stage_state(module, layout, state_dict, strict)
+        self.pending = left if layout is None else {}
+
+    def load_pending(self, module: nn.Module) -> None:
+        """Load the entries kept by :meth:`load_model_state` into the tensors this rank now holds (its stage's blocks,
+        allocated at setup); the rest belong to other stages."""
+        pending, self.pending = self.pending, {}
+        if pending:
+            load_stage_state(module, None, pending, strict=False)
 
     @staticmethod
     def load_optimizer_states(
@@ -270,13 +281,6 @@ class StreamedCheckpoints(BucketedDataParallel):
 
         target, io = (filepath, storage_options), (self.checkpoint_io, save_plain)
         self.checkpointer.finish(checkpoint, target, self.is_global_zero, device, io, write)
-
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        """Restore after setup: a module built on the meta device has its stage's blocks only then, and each rank
-        loads what it holds."""
-        return True
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

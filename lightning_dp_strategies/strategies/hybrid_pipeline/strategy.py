@@ -246,6 +246,7 @@ class HybridPipelineStrategy(PipelineSteps, StreamedCheckpoints):
         self._check_ranks_agree()  # the whole model, before it is partitioned and rank 0's weights broadcast
         finetuning = fitting and any(isinstance(c, BaseFinetuning) for c in trainer.callbacks)  # type: ignore[attr-defined]
         layout, bodies = self._place_stage(module, body_name, keep_others=finetuning)
+        self.checkpointer.load_pending(module)  # a checkpoint restored before setup, into the blocks placed here
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self.placement.sync_replicas(module, layout)
@@ -365,6 +366,7 @@ class HybridPipelineStrategy(PipelineSteps, StreamedCheckpoints):
         self._return_to_rank_zero()
         self.runner = None
         self.driver.reset()
+        self.checkpointer.pending = {}
         with cpu_keeps_meta(self.lightning_module):
             super().teardown()  # closes the buckets and reducer, destroys the gradient groups
         # every fit/validate/predict makes a fresh mesh: repeated calls in one process must not pile groups up
