@@ -23,6 +23,7 @@ from torch.optim import Optimizer
 from lightning_dp_strategies.pipeline.layout import Layout
 from lightning_dp_strategies.pipeline.state import (
     full_group_names,
+    keep_owned_parameters,
     merge_optimizer_states,
     name_optimizer_state,
     select_optimizer_state,
@@ -91,16 +92,18 @@ def param_group_names(optimizer: Optimizer, module: nn.Module) -> list[list[str]
 
 def whole_optimizer_state(
     optimizer: Optimizer, module: nn.Module, layout: Layout, outbox: Outbox, inbox: Inbox
-) -> dict[str, Any] | None:
+) -> tuple[dict[str, Any], list[list[str]]] | None:
     """The optimizer state of the whole model on global rank 0, numbered as one optimizer over the module would be
-    (the other stages' tensors as stand-ins in ``inbox``); ``None`` elsewhere."""
+    (the other stages' tensors as stand-ins in ``inbox``), and per parameter group the names of its parameters in
+    that numbering's order; ``None`` elsewhere."""
     owned = {n for n, _ in module.named_parameters() if layout.owns(n)}
     named = name_optimizer_state(optimizer.state_dict(), param_group_names(optimizer, module), owned)
     parts = _describe_to_rank_zero(named, layout, outbox, inbox)
     if parts is None:
         return None
     parts[0] = {**named, "state": _on_cpu(named["state"])}
-    return merge_optimizer_states(parts, layout.param_order)
+    names = full_group_names([[g["params"] for g in part["param_groups"]] for part in parts], layout.param_order)
+    return merge_optimizer_states(parts, layout.param_order), names
 
 
 def load_stage_state(
@@ -142,8 +145,11 @@ def load_stage_state(
 def load_stage_optimizer_state(
     optimizer: Optimizer, module: nn.Module, layout: Layout, full: Mapping[str, Any]
 ) -> None:
-    """Load into this stage's ``optimizer`` its part of a whole-model optimizer state (collective)."""
+    """Load into this stage's ``optimizer`` its part of a whole-model optimizer state (collective). Its groups are
+    first cut to this stage's parameters, which a callback that sets whole-model groups before the load (Lightning's
+    ``BaseFinetuning`` when a fit resumes) leaves to do."""
     owned = {n for n, _ in module.named_parameters() if layout.owns(n)}
+    keep_owned_parameters(optimizer, {id(p) for n, p in module.named_parameters() if n in owned})
     local_names = param_group_names(optimizer, module)
     owned_names = [[n for n in group if n in owned] for group in local_names]
     full_names = full_group_names(all_gather_stages(owned_names, layout), layout.param_order)

@@ -159,3 +159,26 @@ def assert_summary(got: dict[str, Any], one_device: dict[str, Any], stages: int,
         console.width = width
     text = captured.get()
     assert PER_DEVICE in text and f" {stage_zero} " in text and f"Total params: {whole}" in text, text
+
+
+def resumed(tmp: Path, stages: int, world: int, *ckpt: Path) -> dict[str, Any]:
+    run_ranks("tests.strategies.pipeline_finetune_resume", [str(stages), str(world), str(tmp), *map(str, ckpt)], world)
+    result: dict[str, Any] = torch.load(tmp / "resumed.pt", weights_only=False)
+    return result
+
+
+@NUMERICS
+@pytest.mark.timeout(300)
+def test_a_finetuning_schedule_resumed_in_its_middle_trains_as_on_one_device(tmp_path: Path) -> None:
+    """BaseFinetuning records the optimizer's parameter groups by name and restores them when a fit resumes: the
+    checkpoint must hold the whole model's groups (rank 0's optimizer holds only its stage's), and each stage must
+    cut the restored groups back to its own before the optimizer state loads. Resumed pipelined, and on one device
+    from the pipelined run's checkpoint, the run ends where one device's resumed run ends."""
+    one = resumed(tmp_path / "one", 0, 1)
+    pipelined = resumed(tmp_path / "s2d1", 2, 2)
+    crossed = resumed(tmp_path / "cross", 0, 1, tmp_path / "s2d1" / "part" / "last.ckpt")
+    assert one["groups"] == [4, 2, 2]  # the fast group, the rest, and the one added at epoch 1
+    for got in (pipelined, crossed):
+        assert got["groups"] == one["groups"]
+        for name, value in one["params"].items():
+            assert (got["params"][name] - value).abs().max().item() <= TOLERANCE, name

@@ -58,6 +58,8 @@ class PipelineSave:
 
     outbox: Outbox = field(default_factory=Outbox)
     inbox: Inbox = field(default_factory=Inbox)
+    group_names: list[list[list[str]]] = field(default_factory=list)
+    """On rank 0, per optimizer saved, per parameter group, the whole model's names of its parameters."""
 
 
 AtomicWrite = Callable[[Any, Callable[[IO[bytes]], None]], None]
@@ -67,6 +69,35 @@ AtomicWrite = Callable[[Any, Callable[[IO[bytes]], None]], None]
 def _receive(src: int, buffer: Tensor) -> None:
     """Fill ``buffer`` with the next tensor rank ``src`` sends."""
     dist.recv(buffer, src=src)
+
+
+def _whole_finetuning_groups(checkpoint: dict[str, Any], group_names: list[list[list[str]]]) -> None:
+    """Give the parameter groups a ``BaseFinetuning`` callback recorded (by name, to restore them when a fit resumes)
+    the whole model's parameters, as the saved optimizer state has them: on rank 0 it recorded its stage's. Each state
+    is replaced in ``checkpoint``, not changed (it is the callback's own).
+
+    Examples:
+        >>> metadata = {0: [{"lr": 0.1, "params": ["a"]}]}
+        >>> checkpoint = {"callbacks": {"Unfreeze": {"internal_optimizer_metadata": metadata}}}
+        >>> _whole_finetuning_groups(checkpoint, [[["a", "b"]]])
+        >>> checkpoint["callbacks"]["Unfreeze"]["internal_optimizer_metadata"], metadata
+        ({0: [{'lr': 0.1, 'params': ['a', 'b']}]}, {0: [{'lr': 0.1, 'params': ['a']}]})
+    """
+    callbacks = checkpoint.get("callbacks") or {}
+    for key, state in list(callbacks.items()):
+        recorded = state.get("internal_optimizer_metadata") if isinstance(state, dict) else None
+        if isinstance(recorded, dict):
+            whole = {index: _whole_groups(groups, group_names, index) for index, groups in recorded.items()}
+            callbacks[key] = {**state, "internal_optimizer_metadata": whole}
+
+
+def _whole_groups(groups: list[dict[str, Any]], group_names: list[list[list[str]]], index: Any) -> list[dict[str, Any]]:
+    """``groups`` (optimizer ``index``'s, as recorded) with the whole model's names of each group, where each group's
+    recorded names are among them; as they are otherwise."""
+    names = group_names[index] if isinstance(index, int) and 0 <= index < len(group_names) else []
+    if len(names) != len(groups) or any(not set(g["params"]) <= set(n) for g, n in zip(groups, names, strict=True)):
+        return groups
+    return [{**group, "params": list(n)} for group, n in zip(groups, names, strict=True)]
 
 
 class StreamedCheckpointer:
@@ -140,7 +171,10 @@ class StreamedCheckpointer:
         _check_optimizer_of(optimizer, module)
         save = self.current
         whole = whole_optimizer_state(optimizer, module, layout, save.outbox, save.inbox)
-        return optimizer.state_dict() if whole is None else whole
+        if whole is None:
+            return optimizer.state_dict()
+        save.group_names.append(whole[1])
+        return whole[0]
 
     def finish(
         self,
@@ -169,6 +203,7 @@ class StreamedCheckpointer:
         if not rank_zero:
             save.outbox.send(lambda tensor: dist.send(tensor.to(device), dst=0))
             return
+        _whole_finetuning_groups(checkpoint, save.group_names)
         checkpoint_io, save_plain = io
         if not len(save.inbox):
             save_plain()
