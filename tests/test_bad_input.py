@@ -30,6 +30,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -218,7 +219,8 @@ def hybrid(**options: Any) -> HybridPipelineStrategy:
 
 def _two_rank_worker(rank: int, world_size: int, out: str, blocks: int, strategy: str) -> None:
     """One rank of ``Trainer(devices=2)`` on ``blocks`` blocks: ``strategy="hybrid"`` is
-    ``HybridPipelineStrategy(pipeline_stages=2)``, ``"ring-sync_batchnorm"`` the ring with a BatchNorm probe and
+    ``HybridPipelineStrategy(pipeline_stages=2)`` (``"hybrid-swa"``, ``"hybrid-ema"``: with Lightning's
+    ``StochasticWeightAveraging`` or ``WeightAveraging``), ``"ring-sync_batchnorm"`` the ring with a BatchNorm probe and
     ``sync_batchnorm=True``.
 
     The gloo group is already up (``run_distributed``); ``LOCAL_RANK`` tells Lightning that the ranks exist already.
@@ -231,7 +233,9 @@ def _two_rank_worker(rank: int, world_size: int, out: str, blocks: int, strategy
         chosen: Any = (
             RingAllReduceStrategy(timeout=60) if batchnorm else HybridPipelineStrategy(pipeline_stages=2, timeout=60)
         )
-        trainer = L.Trainer(strategy=chosen, devices=2, sync_batchnorm=batchnorm, **QUIET)
+        averaging = {"hybrid-swa": [StochasticWeightAveraging(swa_lrs=0.1)], "hybrid-ema": [WeightAveraging()]}
+        callbacks = averaging.get(strategy, [])
+        trainer = L.Trainer(strategy=chosen, devices=2, sync_batchnorm=batchnorm, callbacks=callbacks, **QUIET)
         trainer.fit(model, loader())
     except Exception as err:
         error = err
@@ -574,6 +578,16 @@ CATALOGUE = [
         r"Drop `sync_batchnorm=True`.*strategy='ring_allreduce'",
         TRAINER,
     ),
+    *[
+        Misuse(
+            f"hybrid-{averaging}-over-stages",
+            lambda run, averaging=averaging: fit_on_two_ranks(run, blocks=2, strategy=f"hybrid-{averaging}"),
+            ValueError,
+            r"is not supported by HybridPipelineStrategy.*Use strategy='ring_allreduce'",
+            SETUP,
+        )
+        for averaging in ("swa", "ema")
+    ],
     Misuse(
         "hybrid-more-stages-than-blocks",
         lambda run: fit_on_two_ranks(run, blocks=1),

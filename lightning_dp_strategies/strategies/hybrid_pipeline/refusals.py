@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 
-__all__ = ["check_automatic_optimization", "check_no_sync_batchnorm", "check_precision", "check_reducer_not_auto"]
+__all__ = [
+    "check_automatic_optimization",
+    "check_no_sync_batchnorm",
+    "check_no_weight_averaging",
+    "check_precision",
+    "check_reducer_not_auto",
+]
 
 
 def check_reducer_not_auto(reducer: object, strategy: str) -> None:
@@ -72,4 +81,27 @@ def check_precision(plugin: Precision, strategy: str) -> None:
         raise ValueError(
             f"{strategy} does not support precision='16-mixed': its loss scaling would have to run "
             "inside the pipeline schedule. Use precision='bf16-mixed' or '32-true'."
+        )
+
+
+def check_no_weight_averaging(callbacks: Iterable[object], fitting: bool, stages: int, strategy: str) -> None:
+    """Refuse, when fitting over several stages, Lightning's weight-averaging callbacks: they copy the whole module
+    and average every parameter, while each rank holds only its stage's blocks (the others are on the meta device).
+
+    Args:
+        callbacks: the Trainer's callbacks.
+        fitting: the Trainer is fitting.
+        stages: the number of pipeline stages (one holds the whole model).
+        strategy: the strategy's class name.
+
+    Examples:
+        >>> check_no_weight_averaging([StochasticWeightAveraging(swa_lrs=0.1)], True, 1, "HybridPipelineStrategy")
+    """
+    found = [type(c).__name__ for c in callbacks if isinstance(c, (StochasticWeightAveraging, WeightAveraging))]
+    if fitting and stages > 1 and found:
+        raise ValueError(
+            f"{found[0]} is not supported by {strategy}: it keeps a copy of the whole model and averages every "
+            "parameter after each step or epoch, and each rank holds only its own stage's blocks (the others are on "
+            "the meta device there). Use strategy='ring_allreduce', where every rank holds the whole model, or "
+            "average the checkpoints of the run afterwards."
         )
