@@ -30,7 +30,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
+from lightning.pytorch.callbacks import BaseFinetuning, StochasticWeightAveraging, WeightAveraging
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -206,6 +206,17 @@ class Run:
     probes: list[Probe] = field(default_factory=list)
 
 
+class UnfreezeFirst(BaseFinetuning):
+    """A fine-tuning schedule: the first block frozen, then unfrozen into a parameter group of its own at epoch 1."""
+
+    def freeze_before_training(self, pl_module: L.LightningModule) -> None:
+        self.freeze(pl_module.body[0])
+
+    def finetune_function(self, pl_module: L.LightningModule, epoch: int, optimizer: Any) -> None:
+        if epoch == 1:
+            self.unfreeze_and_add_param_group(pl_module.body[0], optimizer)
+
+
 def fit(run: Run, strategy: Any, model: Probe | None = None, data: DataLoader | None = None, **trainer: Any) -> None:
     model = (Probe() if model is None else model).snapshot()
     run.probes.append(model)
@@ -356,6 +367,20 @@ CATALOGUE = [
         lambda run: fit(run, "ring_allreduce", SparseEmbedding(), devices=1),
         ValueError,
         r"`table\.weight` \(`nn\.Embedding\(\.\.\., sparse=True\)`\) gets sparse gradients.*Pass `sparse=False`",
+        SETUP,
+    ),
+    Misuse(
+        "local_sgd-finetuning-callback",  # it unfreezes parameters that local SGD would never average
+        lambda run: fit(run, LocalSGDStrategy(sync_every=2), devices=1, callbacks=[UnfreezeFirst()]),
+        ValueError,
+        r"cannot run under local SGD.*trainable before `fit`.*strategy='ring_allreduce'",
+        SETUP,
+    ),
+    Misuse(
+        "ring-sharded-finetuning-callback",  # its groups name the module's parameters; the shards are not those
+        lambda run: fit(run, RingAllReduceStrategy(shard_optimizer_state=True), devices=1, callbacks=[UnfreezeFirst()]),
+        ValueError,
+        r"cannot run with shard_optimizer_state=True.*shard_optimizer_state=False",
         SETUP,
     ),
     Misuse(

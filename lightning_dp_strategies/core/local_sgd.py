@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
+from torch import Tensor, nn
+
 from lightning_dp_strategies.core.engine import BucketedEngine, EngineView
 from lightning_dp_strategies.core.options import ConfigOption
 from lightning_dp_strategies.core.registry import register_with_launchers
@@ -222,6 +224,13 @@ class LocalSGDInterface:
         reducer = strategy.configure_reducer()
         self.engine.start_local_sgd(self.local_config, reducer, strategy.world_size, strategy._process_group_backend)
 
+    def _check_averaged(self, optimizer: Any, module: nn.Module | None) -> None:
+        """Before an optimizer step: raise on this rank where ``optimizer`` would step a parameter that local SGD does
+        not average (:func:`check_averaged`)."""
+        local = self.local_sgd
+        if local is not None and module is not None:
+            check_averaged(optimizer, local.params, module)
+
     def synchronize(self) -> None:
         """Apply the averages in flight, average the ranks' parameter changes and apply the outer step, on every
         rank (nothing when the ranks are in sync already). The Trainer strategy calls it before validation and at
@@ -236,3 +245,30 @@ class LocalSGDInterface:
     delay = ConfigOption[int]("local_config")
     mixing = ConfigOption[float]("local_config")
     outer_precision = ConfigOption[str]("local_config")
+
+
+def check_averaged(optimizer: Any, averaged: Sequence[Tensor], module: nn.Module) -> None:
+    """Raise where ``optimizer`` holds a parameter that requires grad but is not among ``averaged`` (the parameters
+    that required grad when training began): unfrozen since, it would train apart on each rank, never averaged.
+
+    Examples:
+        >>> import torch
+        >>> layer = nn.Linear(2, 1)
+        >>> check_averaged(torch.optim.SGD(layer.parameters(), lr=0.1), list(layer.parameters()), layer)
+        >>> check_averaged(torch.optim.SGD(layer.parameters(), lr=0.1), [layer.weight], layer)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        RuntimeError: Local SGD averages the parameters that required grad when training began; bias became ...
+    """
+    tracked = {id(p) for p in averaged}
+    stray = {id(p) for g in getattr(optimizer, "param_groups", []) for p in g["params"] if p.requires_grad} - tracked
+    if stray:
+        names = [name for name, p in module.named_parameters() if id(p) in stray]
+        raise RuntimeError(
+            f"Local SGD averages the parameters that required grad when training began; {', '.join(names[:5])}"
+            f"{' and more' if len(names) > 5 else ''} became trainable since (a fine-tuning schedule, or "
+            "`requires_grad_(True)` in a hook) and would train apart on each rank, never averaged. Make every "
+            "parameter the run will train trainable before `fit` (a parameter group with lr=0 holds it still until "
+            "then; it is averaged from the start, at the cost of its bytes), or train with "
+            "strategy='ring_allreduce', which picks up a parameter unfrozen later at the next step."
+        )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+from lightning.fabric.utilities.types import Optimizable
 from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -62,6 +63,11 @@ class FabricLocalSGDStrategy(LocalSGDInterface, FabricRingAllReduceStrategy):
         if self.local_sgd is not None and any(p.requires_grad for p in module.parameters()):
             self.local_sgd.start(module)
         return module
+
+    @override
+    def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
+        self._check_averaged(optimizer, self._trained)
+        return super().optimizer_step(optimizer, **kwargs)
 
     @override
     def _fingerprint_options(self, module: nn.Module) -> dict[str, Any]:

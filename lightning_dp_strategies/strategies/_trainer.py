@@ -1,5 +1,5 @@
 """What the Trainer strategies share that is the Trainer's alone: the resumed epoch's sample order, where a training
-batch stands in its epoch, when to log, the ranks a failed launching process started."""
+batch stands in its epoch, when to log, the ranks a failed launching process started, the callbacks refused."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from lightning.fabric.utilities.data import _set_sampler_epoch, has_iterable_dataset
+from lightning.pytorch.callbacks import BaseFinetuning
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.connectors.signal_connector import _get_sigkill_signal
@@ -96,3 +97,15 @@ def stop_started_ranks(launcher: object, grace_s: float = STOP_GRACE_S) -> None:
     while any(proc.poll() is None for proc in launcher.procs) and time.monotonic() < deadline:
         time.sleep(0.1)
     launcher.kill(_get_sigkill_signal())
+
+
+def check_no_finetuning(trainer: object, where: str, why: str) -> None:
+    """Refuse a ``BaseFinetuning`` callback among ``trainer``'s, on every rank, before anything is sent: ``where`` (as
+    "with ...") it cannot run, ``why`` (with the fix) ends the message.
+
+    Examples:
+        >>> check_no_finetuning(object(), "with this strategy", "...")
+    """
+    found = [type(c).__name__ for c in getattr(trainer, "callbacks", []) if isinstance(c, BaseFinetuning)]
+    if found:
+        raise ValueError(f"{found[0]} (a BaseFinetuning callback) cannot run {where}: {why}")

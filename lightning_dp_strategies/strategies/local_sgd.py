@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 from lightning.pytorch.trainer.states import TrainerFn
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_dp_strategies.core.fault_tolerance import FaultTolerance, Survivors, check_local_fault_tolerance
@@ -15,12 +16,20 @@ from lightning_dp_strategies.core.local_sgd import LocalSGDInterface, check_sing
 from lightning_dp_strategies.core.options import BucketedConfig, ConfigOption
 from lightning_dp_strategies.core.registry import register_name
 from lightning_dp_strategies.local_sgd import local_checkpoint_record, restore_local_record
+from lightning_dp_strategies.strategies._trainer import check_no_finetuning
 from lightning_dp_strategies.strategies.bucketed import BucketedDataParallel
 from lightning_dp_strategies.strategies.local_survival import LocalSurvival, check_local_survivable
 from lightning_dp_strategies.strategies.survival import TrainerSurvival
 from lightning_dp_strategies.strategies.surviving import SurvivingDataParallel, as_fault_tolerance
 
 __all__ = ["LocalSGDStrategy"]
+
+
+LOCAL_FINETUNING = (
+    "it unfreezes parameters while training, and local SGD averages the parameters that required grad when training "
+    "began: the others would train apart on each rank, never averaged. Make every parameter the run will train "
+    "trainable before `fit`, or train with strategy='ring_allreduce', which picks up a parameter unfrozen later."
+)
 
 
 class LocalSGDStrategy(LocalSGDInterface, SurvivingDataParallel):
@@ -108,6 +117,8 @@ class LocalSGDStrategy(LocalSGDInterface, SurvivingDataParallel):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        if trainer.state.fn == TrainerFn.FITTING:
+            check_no_finetuning(trainer, "under local SGD", LOCAL_FINETUNING)
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             check_single_optimizer(self.optimizers, type(self).__name__)
@@ -119,6 +130,11 @@ class LocalSGDStrategy(LocalSGDInterface, SurvivingDataParallel):
         super().on_train_start()
         if self.local_survival is not None:
             self.local_survival.start()
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        self._check_averaged(optimizer, self.lightning_module)
+        return super().optimizer_step(optimizer, closure, model, **kwargs)
 
     @override
     def _receive_state(self, trainer: pl.Trainer) -> None:

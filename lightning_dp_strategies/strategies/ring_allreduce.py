@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+import lightning.pytorch as pl
 from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import Unpack, override
 
 from lightning_dp_strategies.core.fault_tolerance import FaultTolerance, Survivors, check_fault_tolerance
@@ -14,12 +16,19 @@ from lightning_dp_strategies.core.options import ConfigOption, RingAllReduceConf
 from lightning_dp_strategies.core.registry import register_name
 from lightning_dp_strategies.core.topology import check_two_level, layout_reducer
 from lightning_dp_strategies.reducers import CommHook, Reducer, ScatterReducer
-from lightning_dp_strategies.strategies._trainer import should_log
+from lightning_dp_strategies.strategies._trainer import check_no_finetuning, should_log
 from lightning_dp_strategies.strategies.options import StrategyOptions
 from lightning_dp_strategies.strategies.survival import TrainerSurvival
 from lightning_dp_strategies.strategies.surviving import SurvivingDataParallel, as_fault_tolerance
 
 __all__ = ["RingAllReduceConfig", "RingAllReduceStrategy"]
+
+
+SHARDED_FINETUNING = (
+    "it looks the optimizer's parameters up among the module's and adds parameter groups while training, and the "
+    "sharded optimizer steps this rank's pieces of the parameters instead, which a group added later would never "
+    "reach. Train with shard_optimizer_state=False (strategy='ring_allreduce')."
+)
 
 
 class RingAllReduceStrategy(SurvivingDataParallel):
@@ -140,6 +149,12 @@ class RingAllReduceStrategy(SurvivingDataParallel):
         if self.config.shard_optimizer_state:
             return ScatterReducer()
         return layout_reducer(self.config.two_level, self.num_processes, self.reduction, reducer)
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        if self.config.shard_optimizer_state and trainer.state.fn == TrainerFn.FITTING:
+            check_no_finetuning(trainer, "with shard_optimizer_state=True", SHARDED_FINETUNING)
+        super().setup(trainer)
 
     @override
     def _fingerprint_options(self) -> dict[str, Any]:

@@ -8,7 +8,8 @@ scenario writes ``OUTDIR/{scenario}-rank{r}.pt``:
   ``resumed``: a fresh model and optimizer, ``fabric.load`` of that file, steps 7 to 12;
 - ``stream-full`` / ``stream-resumed``: the same with streaming DiLoCo (two fragments, a delay of one step, 4-bit
   changes), saved with fragment 0's change in flight; ``as-diloco-full`` / ``as-diloco-resumed``: the streaming
-  options at their DiLoCo values.
+  options at their DiLoCo values;
+- ``unfrozen``: a parameter frozen at setup and unfrozen after two steps; the error its next step raised.
 """
 
 from __future__ import annotations
@@ -78,6 +79,25 @@ def resume(out: Path, prefix: str = "", **streaming: Any) -> None:
     torch.save(result, out / f"{prefix}resumed-rank{fabric.global_rank}.pt")
 
 
+def unfrozen(out: Path) -> None:
+    """A parameter frozen when the model is set up and unfrozen after two steps: the next step must refuse it."""
+    fabric = L.Fabric(strategy=FabricLocalSGDStrategy(sync_every=4), accelerator="cpu", devices=WORLD)
+    fabric.launch()
+    model = make_model()
+    first = next(model.parameters())
+    first.requires_grad_(False)
+    model, opt = fabric.setup(model, make_optimizer(model))
+    steps = batches(fabric)
+    train(fabric, model, opt, steps[:2])
+    first.requires_grad_(True)
+    try:
+        train(fabric, model, opt, steps[2:3])
+        error = None
+    except RuntimeError as failure:
+        error = str(failure)
+    torch.save({"error": error}, out / f"unfrozen-rank{fabric.global_rank}.pt")
+
+
 if __name__ == "__main__":
     outdir = Path(sys.argv[1])
     parity(outdir, "h1", FabricLocalSGDStrategy(sync_every=1))
@@ -85,3 +105,4 @@ if __name__ == "__main__":
     resume(outdir)
     resume(outdir, "stream-", **STREAM)
     resume(outdir, "as-diloco-", **AS_DILOCO)
+    unfrozen(outdir)

@@ -95,3 +95,10 @@ def test_the_fabric_name_resolves_and_bad_options_fail_when_made() -> None:
     assert isinstance(streaming, FabricLocalSGDStrategy)
     options = (streaming.sync_every, streaming.fragments, streaming.delay, streaming.outer_precision)
     assert options == ("auto", 4, 1, "int4") and streaming.outer_optimizer is None
+
+
+@pytest.mark.timeout(300)
+def test_a_parameter_unfrozen_after_setup_is_refused_at_its_next_step_on_every_rank(runs: Path) -> None:
+    """Local SGD averages the parameters that required grad at setup; one unfrozen since would train apart."""
+    for got in results(runs, "unfrozen"):
+        assert got["error"] is not None and "became trainable since" in got["error"], got["error"]

@@ -78,6 +78,7 @@ SCENARIOS = {
     "postlocal4": Scenario(strategy="ring_allreduce", post_local=(4, True)),
     "postlocal4_local": Scenario(strategy="ring_allreduce", post_local=(4, False)),
     "several_optimizers": Scenario(manual=True, extra={"several_optimizers": True}),
+    "unfrozen_later": Scenario(extra={"unfreeze_at_epoch": 1}),  # body[0] frozen in the optimizer, then unfrozen
     # streaming DiLoCo, H = 4, two fragments (turns at steps 2 and 4 of the period), the change applied a step later
     "stream_fp32": Scenario(diloco=True, optimizer="adam", extra={"streaming": STREAM}),
     "stream_int8": Scenario(diloco=True, optimizer="adam", extra={"streaming": {**STREAM, "outer_precision": "int8"}}),
@@ -124,6 +125,12 @@ class Net(L.LightningModule):
         self.body = make_body(scenario.batchnorm)
         self.automatic_optimization = not scenario.manual
         self.records: list[dict[str, Any]] = []
+        if "unfreeze_at_epoch" in scenario.extra:
+            self.body[0].requires_grad_(False)
+
+    def on_train_epoch_start(self) -> None:
+        if self.current_epoch == self.scenario.extra.get("unfreeze_at_epoch"):
+            self.body[0].requires_grad_(True)
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor | None:
         x, y = batch

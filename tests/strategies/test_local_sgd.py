@@ -279,6 +279,16 @@ def test_several_optimizers_are_refused_at_setup_on_every_rank(tmp_path: Path) -
 
 
 @pytest.mark.timeout(300)
+def test_a_parameter_unfrozen_after_training_began_is_refused_at_its_first_step_on_every_rank(tmp_path: Path) -> None:
+    """Local SGD averages the parameters that required grad when training began; one unfrozen later (here at epoch 1,
+    already in the optimizer) would train apart on each rank, never averaged, and end the fit different on each."""
+    with pytest.raises(AssertionError) as failure:
+        run_ranks("tests.strategies.local_sgd_scenarios", ["unfrozen_later", str(tmp_path)], WORLD, timeout=240)
+    output = str(failure.value)
+    assert output.count("body.0.weight, body.0.bias became trainable since") >= WORLD, output[-3000:]
+
+
+@pytest.mark.timeout(300)
 def test_compare_runs_it_and_reports_what_its_averages_send(tmp_path: Path) -> None:
     """``lightning-dp-strategies compare --strategies single,local_sgd``: two processes, plain averaging every 8
     steps; its row counts the synchronisations' traffic, averaged over the steps."""
