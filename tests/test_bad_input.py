@@ -30,7 +30,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import BaseFinetuning, StochasticWeightAveraging, WeightAveraging
+from lightning.pytorch.callbacks import BaseFinetuning, ModelPruning, StochasticWeightAveraging, WeightAveraging
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -230,9 +230,9 @@ def hybrid(**options: Any) -> HybridPipelineStrategy:
 
 def _two_rank_worker(rank: int, world_size: int, out: str, blocks: int, strategy: str) -> None:
     """One rank of ``Trainer(devices=2)`` on ``blocks`` blocks: ``strategy="hybrid"`` is
-    ``HybridPipelineStrategy(pipeline_stages=2)`` (``"hybrid-swa"``, ``"hybrid-ema"``: with Lightning's
-    ``StochasticWeightAveraging`` or ``WeightAveraging``), ``"ring-sync_batchnorm"`` the ring with a BatchNorm probe and
-    ``sync_batchnorm=True``.
+    ``HybridPipelineStrategy(pipeline_stages=2)`` (``"hybrid-swa"``, ``"hybrid-ema"``, ``"hybrid-pruning"``: with
+    Lightning's ``StochasticWeightAveraging``, ``WeightAveraging`` or ``ModelPruning``), ``"ring-sync_batchnorm"``
+    the ring with a BatchNorm probe and ``sync_batchnorm=True``.
 
     The gloo group is already up (``run_distributed``); ``LOCAL_RANK`` tells Lightning that the ranks exist already.
     """
@@ -244,8 +244,12 @@ def _two_rank_worker(rank: int, world_size: int, out: str, blocks: int, strategy
         chosen: Any = (
             RingAllReduceStrategy(timeout=60) if batchnorm else HybridPipelineStrategy(pipeline_stages=2, timeout=60)
         )
-        averaging = {"hybrid-swa": [StochasticWeightAveraging(swa_lrs=0.1)], "hybrid-ema": [WeightAveraging()]}
-        callbacks = averaging.get(strategy, [])
+        whole_model = {
+            "hybrid-swa": [StochasticWeightAveraging(swa_lrs=0.1)],
+            "hybrid-ema": [WeightAveraging()],
+            "hybrid-pruning": [ModelPruning("l1_unstructured", amount=0.5)],
+        }
+        callbacks = whole_model.get(strategy, [])
         trainer = L.Trainer(strategy=chosen, devices=2, sync_batchnorm=batchnorm, callbacks=callbacks, **QUIET)
         trainer.fit(model, loader())
     except Exception as err:
@@ -611,7 +615,7 @@ CATALOGUE = [
             r"is not supported by HybridPipelineStrategy.*Use strategy='ring_allreduce'",
             SETUP,
         )
-        for averaging in ("swa", "ema")
+        for averaging in ("swa", "ema", "pruning")
     ],
     Misuse(
         "hybrid-more-stages-than-blocks",

@@ -98,6 +98,9 @@ class ShardedParameters:
                 )
             self.views[piece] = Parameter(param.detach().view(-1)[piece.start : piece.stop])
         self._view_ids = {id(view) for view in self.views.values()}
+        self._storage_of = {param: param.untyped_storage().data_ptr() for param in layout.params}
+        """Where each parameter kept its elements at setup: the pieces are views of it, and every rank gathers every
+        parameter into it (so every rank checks every parameter, and all fail together)."""
         self.optimizers: list[ShardedOptimizer] = []
         self._taken: dict[Piece, Tensor] = {}  # the bucket slices the pieces' .grad still are
 
@@ -145,7 +148,18 @@ class ShardedParameters:
 
     def check_bound(self) -> None:
         """A clear error if a bound optimizer got parameters of its own since (``add_param_group``): they would
-        never be stepped."""
+        never be stepped; or if a parameter's storage was replaced (``param.data = ...``): its pieces would be
+        stepped where the module no longer reads."""
+        moved = [p for p, v in self._storage_of.items() if p.untyped_storage().data_ptr() != v]
+        if moved:
+            raise RuntimeError(
+                f"The storage of {len(moved)} parameter(s) (the first of shape {tuple(moved[0].shape)}) was replaced "
+                "during training (`param.data = ...`, as Lightning's ModelPruning does when it resets the weights "
+                "for the lottery ticket hypothesis); with shard_optimizer_state=True the optimizer steps views of "
+                "the storage the parameters had at setup, which the module no longer reads. Update parameters in "
+                "place (`param.data.copy_(...)`), pass `ModelPruning(use_lottery_ticket_hypothesis=False)`, or train "
+                "with shard_optimizer_state=False."
+            )
         for bound in self.optimizers:
             foreign = [p for g in bound.optimizer.param_groups for p in g["params"] if id(p) not in self._view_ids]
             if foreign:

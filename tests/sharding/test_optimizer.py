@@ -107,3 +107,17 @@ def test_a_parameter_outside_the_module_and_one_added_later_are_refused() -> Non
     optimizer.add_param_group({"params": [stranger]})
     with pytest.raises(RuntimeError, match="would never be stepped"):
         shards.check_bound()
+
+
+def test_a_parameter_whose_storage_is_replaced_is_refused() -> None:
+    """``param.data = ...`` (Lightning's ModelPruning resets weights so) leaves the pieces, views of the old storage,
+    stepped where the module no longer reads: the parameters silently stop training."""
+    model = _model()
+    shards = ShardedParameters(_layout(model, 2), rank=0)
+    shards.bind(torch.optim.SGD(model.parameters(), lr=0.1))
+    first = next(model.parameters())
+    first.data.copy_(torch.ones_like(first))  # in place: still what the pieces view
+    shards.check_bound()
+    first.data = torch.zeros_like(first)
+    with pytest.raises(RuntimeError, match=r"storage of 1 parameter\(s\).*was replaced.*param\.data\.copy_"):
+        shards.check_bound()

@@ -5,15 +5,15 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
+from lightning.pytorch.callbacks import ModelPruning, StochasticWeightAveraging, WeightAveraging
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 
 __all__ = [
     "check_automatic_optimization",
     "check_no_sync_batchnorm",
-    "check_no_weight_averaging",
     "check_precision",
     "check_reducer_not_auto",
+    "check_whole_model_callbacks",
 ]
 
 
@@ -84,9 +84,17 @@ def check_precision(plugin: Precision, strategy: str) -> None:
         )
 
 
-def check_no_weight_averaging(callbacks: Iterable[object], fitting: bool, stages: int, strategy: str) -> None:
-    """Refuse, when fitting over several stages, Lightning's weight-averaging callbacks: they copy the whole module
-    and average every parameter, while each rank holds only its stage's blocks (the others are on the meta device).
+WHOLE_MODEL_CALLBACKS: dict[type, str] = {
+    StochasticWeightAveraging: "keeps a copy of the whole model and averages every parameter after each epoch",
+    WeightAveraging: "keeps a copy of the whole model and averages every parameter after each step",
+    ModelPruning: "prunes (and with the lottery ticket hypothesis resets) the whole model's parameters",
+}
+"""Lightning's callbacks that work on every parameter of the module, with what they do."""
+
+
+def check_whole_model_callbacks(callbacks: Iterable[object], fitting: bool, stages: int, strategy: str) -> None:
+    """Refuse, when fitting over several stages, the callbacks of :data:`WHOLE_MODEL_CALLBACKS`: each rank holds only
+    its stage's blocks (the others are on the meta device there).
 
     Args:
         callbacks: the Trainer's callbacks.
@@ -95,13 +103,13 @@ def check_no_weight_averaging(callbacks: Iterable[object], fitting: bool, stages
         strategy: the strategy's class name.
 
     Examples:
-        >>> check_no_weight_averaging([StochasticWeightAveraging(swa_lrs=0.1)], True, 1, "HybridPipelineStrategy")
+        >>> check_whole_model_callbacks([StochasticWeightAveraging(swa_lrs=0.1)], True, 1, "HybridPipelineStrategy")
     """
-    found = [type(c).__name__ for c in callbacks if isinstance(c, (StochasticWeightAveraging, WeightAveraging))]
+    found = [(c, why) for c in callbacks for kind, why in WHOLE_MODEL_CALLBACKS.items() if isinstance(c, kind)]
     if fitting and stages > 1 and found:
+        callback, why = found[0]
         raise ValueError(
-            f"{found[0]} is not supported by {strategy}: it keeps a copy of the whole model and averages every "
-            "parameter after each step or epoch, and each rank holds only its own stage's blocks (the others are on "
-            "the meta device there). Use strategy='ring_allreduce', where every rank holds the whole model, or "
-            "average the checkpoints of the run afterwards."
+            f"{type(callback).__name__} is not supported by {strategy} over several stages: it {why}, and each "
+            "rank holds only its own stage's blocks (the others are on the meta device there). Use "
+            "strategy='ring_allreduce', where every rank holds the whole model, or pipeline_stages=1."
         )

@@ -64,9 +64,9 @@ from lightning_dp_strategies.strategies.hybrid_pipeline.placement import StagePl
 from lightning_dp_strategies.strategies.hybrid_pipeline.refusals import (
     check_automatic_optimization,
     check_no_sync_batchnorm,
-    check_no_weight_averaging,
     check_precision,
     check_reducer_not_auto,
+    check_whole_model_callbacks,
 )
 from lightning_dp_strategies.strategies.hybrid_pipeline.steps import PipelineSteps
 from lightning_dp_strategies.strategies.hybrid_pipeline.summary import restore_summaries, stage_summary, summarize_with
@@ -245,7 +245,7 @@ class HybridPipelineStrategy(PipelineSteps, StreamedCheckpoints):
         fitting = trainer.state.fn == TrainerFn.FITTING
         body_name = self._check_setup(module, fitting)
         stages = self.config.pipeline_stages
-        check_no_weight_averaging(trainer.callbacks, fitting, stages, type(self).__name__)  # type: ignore[attr-defined]
+        check_whole_model_callbacks(trainer.callbacks, fitting, stages, type(self).__name__)  # type: ignore[attr-defined]
         self._check_ranks_agree()  # the whole model, before it is partitioned and rank 0's weights broadcast
         finetuning = fitting and any(isinstance(c, BaseFinetuning) for c in trainer.callbacks)  # type: ignore[attr-defined]
         layout, bodies = self._place_stage(module, body_name, keep_others=finetuning)
