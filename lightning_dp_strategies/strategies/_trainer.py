@@ -100,8 +100,8 @@ def stop_started_ranks(launcher: object, grace_s: float = STOP_GRACE_S) -> None:
 
 
 def check_no_finetuning(trainer: object, where: str, why: str) -> None:
-    """Refuse a ``BaseFinetuning`` callback among ``trainer``'s, on every rank, before anything is sent: ``where`` (as
-    "with ...") it cannot run, ``why`` (with the fix) ends the message.
+    """Refuse a ``BaseFinetuning`` callback among ``trainer``'s, on every rank, before anything is sent: ``where``
+    says where it cannot run ("under local SGD"), ``why`` (with the fix) ends the message.
 
     Examples:
         >>> check_no_finetuning(object(), "with this strategy", "...")

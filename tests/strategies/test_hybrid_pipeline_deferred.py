@@ -35,8 +35,8 @@ def test_each_stage_builds_only_its_own_blocks_and_trains_as_on_one_device(tmp_p
             built = {i for i in WITH_PARAMETERS if got[moment][i]}
             assert built == owned, f"rank {rank} at {moment}: built {sorted(built)}, owns {sorted(owned)}"
         assert abs(got["validate"][0]["val_loss"] - one_device["validate"][0]["val_loss"]) <= TOLERANCE
-        # a fresh module built on meta loads the checkpoint after setup, where each stage has its blocks: validated
-        # from it as the module that saved it, resumed from it as one device resumes
+        # a fresh module built on meta takes its stage's entries of the checkpoint at setup, once the blocks exist:
+        # validated from it as the module that saved it, resumed from it as one device resumes
         assert abs(got["validate_loaded"][0]["val_loss"] - got["validate"][0]["val_loss"]) <= TOLERANCE, rank
         assert got["noop_loads"] == [], got["noop_loads"][:2]
     for name, value in one_device["resumed_params"].items():

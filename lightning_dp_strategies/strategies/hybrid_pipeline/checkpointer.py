@@ -319,7 +319,9 @@ class StreamedCheckpoints(BucketedDataParallel):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """Load a whole-model ``state_dict`` (from any strategy or a single device); each stage takes its part."""
+        """Load a whole-model ``state_dict`` (from any strategy or a single device): each rank loads what it holds;
+        restored before setup, the stage's blocks follow once setup has allocated them
+        (:meth:`StreamedCheckpointer.load_pending`)."""
         module = self.lightning_module
         assert module is not None
         self.checkpointer.load_model_state(module, self.layout, checkpoint["state_dict"], strict)
