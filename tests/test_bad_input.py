@@ -609,13 +609,13 @@ CATALOGUE = [
     ),
     *[
         Misuse(
-            f"hybrid-{averaging}-over-stages",
-            lambda run, averaging=averaging: fit_on_two_ranks(run, blocks=2, strategy=f"hybrid-{averaging}"),
+            f"hybrid-{callback}-over-stages",
+            lambda run, callback=callback: fit_on_two_ranks(run, blocks=2, strategy=f"hybrid-{callback}"),
             ValueError,
             r"is not supported by HybridPipelineStrategy.*Use strategy='ring_allreduce'",
             SETUP,
         )
-        for averaging in ("swa", "ema", "pruning")
+        for callback in ("swa", "ema", "pruning")
     ],
     Misuse(
         "hybrid-more-stages-than-blocks",
