@@ -3,6 +3,7 @@ batch stands in its epoch, when to log, the ranks a failed launching process sta
 
 from __future__ import annotations
 
+import atexit
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -85,18 +86,51 @@ def should_log(strategy: Strategy, enabled: bool) -> bool:
 
 
 def stop_started_ranks(launcher: object, grace_s: float = STOP_GRACE_S) -> None:
-    """From ``on_exception``: stop the ranks Lightning's script launcher started from this process, once they have had
-    ``grace_s`` seconds to end on their own (nothing elsewhere: torchrun's ranks and forked ones have no such list).
-
-    Lightning stops them itself after Ctrl-C and when one of them fails, but not when the launching process raises:
-    a rank alive but silent (stuck in its data loader, say), which the launching process gave up on after the
-    collective timeout, would otherwise run on after the job ended, holding its memory and devices."""
+    """Stop the ranks Lightning's script launcher started from this process, once they have had ``grace_s`` seconds
+    to end on their own (nothing elsewhere: torchrun's ranks and forked ones have no such list)."""
     if not isinstance(launcher, _SubprocessScriptLauncher) or not getattr(launcher, "procs", None):
         return
     deadline = time.monotonic() + grace_s
     while any(proc.poll() is None for proc in launcher.procs) and time.monotonic() < deadline:
         time.sleep(0.1)
     launcher.kill(_get_sigkill_signal())
+
+
+class StartedRanks:
+    """The ranks Lightning's script launcher started from this process that a failed run left behind, stopped (see
+    :func:`stop_started_ranks`) when this process exits unless a later run gathered every rank again.
+
+    Lightning stops them itself after Ctrl-C and when one of them fails, but not when the launching process raises:
+    a rank alive but silent (stuck in its data loader, say), which the launching process gave up on after the
+    collective timeout, would otherwise run on after the job ended, holding its memory and devices. They are not
+    stopped at the exception itself: a script that catches it and fits again (a sweep, a smaller batch after an
+    out-of-memory error) does so on every rank, and needs them."""
+
+    def __init__(self) -> None:
+        self._launchers: list[_SubprocessScriptLauncher] = []
+
+    def stop_at_exit(self, launcher: object) -> None:
+        """From ``on_exception``: stop the ranks ``launcher`` started when this process exits."""
+        if not isinstance(launcher, _SubprocessScriptLauncher) or not getattr(launcher, "procs", None):
+            return
+        if not self._launchers:
+            atexit.unregister(self._stop)
+            atexit.register(self._stop)
+        if launcher not in self._launchers:
+            self._launchers.append(launcher)
+
+    def gathered(self) -> None:
+        """Every rank joined this run's process group: those left behind are live, so none is stopped at exit."""
+        self._launchers.clear()
+
+    def _stop(self) -> None:
+        for launcher in self._launchers:
+            stop_started_ranks(launcher)
+        self._launchers.clear()
+
+
+STARTED_RANKS = StartedRanks()
+"""This process's :class:`StartedRanks`."""
 
 
 def check_no_finetuning(trainer: object, where: str, why: str) -> None:

@@ -64,7 +64,7 @@ from lightning_dp_strategies.core.topology import check_own_reducer, priced
 from lightning_dp_strategies.plan import RING_ALLREDUCE, CostModel
 from lightning_dp_strategies.reducers import CommHook, Reducer
 from lightning_dp_strategies.sharding import OptimizerSharding
-from lightning_dp_strategies.strategies._trainer import batch_position, stop_started_ranks, with_resumed_sampler_epoch
+from lightning_dp_strategies.strategies._trainer import STARTED_RANKS, batch_position, with_resumed_sampler_epoch
 from lightning_dp_strategies.strategies.options import TRAINER_PLUGINS, StrategyOptions
 from lightning_dp_strategies.strategies.precision import (
     ClipByNorm,
@@ -190,6 +190,7 @@ class BucketedDataParallel(DDPStrategy):
     def setup_distributed(self) -> None:
         self.set_world_ranks()
         (self.survival.init_process_group if self.survival is not None else init_strategy_process_group)(self)
+        STARTED_RANKS.gathered()
         super().setup_distributed()
         backend, rank = self._get_process_group_backend(), self.global_rank
         self.engine.start_model_averaging(self.world_size, rank, self.num_processes, backend)
@@ -367,8 +368,7 @@ class BucketedDataParallel(DDPStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        """With sharded state each rank takes its pieces of the whole optimizer states (saved by any strategy, at
-        any world size)."""
+        """Sharded: each rank takes its pieces of the whole optimizer states (saved by any strategy, any world)."""
         if not self.engine.sharded:
             super().load_optimizer_state_dict(checkpoint)
             return
@@ -382,7 +382,7 @@ class BucketedDataParallel(DDPStrategy):
         self.engine.abort()
         super().on_exception(exception)
         if self.survival is None:  # with fault_tolerant, the other ranks go on without this one
-            stop_started_ranks(self.launcher)
+            STARTED_RANKS.stop_at_exit(self.launcher)
 
     @override
     def teardown(self) -> None:
