@@ -107,14 +107,24 @@ class Probe(L.LightningModule):
 
 
 def is_lazy(p: Tensor) -> bool:
-    """A parameter a lazy module has not made yet (its first forward makes it, and training moves it)."""
-    return isinstance(p, nn.parameter.UninitializedParameter)
+    """A parameter a lazy module has not made yet (its first forward makes it, and training moves it), or one on
+    the meta device (no values to compare)."""
+    return isinstance(p, nn.parameter.UninitializedParameter) or p.is_meta
 
 
 class Lazy(Probe):
     def __init__(self) -> None:
         super().__init__()
         self.body[0] = nn.LazyLinear(4)
+
+
+class MetaBuilt(Probe):
+    """A probe whose body is built on the meta device (shapes, no values), as deferred initialization does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.device("meta"):
+            self.body = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
 
 
 class SparseEmbedding(Probe):
@@ -367,6 +377,14 @@ CATALOGUE = [
         SETUP,
     ),
     Misuse(
+        "ring-meta-built-module",
+        lambda run: fit(run, "ring_allreduce", MetaBuilt(), devices=1),
+        ValueError,
+        r"`body\.0\.weight`.* are on the meta device.*Build the model on the CPU, or train with "
+        r"strategy='hybrid_pipeline'",
+        SETUP,
+    ),
+    Misuse(
         "ring-sparse-embedding",
         lambda run: fit(run, "ring_allreduce", SparseEmbedding(), devices=1),
         ValueError,
@@ -471,6 +489,13 @@ CATALOGUE = [
         lambda run: fit(run, "dp", Lazy(), devices=2),
         ValueError,
         r"ScatterGatherStrategy needs every parameter when it sets up.*Run one forward on a sample batch",
+        SETUP,
+    ),
+    Misuse(
+        "dp-meta-built-module",
+        lambda run: fit(run, "dp", MetaBuilt(), devices=2),
+        ValueError,
+        r"ScatterGatherStrategy holds the whole model on each of its devices.*Build the model on the CPU",
         SETUP,
     ),
     Misuse(

@@ -10,13 +10,14 @@ reaches the same values with the same call over all blocks.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["check_initializable", "has_meta", "materialize"]
+__all__ = ["check_initializable", "cpu_keeps_meta", "has_meta", "materialize"]
 
 
 def has_meta(module: nn.Module) -> bool:
@@ -86,3 +87,32 @@ def materialize(blocks: Iterable[tuple[int, nn.Module]], device: torch.device, s
                     reset = getattr(sub, "reset_parameters", None)
                     if callable(reset):
                         reset()
+
+
+@contextmanager
+def cpu_keeps_meta(module: nn.Module | None) -> Iterator[None]:
+    """Inside, ``module.cpu()`` moves what has storage and leaves what is on the meta device there (a pipeline
+    stage's blocks held by other ranks, a module built on the meta device that a strategy refused).
+
+    Lightning's teardown calls ``module.cpu()``, which cannot copy a meta tensor: for that call only, an instance
+    attribute (removed on exit) shadows the method. A module without meta tensors is left alone.
+
+    Args:
+        module: the LightningModule, or ``None``.
+
+    Examples:
+        >>> module = nn.Linear(1, 1, device="meta")
+        >>> with cpu_keeps_meta(module):
+        ...     module.cpu().weight.is_meta
+        True
+        >>> "cpu" in vars(module)
+        False
+    """
+    shadowed = module if module is not None and has_meta(module) and "cpu" not in module.__dict__ else None
+    if shadowed is not None:
+        shadowed.__dict__["cpu"] = lambda: shadowed._apply(lambda t: t if t.is_meta else t.cpu())
+    try:
+        yield
+    finally:
+        if shadowed is not None:
+            shadowed.__dict__.pop("cpu")

@@ -20,7 +20,7 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_dp_strategies.core.agreement import require_materialized
+from lightning_dp_strategies.core.agreement import require_materialized, require_real_tensors
 from lightning_dp_strategies.core.checkpoint_io import AtomicByDefault
 from lightning_dp_strategies.core.nonfinite import NonfiniteGuard, check_nonfinite_mode
 from lightning_dp_strategies.core.options import check_dim
@@ -28,6 +28,7 @@ from lightning_dp_strategies.core.registry import register_name
 from lightning_dp_strategies.data_parallel import as_devices
 from lightning_dp_strategies.data_parallel.forward import ParallelForward, ScatterGatherStats
 from lightning_dp_strategies.data_parallel.replicas import check_replicable
+from lightning_dp_strategies.pipeline.materialize import cpu_keeps_meta
 from lightning_dp_strategies.plan import SCATTER_GATHER, CostModel
 from lightning_dp_strategies.strategies._trainer import with_resumed_sampler_epoch
 
@@ -249,6 +250,8 @@ class ScatterGatherStrategy(ParallelForward, ParallelStrategy):
                 "to train (the first backward would fail). Unfreeze at least one parameter before `trainer.fit`, or "
                 "use `trainer.validate` / `trainer.predict` to run the frozen model."
             )
+        if module is not None:  # before Lightning moves it to the device
+            require_real_tensors(module, type(self).__name__)
         if module is not None and len(self.replica_devices()) > 1:  # here, before the sanity check's first forward
             check_replicable(module)
             require_materialized(module, type(self).__name__)
@@ -263,7 +266,8 @@ class ScatterGatherStrategy(ParallelForward, ParallelStrategy):
     def teardown(self) -> None:
         if self.cluster_environment is not None:
             self.cluster_environment.teardown()
-        Strategy.teardown(self)
+        with cpu_keeps_meta(self.lightning_module):  # a module refused at setup for its meta tensors
+            Strategy.teardown(self)
 
     # ------------------------------------------------------------------ steps
     @contextmanager

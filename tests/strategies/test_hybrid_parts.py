@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_dp_strategies.bucketing.sync import GradientSync
+from lightning_dp_strategies.pipeline.materialize import cpu_keeps_meta
 from lightning_dp_strategies.pipeline.runner import StepResult
 from lightning_dp_strategies.strategies.hybrid_pipeline import checkpointer as checkpointer_module, collectives
 from lightning_dp_strategies.strategies.hybrid_pipeline.checkpointer import StreamedCheckpointer
@@ -23,7 +24,7 @@ from lightning_dp_strategies.strategies.hybrid_pipeline.collectives import (
 )
 from lightning_dp_strategies.strategies.hybrid_pipeline.config import HybridPipelineConfig
 from lightning_dp_strategies.strategies.hybrid_pipeline.driver import StepDriver, StepState
-from lightning_dp_strategies.strategies.hybrid_pipeline.placement import StagePlacement, cpu_keeps_meta
+from lightning_dp_strategies.strategies.hybrid_pipeline.placement import StagePlacement
 
 
 # ---------------------------------------------------------------------------------------------------- fakes

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
@@ -19,7 +17,7 @@ from lightning_dp_strategies.pipeline.placement import release, return_to_rank_z
 from lightning_dp_strategies.pipeline.schedule import chunk_ranks
 from lightning_dp_strategies.strategies.hybrid_pipeline.config import HybridPipelineConfig
 
-__all__ = ["StagePlacement", "cpu_keeps_meta"]
+__all__ = ["StagePlacement"]
 
 
 def _body(module: nn.Module, layout: Layout) -> nn.Sequential:
@@ -255,31 +253,3 @@ def _check_own_tensors(module: nn.Module) -> None:
             "any submodule, where no `reset_parameters()` can initialize them. Build them on a real device, or "
             "move them into a submodule."
         )
-
-
-@contextmanager
-def cpu_keeps_meta(module: nn.Module | None) -> Iterator[None]:
-    """Inside, ``module.cpu()`` moves what has storage and leaves the other stages' blocks on the meta device.
-
-    Lightning's teardown calls ``module.cpu()``, which cannot copy a meta tensor: for that call only, an instance
-    attribute (removed on exit) shadows the method. A module without meta tensors is left alone.
-
-    Args:
-        module: the LightningModule, or ``None``.
-
-    Examples:
-        >>> module = nn.Linear(1, 1, device="meta")
-        >>> with cpu_keeps_meta(module):
-        ...     module.cpu().weight.is_meta
-        True
-        >>> "cpu" in vars(module)
-        False
-    """
-    shadowed = module if module is not None and has_meta(module) and "cpu" not in module.__dict__ else None
-    if shadowed is not None:
-        shadowed.__dict__["cpu"] = lambda: shadowed._apply(lambda t: t if t.is_meta else t.cpu())
-    try:
-        yield
-    finally:
-        if shadowed is not None:
-            shadowed.__dict__.pop("cpu")

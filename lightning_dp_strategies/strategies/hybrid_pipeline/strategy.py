@@ -51,6 +51,7 @@ from lightning_dp_strategies.core.checkpoint_io import atomic_write
 from lightning_dp_strategies.pipeline import PipelineRunner
 from lightning_dp_strategies.pipeline.activations import is_activation
 from lightning_dp_strategies.pipeline.layout import Layout, StageBody, check_mesh
+from lightning_dp_strategies.pipeline.materialize import cpu_keeps_meta
 from lightning_dp_strategies.pipeline.runner import PipelineStats
 from lightning_dp_strategies.plan import HYBRID_PIPELINE, CostModel
 from lightning_dp_strategies.reducers import Reducer
@@ -60,7 +61,7 @@ from lightning_dp_strategies.strategies.hybrid_pipeline.collectives import Metri
 from lightning_dp_strategies.strategies.hybrid_pipeline.config import HybridPipelineConfig
 from lightning_dp_strategies.strategies.hybrid_pipeline.driver import StepDriver
 from lightning_dp_strategies.strategies.hybrid_pipeline.opt_in import check_opt_in
-from lightning_dp_strategies.strategies.hybrid_pipeline.placement import StagePlacement, cpu_keeps_meta
+from lightning_dp_strategies.strategies.hybrid_pipeline.placement import StagePlacement
 from lightning_dp_strategies.strategies.hybrid_pipeline.refusals import (
     check_automatic_optimization,
     check_no_sync_batchnorm,
