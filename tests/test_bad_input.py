@@ -803,3 +803,17 @@ def test_the_probe_trains_when_used_correctly(strategy: str, devices: int, model
     L.Trainer(strategy=chosen, devices=devices, **QUIET).fit(probe, loader())
     counts = probe.counts()
     assert counts["started"] == counts["finished"] == counts["optimizer_steps"] == 2 and counts["moved"] == 1
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("move_to_device", [True, False], ids=["moved", "not-moved"])
+@pytest.mark.parametrize("strategy", ["ring_allreduce", "local_sgd", "scatter_gather"])
+def test_fabric_refuses_a_module_built_on_the_meta_device_naming_the_fix(strategy: str, move_to_device: bool) -> None:
+    """Under Fabric the module moves to the device before the strategy sets it up: refused there, or in the set-up
+    when ``move_to_device=False``."""
+    fabric = L.Fabric(strategy=strategy, accelerator="cpu", devices=1)
+    fabric.launch()
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    with pytest.raises(ValueError, match=r"`0\.weight`, .* are on the meta device.*Build the model on the CPU"):
+        fabric.setup(model, move_to_device=move_to_device)

@@ -30,7 +30,6 @@ __all__ = [
     "model_fingerprint",
     "require_dense_gradients",
     "require_materialized",
-    "require_real_tensors",
 ]
 
 
@@ -207,28 +206,4 @@ def require_materialized(module: nn.Module, strategy: str) -> None:
             f"{strategy} needs every parameter when it sets up, and {names} do not exist yet: a lazy module "
             "(nn.LazyLinear and the like) makes them in its first forward. Run one forward on a sample batch before "
             "training (at the end of your module's `__init__`, say), or give those layers their input sizes."
-        )
-
-
-def require_real_tensors(module: nn.Module, strategy: str) -> None:
-    """A clear error when ``module`` has parameters or buffers on the meta device (built under
-    ``torch.device("meta")``): a strategy that holds the whole model on each of its devices has no values to put there.
-
-    Examples:
-        >>> require_real_tensors(nn.Linear(2, 2), "RingAllReduceStrategy")
-        >>> with torch.device("meta"):
-        ...     deferred = nn.Linear(2, 2)
-        >>> require_real_tensors(deferred, "RingAllReduceStrategy")
-        Traceback (most recent call last):
-        ...
-        ValueError: RingAllReduceStrategy holds the whole model on each of its devices, and `weight`, `bias` are on ...
-    """
-    meta = [name for name, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta]
-    if meta:
-        names = ", ".join(f"`{name}`" for name in meta[:4]) + (f" and {len(meta) - 4} more" if len(meta) > 4 else "")
-        raise ValueError(
-            f"{strategy} holds the whole model on each of its devices, and {names} are on the meta device (built "
-            "under `torch.device('meta')`, in `configure_model` say): they have no values to put there. Build the "
-            "model on the CPU, or train with strategy='hybrid_pipeline', which allocates and initializes each "
-            "pipeline stage's blocks only on the ranks that run them."
         )

@@ -1,4 +1,5 @@
-"""Module state every rank must share: rank 0's parameters and buffers at setup, its buffers before each step."""
+"""Module state every rank must share: rank 0's parameters and buffers at setup, its buffers before each step; and
+the values themselves, which a module built on the meta device does not have yet."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from torch import nn
 from torch.distributed.distributed_c10d import _get_default_group
 from torch.distributed.utils import _sync_module_states as _torch_sync_module_states
 
-__all__ = ["BUFFER_BROADCAST_BYTES", "broadcast_module_buffers", "sync_module_states"]
+__all__ = ["BUFFER_BROADCAST_BYTES", "broadcast_module_buffers", "require_storage", "sync_module_states"]
 
 BUFFER_BROADCAST_BYTES = 250 * 1024 * 1024
 """Bytes per coalesced broadcast: torch DDP's bucket size for broadcasting parameters and buffers."""
@@ -33,3 +34,28 @@ def broadcast_module_buffers(module: nn.Module, group: dist.ProcessGroup | None 
     if buffers and dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         pg = group if group is not None else _get_default_group()
         dist._broadcast_coalesced(pg, buffers, BUFFER_BROADCAST_BYTES, dist.get_group_rank(pg, src))
+
+
+def require_storage(module: nn.Module, strategy: str) -> None:
+    """A clear error when ``module`` has parameters or buffers on the meta device (built under
+    ``torch.device("meta")``): a strategy that holds the whole model on each of its devices has no values to put there.
+
+    Examples:
+        >>> import torch
+        >>> require_storage(nn.Linear(2, 2), "RingAllReduceStrategy")
+        >>> with torch.device("meta"):
+        ...     deferred = nn.Linear(2, 2)
+        >>> require_storage(deferred, "RingAllReduceStrategy")
+        Traceback (most recent call last):
+        ...
+        ValueError: RingAllReduceStrategy holds the whole model on each of its devices, and `weight`, `bias` are on ...
+    """
+    meta = [name for name, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta]
+    if meta:
+        names = ", ".join(f"`{name}`" for name in meta[:4]) + (f" and {len(meta) - 4} more" if len(meta) > 4 else "")
+        raise ValueError(
+            f"{strategy} holds the whole model on each of its devices, and {names} are on the meta device (built "
+            "under `torch.device('meta')` for deferred initialization): they have no values to put there. Build the "
+            "model on the CPU, or train with strategy='hybrid_pipeline', which allocates and initializes each "
+            "pipeline stage's blocks only on the ranks that run them."
+        )

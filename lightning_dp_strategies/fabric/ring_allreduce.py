@@ -35,7 +35,7 @@ from lightning_dp_strategies.core.distinct_batches import DistinctBatches
 from lightning_dp_strategies.core.elastic import init_strategy_process_group
 from lightning_dp_strategies.core.engine import BucketedEngine, EngineView
 from lightning_dp_strategies.core.launch import check_launch
-from lightning_dp_strategies.core.module_state import broadcast_module_buffers, sync_module_states
+from lightning_dp_strategies.core.module_state import broadcast_module_buffers, require_storage, sync_module_states
 from lightning_dp_strategies.core.nonfinite import NonfiniteGuard
 from lightning_dp_strategies.core.options import (
     ConfigOption,
@@ -198,6 +198,11 @@ class FabricRingAllReduceStrategy(DDPStrategy):
         self.engine.make_groups([list(range(self.world_size))], self.global_rank, self._process_group_backend, reducer)
 
     @override
+    def module_to_device(self, module: nn.Module) -> None:
+        require_storage(module, type(self).__name__)  # a module built on the meta device cannot move
+        super().module_to_device(module)
+
+    @override
     def setup_module(self, module: nn.Module) -> nn.Module:  # type: ignore[override]  # not wrapped
         """Check that the ranks agree, broadcast rank 0's parameters and buffers, and attach the gradient buckets.
 
@@ -205,6 +210,7 @@ class FabricRingAllReduceStrategy(DDPStrategy):
         forward pre-hook that, at its first training forward, warns on rank 0 when ranks got the same inputs (a loader
         every rank reads whole) and then removes itself; :meth:`teardown` removes it if no step ran.
         """
+        require_storage(module, type(self).__name__)  # set up with `move_to_device=False`
         trainable = any(p.requires_grad for p in module.parameters())
         if trainable and self.engine.buckets is not None:
             raise ValueError(

@@ -20,6 +20,7 @@ from typing_extensions import override
 
 from lightning_dp_strategies.core.agreement import require_materialized
 from lightning_dp_strategies.core.checkpoint_io import AtomicByDefault
+from lightning_dp_strategies.core.module_state import require_storage
 from lightning_dp_strategies.core.nonfinite import NonfiniteGuard, check_nonfinite_mode
 from lightning_dp_strategies.core.options import check_dim
 from lightning_dp_strategies.core.registry import register_name
@@ -107,9 +108,15 @@ class FabricScatterGatherStrategy(ParallelForward, DataParallelStrategy):
         return as_devices(self.parallel_devices or [self.root_device])
 
     @override
+    def module_to_device(self, module: nn.Module) -> None:
+        require_storage(module, type(self).__name__)  # a module built on the meta device cannot move
+        super().module_to_device(module)
+
+    @override
     def setup_module(self, module: nn.Module) -> nn.Module:  # type: ignore[override]  # not wrapped
         """``module`` in a wrapper whose forward runs :meth:`parallel_forward`; checkpoints hold the module's own
         ``state_dict`` (see :meth:`get_module_state_dict`)."""
+        require_storage(module, type(self).__name__)  # set up with `move_to_device=False`
         if len(self.replica_devices()) > 1:
             check_replicable(module)
             require_materialized(module, type(self).__name__)

@@ -20,8 +20,9 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_dp_strategies.core.agreement import require_materialized, require_real_tensors
+from lightning_dp_strategies.core.agreement import require_materialized
 from lightning_dp_strategies.core.checkpoint_io import AtomicByDefault
+from lightning_dp_strategies.core.module_state import require_storage
 from lightning_dp_strategies.core.nonfinite import NonfiniteGuard, check_nonfinite_mode
 from lightning_dp_strategies.core.options import check_dim
 from lightning_dp_strategies.core.registry import register_name
@@ -251,7 +252,7 @@ class ScatterGatherStrategy(ParallelForward, ParallelStrategy):
                 "use `trainer.validate` / `trainer.predict` to run the frozen model."
             )
         if module is not None:  # before Lightning moves it to the device
-            require_real_tensors(module, type(self).__name__)
+            require_storage(module, type(self).__name__)
         if module is not None and len(self.replica_devices()) > 1:  # here, before the sanity check's first forward
             check_replicable(module)
             require_materialized(module, type(self).__name__)

@@ -20,8 +20,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_dp_strategies.core.agreement import require_real_tensors
 from lightning_dp_strategies.core.fault_tolerance import FaultTolerance, Survivors
+from lightning_dp_strategies.core.module_state import require_storage
 from lightning_dp_strategies.pipeline.materialize import cpu_keeps_meta
 from lightning_dp_strategies.strategies.bucketed import BucketedDataParallel
 
@@ -88,7 +88,7 @@ class SurvivingDataParallel(BucketedDataParallel):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         if self.lightning_module is not None:  # before Lightning moves it to the device
-            require_real_tensors(self.lightning_module, type(self).__name__)
+            require_storage(self.lightning_module, type(self).__name__)
         if trainer.state.fn == TrainerFn.FITTING:  # Lightning converts BatchNorm for fit only
             check_layer_sync(self._layer_sync, self.root_device, self.world_size, self.survival is not None)
         super().setup(trainer)
