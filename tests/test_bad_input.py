@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -817,3 +818,37 @@ def test_fabric_refuses_a_module_built_on_the_meta_device_naming_the_fix(strateg
         model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     with pytest.raises(ValueError, match=r"`0\.weight`, .* are on the meta device.*Build the model on the CPU"):
         fabric.setup(model, move_to_device=move_to_device)
+
+
+class PlainModule(L.LightningModule):
+    """A module that overrides no hook that sees the gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 4)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        return F.mse_loss(self.layer(batch[0]), batch[1])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class ReadsGradients(PlainModule):
+    """A module whose hook reads the gradients (as a gradient-norm logger does)."""
+
+    def on_after_backward(self) -> None:
+        self.norms = [p.grad.norm() for p in self.parameters() if p.grad is not None]
+
+
+@pytest.mark.timeout(60)
+def test_sharded_state_warns_of_a_hook_that_reads_the_module_gradients() -> None:
+    """With sharded optimizer state the module's ``.grad`` is ``None`` in ``on_after_backward``: a module that
+    overrides the hook is warned at setup, naming it and the fix; one that does not is not."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        L.Trainer(strategy="ring_allreduce_sharded", devices=1, **QUIET).fit(PlainModule(), loader())
+        L.Trainer(strategy="ring_allreduce_sharded", devices=1, **QUIET).fit(ReadsGradients(), loader())
+    found = [str(w.message) for w in caught if "will find no gradient" in str(w.message)]
+    assert len(found) == 1, found
+    assert re.match(r"ReadsGradients\.on_after_backward will find no gradient .*shard_optimizer_state=False", found[0])

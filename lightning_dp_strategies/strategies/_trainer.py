@@ -13,6 +13,8 @@ from lightning.pytorch.callbacks import BaseFinetuning
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.connectors.signal_connector import _get_sigkill_signal
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 
 from lightning_dp_strategies.core.even_batches import UNKNOWN, BatchPosition
@@ -143,3 +145,21 @@ def check_no_finetuning(trainer: object, where: str, why: str) -> None:
     found = [type(c).__name__ for c in getattr(trainer, "callbacks", []) if isinstance(c, BaseFinetuning)]
     if found:
         raise ValueError(f"{found[0]} (a BaseFinetuning callback) cannot run {where}: {why}")
+
+
+GRADIENT_HOOKS = ("on_after_backward", "on_before_optimizer_step")
+"""The hooks Lightning calls with the step's gradients in ``.grad``."""
+
+
+def warn_gradient_hooks(trainer: object, where: str, why: str) -> None:
+    """Warn on rank 0 when the module or a callback of ``trainer`` overrides a hook of :data:`GRADIENT_HOOKS`, which
+    finds no gradient in the module's ``.grad`` ``where`` ("with ..."); ``why`` (with the fix) ends the message.
+
+    Examples:
+        >>> warn_gradient_hooks(object(), "with this strategy", "...")
+    """
+    module = getattr(trainer, "lightning_module", None)
+    owners = ([module] if module is not None else []) + list(getattr(trainer, "callbacks", []))
+    found = [f"{type(o).__name__}.{hook}" for o in owners for hook in GRADIENT_HOOKS if is_overridden(hook, o)]
+    if found:
+        rank_zero_warn(f"{', '.join(found)} will find no gradient in the module's parameters {where}: {why}")

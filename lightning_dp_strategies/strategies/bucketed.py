@@ -70,6 +70,7 @@ from lightning_dp_strategies.strategies.precision import (
     ClipByNorm,
     ClippingAcrossRanks,
     GlobalNormClipping,
+    averaged_backward,
     readable_by_wrapper,
     stored_under_plugin_name,
 )
@@ -300,11 +301,10 @@ class BucketedDataParallel(DDPStrategy):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        """Lightning's backward; with ``fault_tolerant``, also the lost ranks' micro-batches this rank holds."""
-        if self.survival is None:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
-        parent = super().backward
-        return self.survival.backward(lambda loss: parent(loss, optimizer, *args, **kwargs), closure_loss)
+        """Lightning's backward with the gradients averaged before ``on_after_backward`` (:func:`averaged_backward`);
+        with ``fault_tolerant``, also the lost ranks' micro-batches this rank holds."""
+        run = functools.partial(averaged_backward, self, optimizer=optimizer, args=args, kwargs=kwargs)
+        return run(closure_loss) if self.survival is None else self.survival.backward(run, closure_loss)
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:

@@ -8,6 +8,9 @@ not changed, and the wrapper is handed to Lightning only from the strategy's set
 
 Lightning keys the plugin's checkpoint state by the plugin's class name: :func:`checkpoint_key` gives the wrapped
 plugin's, and the strategy reads and writes the state under it, so checkpoints stay loadable by any strategy.
+
+:func:`averaged_backward` is Lightning's backward with the strategy's ``post_backward`` moved ahead of the plugin's,
+which calls ``on_after_backward``, so that the hook gets the averaged gradients.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities import GradClipAlgorithmType
+from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -25,12 +29,34 @@ __all__ = [
     "ClipByNorm",
     "ClippingAcrossRanks",
     "GlobalNormClipping",
+    "averaged_backward",
     "checkpoint_key",
     "readable_by_wrapper",
     "stored_under_plugin_name",
 ]
 
 ClipByNorm = Callable[[Optimizer, float], None]
+
+
+def averaged_backward(
+    strategy: Strategy, closure_loss: Tensor, optimizer: Optimizer | None, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Tensor:
+    """Lightning's ``Strategy.backward`` with the strategy's ``post_backward`` before the plugin's, which calls the
+    ``on_after_backward`` hooks.
+
+    A strategy whose ``post_backward`` waits until the gradients are averaged so hands the hooks the averaged
+    gradients, as torch DDP does (its reducer waits when the backward pass ends). In Lightning's order the hooks would
+    read ``.grad`` while its bucket is still being reduced, and a change they made to it would race with the reduction
+    or be replaced by its result.
+    """
+    module = strategy.lightning_module
+    assert module is not None
+    plugin = strategy.precision_plugin
+    strategy.pre_backward(closure_loss)
+    closure_loss = plugin.pre_backward(closure_loss, module)
+    plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
+    strategy.post_backward(closure_loss.detach())
+    return plugin.post_backward(closure_loss, module)
 
 
 def checkpoint_key(plugin: Precision) -> str:

@@ -52,6 +52,7 @@ class Scenario:
     two_optimizers: bool = False  # manual: Adam over the first layer, SGD with momentum over the rest
     compiled: bool = False  # the body torch.compile'd (AOTAutograd's backward, run eagerly: no C++ compiler needed)
     checkpointed: bool = False  # the body after its first layer under reentrant activation checkpointing
+    hook_clip: float | None = None  # clip_grad_norm_ in on_after_backward: a hook that changes the gradients
 
 
 SCENARIOS = {
@@ -64,6 +65,7 @@ SCENARIOS = {
     "unused": Scenario(unused=True),
     "accumulate": Scenario(accumulate=2),
     "clip": Scenario(clip=0.05),
+    "hook_clip": Scenario(hook_clip=0.05),
     "manual": Scenario(manual=True),
     "bf16": Scenario(precision="bf16-mixed"),
     "compiled": Scenario(compiled=True),
@@ -166,6 +168,10 @@ class ParityNet(L.LightningModule):
         opt.step()
         opt.zero_grad()
         return None
+
+    def on_after_backward(self) -> None:
+        if self.scenario.hook_clip is not None:  # under DDP the hook gets (and changes) the averaged gradients
+            torch.nn.utils.clip_grad_norm_(self.parameters(), self.scenario.hook_clip)
 
     def configure_optimizers(self) -> Any:
         optimizers = make_optimizers(self.scenario, self)
@@ -324,8 +330,9 @@ def reference_parameters(name: str, per_shard: bool = False) -> dict[str, Tensor
                 (model.loss(x[idx], y[idx], shard=-1) / scenario.accumulate).backward()
             last = k == len(batches) - 1
             if (k + 1) % scenario.accumulate == 0 or last:
-                if scenario.clip is not None:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), scenario.clip)
+                clip = scenario.clip if scenario.clip is not None else scenario.hook_clip
+                if clip is not None:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
                 for opt in optimizers:
                     opt.step()
                     opt.zero_grad()

@@ -31,7 +31,7 @@ TORCH_POWERSGD_HERE = not torch.cuda.is_available()
 device): its scenario runs only on machines without one."""
 HOOKS = ["hook_allreduce", "hook_unused", "hook_fp16", *(["hook_powersgd"] if TORCH_POWERSGD_HERE else [])]
 # the scenarios of one world size share one launch (each launch costs seconds of imports, a fit does not)
-WORLD_2 = ["sgd", "sgd@ddp", "adam2", "unused", "accumulate", "clip", "manual", "bf16", *HOOKS]
+WORLD_2 = ["sgd", "sgd@ddp", "adam2", "unused", "accumulate", "clip", "hook_clip", "manual", "bf16", *HOOKS]
 WORLD_2 += ["compiled", "checkpointed"]  # torch.compile, activation checkpointing
 WORLD_3 = ["sgd3", "adam3", "sgd3@minimal"]
 
@@ -150,6 +150,14 @@ def test_gradient_accumulation_does_not_communicate(world2: Path) -> None:
 @pytest.mark.timeout(600)
 def test_gradient_clipping_sees_averaged_gradients(world2: Path) -> None:
     assert_parity(results(world2, "clip"), "clip")
+
+
+@NUMERICS
+@pytest.mark.timeout(600)
+def test_a_gradient_change_in_on_after_backward_acts_on_the_averaged_gradients(world2: Path) -> None:
+    """``clip_grad_norm_`` in ``on_after_backward`` trains as clipping the global batch's gradient on one device, as
+    under DDP: the hook runs once the buckets are reduced, not while they are (when the ranks drifted apart)."""
+    assert_parity(results(world2, "hook_clip"), "hook_clip")
 
 
 @NUMERICS
