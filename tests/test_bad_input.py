@@ -242,14 +242,18 @@ def hybrid(**options: Any) -> HybridPipelineStrategy:
 def _two_rank_worker(rank: int, world_size: int, out: str, blocks: int, strategy: str) -> None:
     """One rank of ``Trainer(devices=2)`` on ``blocks`` blocks: ``strategy="hybrid"`` is
     ``HybridPipelineStrategy(pipeline_stages=2)`` (``"hybrid-swa"``, ``"hybrid-ema"``, ``"hybrid-pruning"``: with
-    Lightning's ``StochasticWeightAveraging``, ``WeightAveraging`` or ``ModelPruning``), ``"ring-sync_batchnorm"``
-    the ring with a BatchNorm probe and ``sync_batchnorm=True``.
+    Lightning's ``StochasticWeightAveraging``, ``WeightAveraging`` or ``ModelPruning``; ``"hybrid-tied"``: the first
+    and last blocks' weights tied), ``"ring-sync_batchnorm"`` the ring with a BatchNorm probe and
+    ``sync_batchnorm=True``.
 
     The gloo group is already up (``run_distributed``); ``LOCAL_RANK`` tells Lightning that the ranks exist already.
     """
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world_size))
     batchnorm = strategy == "ring-sync_batchnorm"
-    model = (WithBatchNorm() if batchnorm else Probe(blocks)).snapshot()
+    model = WithBatchNorm() if batchnorm else Probe(blocks)
+    if strategy == "hybrid-tied":
+        model.body[-1].weight = model.body[0].weight
+    model.snapshot()
     error: BaseException | None = None
     try:
         chosen: Any = (
@@ -643,6 +647,14 @@ CATALOGUE = [
         )
         for callback in ("swa", "ema", "pruning")
     ],
+    Misuse(
+        "hybrid-tied-weights-across-stages",
+        lambda run: fit_on_two_ranks(run, blocks=2, strategy="hybrid-tied"),
+        ValueError,
+        r"`body\.0\.weight` and `body\.1\.weight` are one tensor \(tied weights\).*block 0 on stage 0 and block 1 on "
+        r"stage 1.*Untie them.*strategy='ring_allreduce'",
+        SETUP,
+    ),
     Misuse(
         "hybrid-more-stages-than-blocks",
         lambda run: fit_on_two_ranks(run, blocks=1),

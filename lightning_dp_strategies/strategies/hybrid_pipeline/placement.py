@@ -98,6 +98,7 @@ class StagePlacement:
             body_prefix=prefix_of(module, body),
             chunk_ranks=chunk_ranks(config.schedule, config.pipeline_stages, config.chunks_per_rank),
         )
+        check_not_shared_across_stages(blocks, layout)
         bodies = [StageBody({i: blocks[i] for i in layout.chunk_blocks(c)}) for c in layout.chunks]
         return layout, bodies
 
@@ -253,3 +254,32 @@ def _check_own_tensors(module: nn.Module) -> None:
             "any submodule, where no `reset_parameters()` can initialize them. Build them on a real device, or "
             "move them into a submodule."
         )
+
+
+def check_not_shared_across_stages(blocks: list[nn.Module], layout: Layout) -> None:
+    """Refuse a parameter or buffer that blocks of different stages share (tied weights, such as an embedding and
+    the output layer that reuses its matrix): each stage would hold, train and save a copy of its own.
+
+    Examples:
+        >>> from types import SimpleNamespace
+        >>> emb, head = nn.Embedding(5, 2), nn.Linear(2, 5, bias=False)
+        >>> head.weight = emb.weight
+        >>> layout = SimpleNamespace(block_stage=lambda i: 0 if i == 0 else 1, body_prefix="body.")
+        >>> check_not_shared_across_stages([emb, nn.Linear(2, 2), head], layout)
+        Traceback (most recent call last):
+        ...
+        ValueError: `body.0.weight` and `body.2.weight` are one tensor (tied weights), and the pipeline puts block 0 ...
+    """
+    seen: dict[int, tuple[int, str]] = {}
+    for index, block in enumerate(blocks):
+        tensors = [*block.named_parameters(remove_duplicate=False), *block.named_buffers(remove_duplicate=False)]
+        for name, tensor in tensors:
+            first = seen.setdefault(id(tensor), (index, name))
+            if layout.block_stage(first[0]) != layout.block_stage(index):
+                raise ValueError(
+                    f"`{layout.body_prefix}{first[0]}.{first[1]}` and `{layout.body_prefix}{index}.{name}` are one "
+                    f"tensor (tied weights), and the pipeline puts block {first[0]} on stage "
+                    f"{layout.block_stage(first[0])} and block {index} on stage {layout.block_stage(index)}: each "
+                    "stage would train a copy of its own with part of its gradient. Untie them (give each block its "
+                    "own parameter), or train with strategy='ring_allreduce', or with pipeline_stages=1."
+                )
