@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_dp_strategies.bucketing import assign_buckets
+from lightning_dp_strategies.core.module_state import quoted_names
 from lightning_dp_strategies.core.options import BucketedConfig, ReductionOptions
 from lightning_dp_strategies.reducers import hook_name
 
@@ -201,7 +202,7 @@ def require_materialized(module: nn.Module, strategy: str) -> None:
     """
     lazy = [name for name, p in module.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
     if lazy:
-        names = ", ".join(f"`{name}`" for name in lazy[:4]) + (f" and {len(lazy) - 4} more" if len(lazy) > 4 else "")
+        names = quoted_names(lazy)
         raise ValueError(
             f"{strategy} needs every parameter when it sets up, and {names} do not exist yet: a lazy module "
             "(nn.LazyLinear and the like) makes them in its first forward. Run one forward on a sample batch before "

@@ -8,7 +8,13 @@ from torch import nn
 from torch.distributed.distributed_c10d import _get_default_group
 from torch.distributed.utils import _sync_module_states as _torch_sync_module_states
 
-__all__ = ["BUFFER_BROADCAST_BYTES", "broadcast_module_buffers", "require_storage", "sync_module_states"]
+__all__ = [
+    "BUFFER_BROADCAST_BYTES",
+    "broadcast_module_buffers",
+    "quoted_names",
+    "require_storage",
+    "sync_module_states",
+]
 
 BUFFER_BROADCAST_BYTES = 250 * 1024 * 1024
 """Bytes per coalesced broadcast: torch DDP's bucket size for broadcasting parameters and buffers."""
@@ -36,6 +42,17 @@ def broadcast_module_buffers(module: nn.Module, group: dist.ProcessGroup | None 
         dist._broadcast_coalesced(pg, buffers, BUFFER_BROADCAST_BYTES, dist.get_group_rank(pg, src))
 
 
+def quoted_names(names: list[str], shown: int = 4) -> str:
+    """The first ``shown`` of ``names`` in backquotes, and how many more there are, for an error message.
+
+    Examples:
+        >>> quoted_names(["a.weight", "a.bias"]), quoted_names(list("abcdef"))
+        ('`a.weight`, `a.bias`', '`a`, `b`, `c`, `d` and 2 more')
+    """
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(f"`{name}`" for name in names[:shown]) + more
+
+
 def require_storage(module: nn.Module, strategy: str) -> None:
     """A clear error when ``module`` has parameters or buffers on the meta device (built under
     ``torch.device("meta")``): a strategy that holds the whole model on each of its devices has no values to put there.
@@ -52,7 +69,7 @@ def require_storage(module: nn.Module, strategy: str) -> None:
     """
     meta = [name for name, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta]
     if meta:
-        names = ", ".join(f"`{name}`" for name in meta[:4]) + (f" and {len(meta) - 4} more" if len(meta) > 4 else "")
+        names = quoted_names(meta)
         raise ValueError(
             f"{strategy} holds the whole model on each of its devices, and {names} are on the meta device (built "
             "under `torch.device('meta')` for deferred initialization): they have no values to put there. Build the "
