@@ -411,6 +411,19 @@ CATALOGUE = [
         SETUP,
     ),
     Misuse(
+        "ring-sharded-lottery-ticket",  # it replaces parameters' storage, which the pieces view
+        lambda run: fit(
+            run,
+            RingAllReduceStrategy(shard_optimizer_state=True),
+            devices=1,
+            callbacks=[ModelPruning("l1_unstructured", amount=0.5)],
+        ),
+        ValueError,
+        r"ModelPruning with `use_lottery_ticket_hypothesis` \(its default\) cannot run with "
+        r"shard_optimizer_state=True.*use_lottery_ticket_hypothesis=False",
+        SETUP,
+    ),
+    Misuse(
         "ring-sparse-embedding-local-sgd-warm-up",  # the warm-up's gradients are averaged in the buckets
         lambda run: fit(run, LocalSGDStrategy(sync_every=2, warmup_steps=1), SparseEmbedding(), devices=1),
         ValueError,

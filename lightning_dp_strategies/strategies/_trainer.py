@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from lightning.fabric.utilities.data import _set_sampler_epoch, has_iterable_dataset
-from lightning.pytorch.callbacks import BaseFinetuning
+from lightning.pytorch.callbacks import BaseFinetuning, ModelPruning
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.connectors.signal_connector import _get_sigkill_signal
@@ -145,6 +145,22 @@ def check_no_finetuning(trainer: object, where: str, why: str) -> None:
     found = [type(c).__name__ for c in getattr(trainer, "callbacks", []) if isinstance(c, BaseFinetuning)]
     if found:
         raise ValueError(f"{found[0]} (a BaseFinetuning callback) cannot run {where}: {why}")
+
+
+def check_no_lottery_ticket(trainer: object, where: str, why: str) -> None:
+    """Refuse, on every rank before anything is sent, a ``ModelPruning`` callback of ``trainer`` that resets weights
+    for the lottery ticket hypothesis (its default): it replaces their storage (``param.data = ...``). ``where`` says
+    where it cannot run, ``why`` (with the fix) ends the message.
+
+    Examples:
+        >>> check_no_lottery_ticket(object(), "with this strategy", "...")
+    """
+    for callback in getattr(trainer, "callbacks", []):
+        if isinstance(callback, ModelPruning) and callback._use_lottery_ticket_hypothesis:
+            raise ValueError(
+                "ModelPruning with `use_lottery_ticket_hypothesis` (its default) cannot run "
+                f"{where}: it resets the pruned layers' weights by replacing their storage (`param.data = ...`), {why}"
+            )
 
 
 GRADIENT_HOOKS = ("on_after_backward", "on_before_optimizer_step")

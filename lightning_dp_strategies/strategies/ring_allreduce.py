@@ -16,7 +16,12 @@ from lightning_dp_strategies.core.options import ConfigOption, RingAllReduceConf
 from lightning_dp_strategies.core.registry import register_name
 from lightning_dp_strategies.core.topology import check_two_level, layout_reducer
 from lightning_dp_strategies.reducers import CommHook, Reducer, ScatterReducer
-from lightning_dp_strategies.strategies._trainer import check_no_finetuning, should_log, warn_gradient_hooks
+from lightning_dp_strategies.strategies._trainer import (
+    check_no_finetuning,
+    check_no_lottery_ticket,
+    should_log,
+    warn_gradient_hooks,
+)
 from lightning_dp_strategies.strategies.options import StrategyOptions
 from lightning_dp_strategies.strategies.survival import TrainerSurvival
 from lightning_dp_strategies.strategies.surviving import SurvivingDataParallel, as_fault_tolerance
@@ -28,6 +33,10 @@ SHARDED_FINETUNING = (
     "it looks the optimizer's parameters up among the module's and adds parameter groups while training, and the "
     "sharded optimizer steps this rank's pieces of the parameters instead, which a group added later would never "
     "reach. Train with shard_optimizer_state=False (strategy='ring_allreduce')."
+)
+SHARDED_LOTTERY_TICKET = (
+    "and the sharded optimizer steps views of the storage the parameters had at setup. Pass "
+    "ModelPruning(use_lottery_ticket_hypothesis=False), or train with shard_optimizer_state=False."
 )
 SHARDED_GRADIENTS = (
     "their `.grad` is None there, since each rank holds the averaged gradient of its pieces of the parameters only (in "
@@ -159,6 +168,7 @@ class RingAllReduceStrategy(SurvivingDataParallel):
     def setup(self, trainer: pl.Trainer) -> None:
         if self.config.shard_optimizer_state and trainer.state.fn == TrainerFn.FITTING:
             check_no_finetuning(trainer, "with shard_optimizer_state=True", SHARDED_FINETUNING)
+            check_no_lottery_ticket(trainer, "with shard_optimizer_state=True", SHARDED_LOTTERY_TICKET)
             warn_gradient_hooks(trainer, "with shard_optimizer_state=True", SHARDED_GRADIENTS)
         super().setup(trainer)
 
