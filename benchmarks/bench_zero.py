@@ -107,6 +107,15 @@ def worker(args: argparse.Namespace) -> None:
                     self.gather.append(time.perf_counter() - start)
 
                 sharding.after_step = timed
+            grad_sync = getattr(trainer.strategy, "grad_sync", None)
+            if grad_sync is not None:  # backward ends where the wait for the buckets begins (before the hooks)
+                finish = grad_sync.finish
+
+                def timed_finish() -> None:
+                    self.marks[-1]["backward_end"] = time.perf_counter()
+                    finish()
+
+                grad_sync.finish = timed_finish
 
         def on_train_batch_start(self, *_: Any) -> None:
             self.marks.append({"start": time.perf_counter()})
@@ -114,8 +123,8 @@ def worker(args: argparse.Namespace) -> None:
         def on_before_backward(self, *_: Any) -> None:
             self.marks[-1]["backward"] = time.perf_counter()
 
-        def on_after_backward(self, *_: Any) -> None:
-            self.marks[-1]["backward_end"] = time.perf_counter()
+        def on_after_backward(self, *_: Any) -> None:  # ddp: torch's reducer has waited inside backward
+            self.marks[-1].setdefault("backward_end", time.perf_counter())
 
         def on_before_optimizer_step(self, *_: Any) -> None:
             self.marks[-1]["optimizer"] = time.perf_counter()

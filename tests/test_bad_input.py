@@ -247,6 +247,7 @@ def _two_rank_worker(rank: int, world_size: int, out: str, blocks: int, strategy
     ``sync_batchnorm=True``.
 
     The gloo group is already up (``run_distributed``); ``LOCAL_RANK`` tells Lightning that the ranks exist already.
+    Each rank writes the error its fit raised, the probe's counts and the warnings it gave.
     """
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world_size))
     batchnorm = strategy == "ring-sync_batchnorm"
@@ -255,6 +256,7 @@ def _two_rank_worker(rank: int, world_size: int, out: str, blocks: int, strategy
         model.body[-1].weight = model.body[0].weight
     model.snapshot()
     error: BaseException | None = None
+    caught: list[warnings.WarningMessage] = []
     try:
         chosen: Any = (
             RingAllReduceStrategy(timeout=60) if batchnorm else HybridPipelineStrategy(pipeline_stages=2, timeout=60)
@@ -266,11 +268,13 @@ def _two_rank_worker(rank: int, world_size: int, out: str, blocks: int, strategy
         }
         callbacks = whole_model.get(strategy, [])
         trainer = L.Trainer(strategy=chosen, devices=2, sync_batchnorm=batchnorm, callbacks=callbacks, **QUIET)
-        trainer.fit(model, loader())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(model, loader())
     except Exception as err:
         error = err
     with open(Path(out) / f"rank{rank}.pkl", "wb") as f:
-        pickle.dump({"error": error, "counts": model.counts()}, f)
+        pickle.dump({"error": error, "counts": model.counts(), "warnings": [str(w.message) for w in caught]}, f)
 
 
 def fit_on_two_ranks(run: Run, blocks: int, strategy: str = "hybrid") -> None:
@@ -877,3 +881,18 @@ def test_sharded_state_warns_of_a_hook_that_reads_the_module_gradients() -> None
     found = [str(w.message) for w in caught if "will find no gradient" in str(w.message)]
     assert len(found) == 1, found
     assert re.match(r"ReadsGradients\.on_after_backward will find no gradient .*shard_optimizer_state=False", found[0])
+
+
+@pytest.mark.timeout(150)
+def test_hybrid_over_stages_warns_of_a_hook_that_reads_the_module_gradients(tmp_path: Path) -> None:
+    """Over two stages a rank holds its stage's gradients only: the probe's ``on_before_optimizer_step`` is warned of
+    on rank 0 (a norm computed there is the stage's), naming ``gradient_clip_val``."""
+    run_distributed(_two_rank_worker, 2, str(tmp_path), 2, "hybrid", timeout=90)
+    with open(tmp_path / "rank0.pkl", "rb") as f:
+        result = pickle.load(f)
+    assert result["error"] is None, result["error"]
+    found = [w for w in result["warnings"] if "pipeline stage's gradients" in w]
+    assert len(found) == 1, result["warnings"]
+    assert re.match(
+        r"Probe\.on_before_optimizer_step will find only this rank's pipeline stage's .*gradient_clip_val", found[0]
+    )

@@ -1,5 +1,6 @@
 """What the Trainer strategies share that is the Trainer's alone: the resumed epoch's sample order, where a training
-batch stands in its epoch, when to log, the ranks a failed launching process started, the callbacks refused."""
+batch stands in its epoch, when to log, the ranks a failed launching process started, the callbacks refused and the
+hooks warned of."""
 
 from __future__ import annotations
 
@@ -167,15 +168,15 @@ GRADIENT_HOOKS = ("on_after_backward", "on_before_optimizer_step")
 """The hooks Lightning calls with the step's gradients in ``.grad``."""
 
 
-def warn_gradient_hooks(trainer: object, where: str, why: str) -> None:
-    """Warn on rank 0 when the module or a callback of ``trainer`` overrides a hook of :data:`GRADIENT_HOOKS`, which
-    finds no gradient in the module's ``.grad`` ``where`` ("with ..."); ``why`` (with the fix) ends the message.
+def warn_gradient_hooks(trainer: object, what: str) -> None:
+    """Warn on rank 0 when the module or a callback of ``trainer`` overrides a hook of :data:`GRADIENT_HOOKS`; the
+    message names them, then says ``what`` they will find in the module's ``.grad`` (with the fix).
 
     Examples:
-        >>> warn_gradient_hooks(object(), "with this strategy", "...")
+        >>> warn_gradient_hooks(object(), "will find no gradient here: ...")
     """
     module = getattr(trainer, "lightning_module", None)
     owners = ([module] if module is not None else []) + list(getattr(trainer, "callbacks", []))
     found = [f"{type(o).__name__}.{hook}" for o in owners for hook in GRADIENT_HOOKS if is_overridden(hook, o)]
     if found:
-        rank_zero_warn(f"{', '.join(found)} will find no gradient in the module's parameters {where}: {why}")
+        rank_zero_warn(f"{', '.join(found)} {what}")

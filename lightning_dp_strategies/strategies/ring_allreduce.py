@@ -39,9 +39,10 @@ SHARDED_LOTTERY_TICKET = (
     "ModelPruning(use_lottery_ticket_hypothesis=False), or train with shard_optimizer_state=False."
 )
 SHARDED_GRADIENTS = (
-    "their `.grad` is None there, since each rank holds the averaged gradient of its pieces of the parameters only (in "
-    "the optimizer's parameter groups), so reading it finds nothing and changing it changes nothing. Clip with the "
-    "Trainer's `gradient_clip_val` (by the norm over every rank's pieces), or train with shard_optimizer_state=False."
+    "will find no gradient in the module's parameters with shard_optimizer_state=True: their `.grad` is None there, "
+    "since each rank holds the averaged gradient of its pieces of the parameters only (in the optimizer's parameter "
+    "groups), so reading it finds nothing and changing it changes nothing. Clip with the Trainer's "
+    "`gradient_clip_val` (by the norm over every rank's pieces), or train with shard_optimizer_state=False."
 )
 
 
@@ -169,7 +170,7 @@ class RingAllReduceStrategy(SurvivingDataParallel):
         if self.config.shard_optimizer_state and trainer.state.fn == TrainerFn.FITTING:
             check_no_finetuning(trainer, "with shard_optimizer_state=True", SHARDED_FINETUNING)
             check_no_lottery_ticket(trainer, "with shard_optimizer_state=True", SHARDED_LOTTERY_TICKET)
-            warn_gradient_hooks(trainer, "with shard_optimizer_state=True", SHARDED_GRADIENTS)
+            warn_gradient_hooks(trainer, SHARDED_GRADIENTS)
         super().setup(trainer)
 
     @override

@@ -56,6 +56,7 @@ from lightning_dp_strategies.pipeline.runner import PipelineStats
 from lightning_dp_strategies.plan import HYBRID_PIPELINE, CostModel
 from lightning_dp_strategies.reducers import Reducer
 from lightning_dp_strategies.reducers.comm_hooks import CommHook
+from lightning_dp_strategies.strategies._trainer import warn_gradient_hooks
 from lightning_dp_strategies.strategies.hybrid_pipeline.checkpointer import StreamedCheckpointer, StreamedCheckpoints
 from lightning_dp_strategies.strategies.hybrid_pipeline.collectives import MetricGroups, point_to_point_device
 from lightning_dp_strategies.strategies.hybrid_pipeline.config import HybridPipelineConfig
@@ -75,6 +76,13 @@ from lightning_dp_strategies.strategies.options import StrategyOptions
 from lightning_dp_strategies.strategies.precision import stored_under_plugin_name
 
 __all__ = ["HybridPipelineConfig", "HybridPipelineStrategy", "PipelineStats"]
+
+
+STAGE_GRADIENTS = (
+    "will find only this rank's pipeline stage's gradients with pipeline_stages > 1: the other stages' parameters "
+    "have none on this rank, so a norm computed there is this stage's alone, and clipping there clips each stage by "
+    "its own norm. Clip with the Trainer's `gradient_clip_val` (by the norm over every stage)."
+)
 
 
 class HybridPipelineStrategy(PipelineSteps, StreamedCheckpoints):
@@ -247,6 +255,8 @@ class HybridPipelineStrategy(PipelineSteps, StreamedCheckpoints):
         body_name = self._check_setup(module, fitting)
         stages = self.config.pipeline_stages
         check_whole_model_callbacks(trainer.callbacks, fitting, stages, type(self).__name__)  # type: ignore[attr-defined]
+        if fitting and stages > 1:
+            warn_gradient_hooks(trainer, STAGE_GRADIENTS)
         self._check_ranks_agree()  # the whole model, before it is partitioned and rank 0's weights broadcast
         finetuning = fitting and any(isinstance(c, BaseFinetuning) for c in trainer.callbacks)  # type: ignore[attr-defined]
         layout, bodies = self._place_stage(module, body_name, keep_others=finetuning)
