@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 from torch import Tensor, nn
 
 from lightning_dp_strategies.core.engine import BucketedEngine, EngineView
+from lightning_dp_strategies.core.module_state import quoted_names
 from lightning_dp_strategies.core.options import ConfigOption
 from lightning_dp_strategies.core.registry import register_with_launchers
 from lightning_dp_strategies.local_sgd import (
@@ -258,15 +259,15 @@ def check_averaged(optimizer: Any, averaged: Sequence[Tensor], module: nn.Module
         >>> check_averaged(torch.optim.SGD(layer.parameters(), lr=0.1), [layer.weight], layer)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        RuntimeError: Local SGD averages the parameters that required grad when training began; bias became ...
+        RuntimeError: Local SGD averages the parameters that required grad when training began; `bias` became ...
     """
     tracked = {id(p) for p in averaged}
     stray = {id(p) for g in getattr(optimizer, "param_groups", []) for p in g["params"] if p.requires_grad} - tracked
     if stray:
         names = [name for name, p in module.named_parameters() if id(p) in stray]
         raise RuntimeError(
-            f"Local SGD averages the parameters that required grad when training began; {', '.join(names[:5])}"
-            f"{' and more' if len(names) > 5 else ''} became trainable since (a fine-tuning schedule, or "
+            f"Local SGD averages the parameters that required grad when training began; {quoted_names(names)} "
+            "became trainable since (a fine-tuning schedule, or "
             "`requires_grad_(True)` in a hook) and would train apart on each rank, never averaged. Make every "
             "parameter the run will train trainable before `fit` (a parameter group with lr=0 holds it still until "
             "then; it is averaged from the start, at the cost of its bytes), or train with "

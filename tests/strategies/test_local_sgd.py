@@ -285,7 +285,7 @@ def test_a_parameter_unfrozen_after_training_began_is_refused_at_its_first_step_
     with pytest.raises(AssertionError) as failure:
         run_ranks("tests.strategies.local_sgd_scenarios", ["unfrozen_later", str(tmp_path)], WORLD, timeout=240)
     output = str(failure.value)
-    assert output.count("body.0.weight, body.0.bias became trainable since") >= WORLD, output[-3000:]
+    assert output.count("`body.0.weight`, `body.0.bias` became trainable since") >= WORLD, output[-3000:]
 
 
 @pytest.mark.timeout(300)
