@@ -10,7 +10,9 @@ ones; a loss while they recover starts the recovery again. A collective can comp
 every survivor acts on the same decisions. A survivor one optimizer step behind (its step failed while the others'
 completed) takes the step's state from one that completed it and then meets the others in the collective they redo.
 
-Inside an optimizer step (``active`` is off) a failure propagates, and the step's own recovery redoes the step.
+Inside an optimizer step (``active`` is off: ``training_step``'s ``sync_dist`` reductions, a metric synced there) the
+wait is polled the same way, so every survivor notices the loss within ``stale_s``, but the failure propagates, and the
+step's own recovery redoes the step.
 """
 
 from __future__ import annotations
@@ -149,12 +151,22 @@ class ControlCollectives:
         """Whether a peer failure is survived here; off inside an optimizer step (its own recovery redoes it)."""
         self._last: Any = None  # the last completed collective's result, for the ranks one behind
         self._metrics: list[Any] = []
+        self.refusing: str | None = None
+        """Why no collective can run now (set while this rank trains a lost rank's micro-batch), or ``None``."""
+
+    def check(self) -> None:
+        """Raise ``RuntimeError`` with :attr:`refusing`, where set: a collective now would meet no partner."""
+        if self.refusing is not None:
+            raise RuntimeError(self.refusing)
 
     def run(self, attempt: Callable[[dist.ProcessGroup, Interrupt], T]) -> T:
-        """``attempt(group, interrupt)`` over the control group; while ``active``, polled and redone over the
-        survivors after each peer failure."""
-        if not (self.active and self.survivors.started):
+        """``attempt(group, interrupt)`` over the control group, polled once the survivors watch each other; while
+        ``active``, redone over the survivors after each peer failure."""
+        self.check()
+        if not self.survivors.started:
             return self._done(attempt(self._group(), None))
+        if not self.active:  # in an optimizer step: a loss is noticed as between steps, and the step is redone
+            return self._done(attempt(self._group(), self.survivors.interrupted))
 
         def once(failure: BaseException | None) -> T:
             if failure is not None:

@@ -238,6 +238,11 @@ class LocalSurvival(SurvivalHooks):
         handed over and replay their micro-batches since."""
         self._adopt()
 
+    def after_recovery_in_step(self) -> None:
+        """A rank lost in an inner step (a Lightning collective in ``training_step``, ``sync_dist``): the replicas
+        start as between steps, before the step is redone from its closure (the failed attempt's graph is dropped)."""
+        self._adopt()
+
     def on_regroup(self) -> None:
         """Average over the survivors' new group, with a fresh reducer (the old one may still wait on the old group)."""
         local, survivors = self.local, self.survival.survivors

@@ -1,6 +1,6 @@
-"""A lost rank's inner step as a replica repeats it on a survivor: the module's logging silenced, the optimizer at
-the settings of the step repeated, autograd on and the module in training mode. Each context puts back what it
-changed."""
+"""A lost rank's micro-batch as a survivor trains it: the module's logging silenced and collectives refused; under local
+SGD, its replica's inner step with the optimizer at the settings of the step repeated, autograd on and the module in
+training mode. Each context puts back what it changed."""
 
 from __future__ import annotations
 
@@ -11,22 +11,49 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-__all__ = ["settings", "silenced", "snapshot", "trainable"]
+__all__ = ["LOST_BATCH_COLLECTIVE", "as_lost_rank", "settings", "silenced", "snapshot", "trainable"]
+
+
+LOST_BATCH_COLLECTIVE = (
+    "training_step ran a collective (`all_gather`, a `reduce`, a metric synced on the step, a barrier) while this "
+    "rank trained a lost rank's micro-batch. Under `fault_tolerant` the survivors train different numbers of the "
+    "lost ranks' micro-batches, so such a collective meets no partner on the other ranks; `self.log` is skipped there "
+    "(with its `sync_dist`). Compute values across ranks in `on_train_batch_end` or the epoch hooks, or pass "
+    "`FaultTolerance(keep_global_batch=False)` (the lost micro-batches are then not trained)."
+)
+"""The error of a collective in ``training_step`` on a lost rank's micro-batch (see :func:`as_lost_rank`)."""
 
 
 @contextmanager
 def silenced(module: pl.LightningModule) -> Generator[None, None, None]:
-    """The module's ``log`` and ``log_dict`` do nothing inside (instance attributes over the methods, removed after)."""
+    """The module's ``log`` and ``log_dict`` do nothing inside (instance attributes over the methods, removed after;
+    inside another ``silenced`` of the same module, nothing changes)."""
 
     def ignore(*args: Any, **kwargs: Any) -> None:
         return None
 
+    if "log" in vars(module):
+        yield
+        return
     module.log = ignore  # type: ignore[method-assign]
     module.log_dict = ignore  # type: ignore[method-assign]
     try:
         yield
     finally:
         del module.log, module.log_dict
+
+
+@contextmanager
+def as_lost_rank(module: pl.LightningModule, control: Any) -> Generator[None, None, None]:
+    """Inside: the module's logging :func:`silenced`, and every collective of ``control`` (the strategy's
+    :class:`~lightning_dp_strategies.strategies.control.ControlCollectives`) refused with
+    :data:`LOST_BATCH_COLLECTIVE`."""
+    before, control.refusing = control.refusing, LOST_BATCH_COLLECTIVE
+    try:
+        with silenced(module):
+            yield
+    finally:
+        control.refusing = before
 
 
 def snapshot(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:

@@ -48,6 +48,7 @@ from lightning_dp_strategies.core.fault_tolerance import (
     wants_to_join,
 )
 from lightning_dp_strategies.core.module_state import broadcast_module_buffers, sync_module_states
+from lightning_dp_strategies.strategies import replay
 from lightning_dp_strategies.strategies.control import ControlCollectives, Interrupt, broadcast_object, redone
 from lightning_dp_strategies.strategies.survival_hooks import SurvivalHooks, SurvivingStrategy
 
@@ -100,7 +101,7 @@ class TrainerSurvival:
         """``(global_step, ranks)`` of each admission of replacements this rank took part in."""
         self.hooks = SurvivalHooks()
         """What the strategy adds at fixed points (local SGD: its replicas)."""
-        self.control = ControlCollectives(survivors, self._recover_between_steps, self._catch_up_between_steps)
+        self.control = ControlCollectives(survivors, self._recover_between_steps, lambda r: self.catch_up(r, None))
         """Lightning's collectives over the survivors, redone after a peer failure between steps."""
         self._store: dist.Store | None = None  # the job's store, under this attempt's prefix
         self._loop: Any = None  # the fit loop whose SIGTERM broadcast is replaced
@@ -247,9 +248,6 @@ class TrainerSurvival:
         self.hooks.after_recovery_between_steps()
         return record
 
-    def _catch_up_between_steps(self, record: Recovery) -> None:
-        self.catch_up(record, None)  # a rank between steps hands over, never receives
-
     def _regroup(self) -> None:
         strategy, survivors = self.strategy, self.survivors
         assert survivors.group is not None
@@ -283,6 +281,7 @@ class TrainerSurvival:
     def _recovered(self, record: Recovery, closure: Callable[[], Any]) -> bool:
         """After a recovery in a step: a rank between steps one collective behind gets its result; whether this rank
         was a step behind and took the completed step's state (then its step is done)."""
+        self.hooks.after_recovery_in_step()
         if record.behind_control and not record.behind:  # a rank between steps is one collective behind
             self.control.hand_over(record)
         self.control.completed = record.control  # the step is redone: its collectives again, by all
@@ -343,11 +342,12 @@ class TrainerSurvival:
         return [self.strategy.batch_to_device(batch) for batch in self.survivors.lost_batches(batch_idx)]
 
     def lost_loss(self, batch: Any, batch_idx: int | None = None) -> Tensor:
-        """The training loss of a lost rank's micro-batch ``batch_idx`` (default: the current one), computed here."""
+        """The training loss of a lost rank's micro-batch ``batch_idx`` (default: the current one), computed here with
+        the module's logging silenced and collectives refused (:func:`~.replay.as_lost_rank`)."""
         module = self.strategy.lightning_module
         assert module is not None
         batch_idx = module.trainer.fit_loop.epoch_loop.batch_idx if batch_idx is None else batch_idx
-        with self.strategy.precision_plugin.train_step_context():
+        with replay.as_lost_rank(module, self.control), self.strategy.precision_plugin.train_step_context():
             output = module.training_step(batch, batch_idx)
         loss = output.get("loss") if isinstance(output, Mapping) else output
         if not isinstance(loss, Tensor):

@@ -33,6 +33,10 @@ class SurvivalHooks:
         """On every survivor of a rank lost between optimizer steps (validation, a checkpoint's save), once the
         groups are re-formed, before the collective is redone."""
 
+    def after_recovery_in_step(self) -> None:
+        """On every survivor of a rank lost in an optimizer step (in its gradients' reduction, or in a Lightning
+        collective of ``training_step``), once the groups are re-formed, before the step is redone."""
+
     def on_regroup(self) -> None:
         """On every survivor, once the gradient sync averages over new groups (after a failure, an admission)."""
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from typing_extensions import override
@@ -139,7 +140,7 @@ class SurvivingDataParallel(BucketedDataParallel):
         """Lightning's reduce; with ``fault_tolerant`` over the survivors (a replacement's setup: its own value)."""
         if self.survival is not None and self.survival.joining:
             return tensor
-        if self.survival is not None and group is None and isinstance(tensor, Tensor):
+        if self.survival is not None and _whole_job(group) and isinstance(tensor, Tensor):
             return self.survival.control.reduce(tensor, reduce_op)
         return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
@@ -149,10 +150,11 @@ class SurvivingDataParallel(BucketedDataParallel):
         with the leading dimension of one rank)."""
         if self.survival is not None and self.survival.joining:
             return tensor.unsqueeze(0)
-        if self.survival is not None and group is None and not sync_grads:
+        if self.survival is not None and _whole_job(group) and not sync_grads:
             return self.survival.control.all_gather(tensor)
-        if self.survivors is not None and group is None:
-            group = self.survivors.control_group
+        if self.survival is not None and _whole_job(group):
+            self.survival.control.check()
+            group = self.survival.survivors.control_group
         return super().all_gather(tensor, group=group, sync_grads=sync_grads)
 
     @override
@@ -185,3 +187,9 @@ class SurvivingDataParallel(BucketedDataParallel):
         if self.survival is None:
             return super().reduce_boolean_decision(decision, all)
         return self.survival.reduce_boolean_decision(decision, all)
+
+
+def _whole_job(group: Any | None) -> bool:
+    """Whether a collective over ``group`` means every rank of the job (``LightningModule.all_gather`` passes
+    ``WORLD`` where the user passed none): under ``fault_tolerant`` it runs over the survivors."""
+    return group is None or group is dist.group.WORLD

@@ -42,9 +42,11 @@ TOLERANCE = FaultTolerance(timeout_s=5.0, heartbeat_s=0.2, stale_s=1.5)
 class Regression(L.LightningModule):
     """A small MLP regressing a fixed teacher, with a validation loop, a torchmetrics metric and logged losses."""
 
-    def __init__(self, schedule: bool = False, batch_norm: bool = False, tensor_lr: bool = False) -> None:
+    def __init__(
+        self, schedule: bool = False, batch_norm: bool = False, tensor_lr: bool = False, in_step: str | None = None
+    ) -> None:
         super().__init__()
-        self.schedule, self.tensor_lr = schedule, tensor_lr
+        self.schedule, self.tensor_lr, self.in_step = schedule, tensor_lr, in_step
         norm = [nn.BatchNorm1d(16)] if batch_norm else []
         self.net = nn.Sequential(nn.Linear(8, 16), *norm, nn.Tanh(), nn.Linear(16, 1))
         self.val_mse = torchmetrics.MeanSquaredError()
@@ -53,7 +55,9 @@ class Regression(L.LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = nn.functional.mse_loss(self.net(x), y)
-        self.log("train_loss", loss)
+        self.log("train_loss", loss, sync_dist=self.in_step == "sync_dist")
+        if self.in_step == "all_gather":
+            self.log("train_loss_spread", self.all_gather(loss.detach()).std())
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
@@ -348,6 +352,9 @@ class Run:
     """``(where, rank, step)``: :class:`DiesHandingOver`."""
     dies_recovering: tuple[str, int] | tuple[str, int, int] | None = None
     """``(where, rank)``: :class:`DiesRecovering`."""
+    in_step: str | None = None
+    """A collective of ``training_step``: ``"sync_dist"`` (its loss logged with ``sync_dist=True``) or
+    ``"all_gather"`` (the spread of the ranks' losses logged)."""
 
 
 def train(rank: int, run: Run, root: str) -> dict[str, Any]:
@@ -355,7 +362,7 @@ def train(rank: int, run: Run, root: str) -> dict[str, Any]:
     from lightning_dp_strategies import LocalSGDStrategy, RingAllReduceStrategy
 
     L.seed_everything(0, verbose=False)
-    model = Regression(schedule=run.schedule, batch_norm=run.batch_norm, tensor_lr=run.tensor_lr)
+    model = Regression(schedule=run.schedule, batch_norm=run.batch_norm, tensor_lr=run.tensor_lr, in_step=run.in_step)
     options = {"keep_global_batch": run.keep_global_batch, "state_copies": run.state_copies}
     tolerance = FaultTolerance(**{**TOLERANCE.__dict__, **options})
     strategy: RingAllReduceStrategy | LocalSGDStrategy

@@ -97,6 +97,39 @@ def test_a_hung_rank_is_left_behind_after_the_timeout(uninterrupted: torch.Tenso
 
 
 @pytest.mark.timeout(240)
+def test_a_rank_lost_as_training_step_syncs_its_logged_loss_is_survived(
+    uninterrupted: torch.Tensor, tmp_path: Path
+) -> None:
+    # the survivors first meet the loss in training_step's `sync_dist` reduction (inside the optimizer step); each
+    # must notice it within `stale_s` (a wait that polls the heartbeats), else the one whose gloo reduction waits on
+    # the other survivor comes to the agreement after it has decided, and is excluded. After the recovery the survivor
+    # that trains the lost rank's micro-batch runs training_step once more, whose logging must not reduce: the other
+    # survivor runs no such reduction
+    outcomes, codes, _ = launch(Run(victim=2, fail_at=3, in_step="sync_dist"), tmp_path)
+    assert_survived(outcomes, codes, 2, uninterrupted, TOLERANCE)
+
+
+@pytest.mark.timeout(240)
+def test_a_collective_of_training_step_on_a_lost_ranks_batch_is_refused_naming_the_fix(tmp_path: Path) -> None:
+    # the survivors train different numbers of lost micro-batches, so an all_gather there would meet no partner
+    outcomes, codes, _ = launch(Run(victim=2, fail_at=3, in_step="all_gather"), tmp_path)
+    assert codes[2] == -9, outcomes
+    errors = [str(outcomes.get(rank)) for rank in (0, 1)]
+    assert any("while this rank trained a lost rank's micro-batch" in error for error in errors), errors
+    assert all("keep_global_batch=False" in error for error in errors), errors
+
+
+@pytest.mark.timeout(240)
+def test_the_modules_all_gather_runs_over_the_survivors(tmp_path: Path) -> None:
+    # LightningModule.all_gather passes the WORLD group where the user passes none: after a loss it must still mean
+    # the survivors (each trains its own micro-batch only here, so every survivor runs it)
+    outcomes, codes, _ = launch(Run(victim=2, fail_at=3, in_step="all_gather", keep_global_batch=False), tmp_path)
+    assert codes == [0, 0, -9], outcomes
+    for rank in (0, 1):
+        assert _result(outcomes, rank)["global_step"] == Run().steps
+
+
+@pytest.mark.timeout(240)
 def test_a_shrinking_batch_departs_from_the_uninterrupted_run(uninterrupted: torch.Tensor, tmp_path: Path) -> None:
     """The control of the first test: without the lost rank's batches the parameters differ far beyond 1e-6."""
     assert_departs(Run(victim=1, fail_at=3, keep_global_batch=False), tmp_path, uninterrupted)

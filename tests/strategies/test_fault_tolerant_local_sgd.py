@@ -66,6 +66,16 @@ def test_survivors_of_a_rank_killed_mid_period_end_on_the_uninterrupted_paramete
 
 
 @pytest.mark.timeout(240)
+def test_a_rank_lost_as_training_step_syncs_its_logged_loss_is_survived(
+    uninterrupted: torch.Tensor, tmp_path: Path
+) -> None:
+    # met in training_step's `sync_dist` reduction of an inner step, not at a synchronisation: the taker's replica
+    # must start there (replaying steps 5-6) before the step is redone, and train step 7 with it
+    outcomes, codes, _ = ft.launch(ft.Run(sync_every=SYNC_EVERY, victim=2, fail_at=7, in_step="sync_dist"), tmp_path)
+    ft.assert_survived(outcomes, codes, 2, uninterrupted, TOLERANCE)
+
+
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("tensor_lr", [False, True])
 def test_a_replay_steps_at_the_learning_rates_the_lost_rank_stepped_at(tensor_lr: bool, tmp_path: Path) -> None:
     # the learning rate decays at every step: the replica's replay of steps 5-6 (at recovery, step 9's sync) must
