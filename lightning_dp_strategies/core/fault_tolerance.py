@@ -30,6 +30,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
+from lightning_dp_strategies.core.elastic import running_attempt_store
 from lightning_dp_strategies.core.fault_tolerance_options import (
     FaultTolerance,
     check_fault_tolerance,
@@ -85,9 +86,39 @@ JOIN_ENV = "LDPS_JOIN"
 """Set to ``1`` in a process started to replace a lost rank of a running ``fault_tolerant`` job."""
 
 
+RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
+"""Set by torchrun's agent in the workers it starts: above ``0`` in a worker it restarted (``--max-restarts``)."""
+
+
 def wants_to_join() -> bool:
     """Whether this process was started as a replacement (``LDPS_JOIN=1``)."""
     return os.environ.get(JOIN_ENV) == "1"
+
+
+def restarted_into_running_job(rank: int, world_size: int, options: FaultTolerance, timeout: timedelta) -> bool:
+    """Whether this process is a worker that torchrun's agent restarted while the rest of its job trains on: some
+    other rank's heartbeat moves in the running attempt's store within ``stale_s``. Such a worker joins as a
+    replacement, as with ``LDPS_JOIN=1``. After a restart of the whole job no heartbeat moves (nor in a first
+    attempt, which is never a restart), and it starts as usual.
+
+    Examples:
+        >>> restarted_into_running_job(0, 2, FaultTolerance(), timedelta(seconds=1))  # not restarted by torchrun
+        False
+    """
+    if int(os.environ.get(RESTART_ENV) or 0) == 0:
+        return False
+    store = running_attempt_store("ft/", timeout)  # the attempt whose workers may still train
+    if store is None:
+        return False
+    keys = [f"{PREFIX}/heartbeat/{r}" for r in range(world_size) if r != rank]
+    keys = [key for key in keys if store.check([key])]
+    before = [store.add(key, 0) for key in keys]
+    deadline = time.monotonic() + options.stale_s
+    while keys and time.monotonic() < deadline:
+        time.sleep(options.heartbeat_s)
+        if [store.add(key, 0) for key in keys] != before:
+            return True
+    return False
 
 
 @dataclass(frozen=True)

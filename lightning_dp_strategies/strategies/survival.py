@@ -45,6 +45,7 @@ from lightning_dp_strategies.core.fault_tolerance import (
     Recovery,
     Survivors,
     request_join,
+    restarted_into_running_job,
     wants_to_join,
 )
 from lightning_dp_strategies.core.module_state import broadcast_module_buffers, sync_module_states
@@ -79,8 +80,8 @@ def check_survivable(trainer: pl.Trainer) -> None:
 
 def _before_batch(trainer: pl.Trainer, survival: TrainerSurvival) -> None:
     """Before every batch, instead of Lightning's SIGTERM broadcast from rank 0: at an epoch's start, take in the
-    replacements waiting; then stop on this rank's own SIGTERM. No collective runs here, so a survivor that took
-    a step another redoes meets it in that step's gradient reduction."""
+    replacements waiting; then stop on this rank's own SIGTERM. No collective: a rank a step ahead meets the others
+    in the reduction of the step they redo."""
     if trainer.fit_loop.epoch_loop.batch_progress.current.ready == 0:
         survival.admit_replacements(trainer)
     if getattr(trainer, "received_sigterm", False):
@@ -108,24 +109,27 @@ class TrainerSurvival:
 
     @property
     def leader(self) -> int:
-        return self.survivors.leader if self.survivors.started else 0
+        """The lowest live rank; in a replacement, until it has the live ranks' state, the leader that admitted it."""
+        return self.admission.leader if self.joining and self.admission else self.survivors.leader
 
     def init_process_group(self, strategy: DistributedStrategy) -> None:
-        """The default group: as every strategy makes it, or, in a replacement, the one the live ranks make anew
-        for it (under the membership epoch it is admitted at)."""
-        init_strategy_process_group(strategy, init=not self.joining)
+        """The default group: as every strategy makes it, or, in a replacement (``LDPS_JOIN=1``, or a worker that
+        torchrun restarted as the others train on), the one the live ranks make for it at the epoch it is admitted."""
+        init_strategy_process_group(strategy, init=False)  # its timeout set
         assert strategy._timeout is not None
+        rank, world, options = self.strategy.global_rank, self.strategy.world_size, self.survivors.options
+        self.joining = self.joining or restarted_into_running_job(rank, world, options, strategy._timeout)
+        init_strategy_process_group(strategy, init=not self.joining)
         self._store = running_attempt_store("ft/", strategy._timeout)
-        if not self.joining:
-            return
-        if self._store is None:
+        if self.joining and self._store is None:
             raise RuntimeError(
                 f"{JOIN_ENV}=1: a replacement joins a fault-tolerant job through torchrun's agent store "
                 "(TORCHELASTIC_USE_AGENT_STORE=True, MASTER_ADDR:MASTER_PORT): start it with the job's torchrun "
                 "command on the replacement node, with that node's --node-rank."
             )
-        self.admission = request_join(self._store, self.strategy.global_rank, strategy._timeout)
-        self._init_world(self.admission.epoch)
+        if self.joining and self._store is not None:
+            self.admission = request_join(self._store, self.strategy.global_rank, strategy._timeout)
+            self._init_world(self.admission.epoch)
 
     def _init_world(self, epoch: int) -> None:
         store = self._store

@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dp_strategies.comm.failures import PeerLostError
 from lightning_dp_strategies.core.failures import FailureInjector, FailureKind
-from lightning_dp_strategies.core.fault_tolerance import JOIN_ENV, PREFIX, FaultTolerance
+from lightning_dp_strategies.core.fault_tolerance import JOIN_ENV, PREFIX, RESTART_ENV, FaultTolerance
 from tests.helpers.distributed import _PRELOAD
 
 WORLD = 3
@@ -321,6 +321,9 @@ class Run:
     keep_global_batch: bool = True
     replace: bool = False
     """Start a replacement for the victim once it is gone (``LDPS_JOIN=1``)."""
+    restarted: bool = False
+    """With ``replace``: the replacement is the victim's worker restarted by its torchrun agent (its restart count
+    set, ``LDPS_JOIN`` not)."""
     stumble: tuple[int, int] | None = None
     """``(rank, step)``: that rank's step fails after its gradients were averaged (the others' completed)."""
     pace_s: float = 0.0
@@ -371,7 +374,7 @@ def train(rank: int, run: Run, root: str) -> dict[str, Any]:
     else:
         strategy = LocalSGDStrategy(sync_every=run.sync_every, fault_tolerant=tolerance, timeout=timedelta(seconds=60))
     callbacks: list[L.Callback] = [ModelCheckpoint(dirpath=f"{root}/ckpt", monitor="val_loss", save_top_k=1)]
-    if run.victim is not None and os.environ.get(JOIN_ENV) != "1":
+    if run.victim is not None and not _replacement():
         callbacks.append(Fail(run.victim, run.fail_at, run.kind))
     if run.also is not None:
         callbacks.append(Fail(*run.also, run.kind))
@@ -383,7 +386,7 @@ def train(rank: int, run: Run, root: str) -> dict[str, Any]:
         callbacks.append(AverageFails(*run.average_fails))
     if run.reduction_stumbles is not None:
         callbacks.append(ReductionStumbles(*run.reduction_stumbles))
-    if run.dies_admitting is not None and os.environ.get(JOIN_ENV) != "1":
+    if run.dies_admitting is not None and not _replacement():
         callbacks.append(DieAdmitting(*run.dies_admitting))
     if run.dies_between_steps is not None:
         callbacks.append(DieBetweenSteps(*run.dies_between_steps))
@@ -451,9 +454,13 @@ def _checkpoint_params(trainer: L.Trainer) -> list[float] | None:
     return torch.cat([v.flatten() for k, v in state.items() if k.startswith("net.")]).tolist()
 
 
+def _replacement() -> bool:
+    return os.environ.get(JOIN_ENV) == "1" or os.environ.get(RESTART_ENV, "0") != "0"
+
+
 def _rank(rank: int, port: int, run: Run, root: str, results: Any, join: bool = False) -> None:
     if join:
-        os.environ[JOIN_ENV] = "1"
+        os.environ[RESTART_ENV if run.restarted else JOIN_ENV] = "1"
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),

@@ -7,6 +7,7 @@ uninterrupted run's final parameters, to 1e-6 (the survivors' sums run in anothe
 from __future__ import annotations
 
 import math
+import threading
 import time
 from pathlib import Path
 
@@ -288,6 +289,43 @@ def test_a_loader_whose_batches_cannot_be_rebuilt_is_refused_naming_the_fix() ->
     assert Survivors(FaultTolerance(keep_global_batch=False)).use_loader([1, 2]) is None  # not needed: not checked
 
 
+@pytest.mark.timeout(60)
+def test_a_restarted_worker_joins_only_while_another_rank_beats(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a worker restarted by its torchrun agent: a replacement while the others train on (their heartbeats move);
+    # after a restart of the whole job (every heartbeat stopped) or in a first attempt it starts as usual
+    from datetime import timedelta
+
+    from lightning_dp_strategies.core import elastic
+    from lightning_dp_strategies.core.fault_tolerance import PREFIX, RESTART_ENV, restarted_into_running_job
+
+    agent = torch.distributed.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    agent.set(f"{elastic.PREFIX}/current", "attempt-a")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(agent.port))
+    options, timeout = FaultTolerance(heartbeat_s=0.05, stale_s=0.5), timedelta(seconds=10)
+    store = elastic.running_attempt_store("ft/", timeout)
+    assert store is not None
+    store.add(f"{PREFIX}/heartbeat/1", 3)  # rank 1 beat, then stopped
+    monkeypatch.setenv(RESTART_ENV, "0")
+    assert not restarted_into_running_job(0, 2, options, timeout)  # a first attempt
+    monkeypatch.setenv(RESTART_ENV, "1")
+    assert not restarted_into_running_job(0, 2, options, timeout)  # nobody beats: the whole job restarted
+    beating = threading.Event()
+
+    def beat() -> None:
+        while not beating.wait(0.05):
+            store.add(f"{PREFIX}/heartbeat/1", 1)
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        assert restarted_into_running_job(0, 2, options, timeout)
+    finally:
+        beating.set()
+        thread.join()
+
+
 def test_a_stopped_heartbeat_is_stale_after_stale_s() -> None:
     store = torch.distributed.HashStore()
     config = MembershipConfig(heartbeat_s=0.05, stale_s=0.3)
@@ -426,16 +464,21 @@ def test_accumulation_is_refused_at_setup(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize(("victim", "restarted"), [(1, False), (0, True)])
 def test_a_replacement_joins_at_an_epoch_start_and_the_run_ends_on_the_uninterrupted_parameters(
-    uninterrupted_of_40: torch.Tensor, tmp_path: Path
+    uninterrupted_of_40: torch.Tensor, tmp_path: Path, victim: int, restarted: bool
 ) -> None:
-    outcomes, codes, _ = launch(Run(steps=40, pace_s=0.15, victim=1, fail_at=3, replace=True), tmp_path / "joined")
-    assert codes[:WORLD] == [0, -9, 0] and codes[WORLD:] == [0], outcomes
-    joined = outcomes[1]
+    # restarted: the victim's worker started again by its torchrun agent (`--max-restarts`), which is how node 0's
+    # worker comes back (node 0's agent hosts the store, and without a restart it would end the job); it finds the
+    # others beating and joins as a replacement started with LDPS_JOIN=1 does
+    run = Run(steps=40, pace_s=0.15, victim=victim, fail_at=3, replace=True, restarted=restarted)
+    outcomes, codes, _ = launch(run, tmp_path / "joined")
+    assert codes[:WORLD] == [-9 if r == victim else 0 for r in range(WORLD)] and codes[WORLD:] == [0], outcomes
+    joined = outcomes[victim]
     assert isinstance(joined, dict), joined
-    assert joined["admitted_at"] == 2  # membership epochs: 1 when rank 1 was lost, 2 when its replacement came
-    ((step, ranks),) = outcomes[0]["joins"]  # type: ignore[index]
-    assert ranks == [1] and step % 5 == 0 and 5 <= step < 40  # at an epoch's start
+    assert joined["admitted_at"] == 2  # membership epochs: 1 when the victim was lost, 2 when its replacement came
+    ((step, ranks),) = outcomes[2]["joins"]  # type: ignore[index]
+    assert ranks == [victim] and step % 5 == 0 and 5 <= step < 40  # at an epoch's start
     for rank in range(WORLD):
         assert (_params(outcomes, rank) - uninterrupted_of_40).abs().max().item() <= TOLERANCE
         assert outcomes[rank]["global_step"] == 40  # type: ignore[index]
