@@ -79,9 +79,8 @@ def check_survivable(trainer: pl.Trainer) -> None:
 
 
 def _before_batch(trainer: pl.Trainer, survival: TrainerSurvival) -> None:
-    """Before every batch, instead of Lightning's SIGTERM broadcast from rank 0: at an epoch's start, take in the
-    replacements waiting; then stop on this rank's own SIGTERM. No collective: a rank a step ahead meets the others
-    in the reduction of the step they redo."""
+    """Before every batch, instead of Lightning's SIGTERM broadcast: at an epoch's start, admit the replacements
+    waiting; stop on its own SIGTERM. No collective (a rank a step ahead meets the others in the step redone)."""
     if trainer.fit_loop.epoch_loop.batch_progress.current.ready == 0:
         survival.admit_replacements(trainer)
     if getattr(trainer, "received_sigterm", False):
