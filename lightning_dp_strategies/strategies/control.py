@@ -11,13 +11,14 @@ every survivor acts on the same decisions. A survivor one optimizer step behind 
 completed) takes the step's state from one that completed it and then meets the others in the collective they redo.
 
 Inside an optimizer step (``active`` is off: ``training_step``'s ``sync_dist`` reductions, a metric synced there) the
-wait is polled the same way, so every survivor notices the loss within ``stale_s``, but the failure propagates, and the
-step's own recovery redoes the step.
+wait is polled the same way, so every survivor notices a loss within ``stale_s``, and it gives up after ``timeout_s``
+as the step's gradient reduction does (a hung rank); the failure propagates, and the step's own recovery redoes it.
 """
 
 from __future__ import annotations
 
 import pickle
+import time
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
@@ -165,8 +166,8 @@ class ControlCollectives:
         self.check()
         if not self.survivors.started:
             return self._done(attempt(self._group(), None))
-        if not self.active:  # in an optimizer step: a loss is noticed as between steps, and the step is redone
-            return self._done(attempt(self._group(), self.survivors.interrupted))
+        if not self.active:  # in an optimizer step: the failure propagates, and the step is redone
+            return self._done(attempt(self._group(), self._bounded_as_the_step()))
 
         def once(failure: BaseException | None) -> T:
             if failure is not None:
@@ -182,6 +183,20 @@ class ControlCollectives:
         tries = self.survivors.world_size
         gave_up = PeerLostError(f"A collective between optimizer steps met {tries} peer failures in a row; giving up.")
         return self._done(redone(once, tries, gave_up))
+
+    def _bounded_as_the_step(self) -> Interrupt:
+        """The survivors' interrupt, which also gives up ``timeout_s`` from now: inside an optimizer step a rank that
+        does not come is taken for hung after the bound its gradient reduction has."""
+        timeout_s = self.survivors.options.timeout_s
+        deadline = time.monotonic() + timeout_s
+
+        def interrupt() -> str | None:
+            reason = self.survivors.interrupted()
+            if reason is None and time.monotonic() > deadline:
+                return f"it did not complete within timeout_s={timeout_s:g} s (a rank is hung)"
+            return reason
+
+        return interrupt
 
     def _group(self) -> dist.ProcessGroup:
         group = self.survivors.control_group

@@ -355,6 +355,8 @@ class Run:
     """``(where, rank, step)``: :class:`DiesHandingOver`."""
     dies_recovering: tuple[str, int] | tuple[str, int, int] | None = None
     """``(where, rank)``: :class:`DiesRecovering`."""
+    strategy_timeout_s: float = 60.0
+    """The strategy's ``timeout``: the bound of Lightning's collectives between steps (their group's)."""
     in_step: str | None = None
     """A collective of ``training_step``: ``"sync_dist"`` (its loss logged with ``sync_dist=True``) or
     ``"all_gather"`` (the spread of the ranks' losses logged)."""
@@ -370,9 +372,10 @@ def train(rank: int, run: Run, root: str) -> dict[str, Any]:
     tolerance = FaultTolerance(**{**TOLERANCE.__dict__, **options})
     strategy: RingAllReduceStrategy | LocalSGDStrategy
     if run.sync_every is None:
-        strategy = RingAllReduceStrategy(fault_tolerant=tolerance, timeout=timedelta(seconds=60))
+        strategy = RingAllReduceStrategy(fault_tolerant=tolerance, timeout=timedelta(seconds=run.strategy_timeout_s))
     else:
-        strategy = LocalSGDStrategy(sync_every=run.sync_every, fault_tolerant=tolerance, timeout=timedelta(seconds=60))
+        timeout = timedelta(seconds=run.strategy_timeout_s)
+        strategy = LocalSGDStrategy(sync_every=run.sync_every, fault_tolerant=tolerance, timeout=timeout)
     callbacks: list[L.Callback] = [ModelCheckpoint(dirpath=f"{root}/ckpt", monitor="val_loss", save_top_k=1)]
     if run.victim is not None and not _replacement():
         callbacks.append(Fail(run.victim, run.fail_at, run.kind))
