@@ -88,25 +88,16 @@ def test_when_rank_zero_is_lost_the_lowest_survivor_leads(uninterrupted: torch.T
 
 
 @pytest.mark.timeout(240)
-def test_a_hung_rank_is_left_behind_after_the_timeout(uninterrupted: torch.Tensor, tmp_path: Path) -> None:
-    # the hung rank never ends: the others exit at once after reporting, so a short linger before the kill will do
-    outcomes, codes, _ = launch(Run(victim=2, fail_at=4, kind="hang"), tmp_path, expected=2, linger=3.0)
-    assert codes[:2] == [0, 0] and codes[2] == -9, outcomes  # the hung rank is killed by the launcher at the end
-    assert outcomes[0]["recoveries"] == [(4, [2], [0, 1])]  # type: ignore[index]
-    for rank in (0, 1):
-        assert (_params(outcomes, rank) - uninterrupted).abs().max().item() <= TOLERANCE
-
-
-@pytest.mark.timeout(240)
-def test_a_rank_hung_before_training_steps_sync_dist_is_left_behind_after_timeout_s(
-    uninterrupted: torch.Tensor, tmp_path: Path
+@pytest.mark.parametrize("in_step", [None, "sync_dist"])
+def test_a_hung_rank_is_left_behind_after_the_timeout(
+    uninterrupted: torch.Tensor, tmp_path: Path, in_step: str | None
 ) -> None:
-    # the others wait for it in training_step's `sync_dist` reduction, whose group has the strategy's timeout (here
-    # 600 s, past the launch's 120 s); inside the step they give up after `timeout_s` (5 s), as the step's gradient
-    # reduction would, and leave it behind
-    run = Run(victim=2, fail_at=4, kind="hang", in_step="sync_dist", strategy_timeout_s=600.0)
+    # met in the step's gradient reduction, or first in training_step's `sync_dist` reduction, whose group has the
+    # strategy's timeout (here 600 s, past the launch's 120 s): in the step the others give up after `timeout_s` (5 s)
+    # either way. The hung rank never ends: the others exit at once after reporting, so a short linger will do
+    run = Run(victim=2, fail_at=4, kind="hang", in_step=in_step, strategy_timeout_s=600.0)
     outcomes, codes, _ = launch(run, tmp_path, expected=2, linger=3.0)
-    assert codes[:2] == [0, 0] and codes[2] == -9, outcomes
+    assert codes[:2] == [0, 0] and codes[2] == -9, outcomes  # the hung rank is killed by the launcher at the end
     assert _result(outcomes, 0)["recoveries"] == [(4, [2], [0, 1])]
     for rank in (0, 1):
         assert (_params(outcomes, rank) - uninterrupted).abs().max().item() <= TOLERANCE
