@@ -43,11 +43,13 @@ __all__ = [
     "JOIN_ENV",
     "Admission",
     "FaultTolerance",
+    "Heartbeats",
     "LostBatches",
     "Recovery",
     "Survivors",
     "check_fault_tolerance",
     "check_local_fault_tolerance",
+    "join_running_job",
     "request_join",
     "wants_to_join",
 ]
@@ -110,15 +112,35 @@ def restarted_into_running_job(rank: int, world_size: int, options: FaultToleran
     store = running_attempt_store("ft/", timeout)  # the attempt whose workers may still train
     if store is None:
         return False
-    keys = [f"{PREFIX}/heartbeat/{r}" for r in range(world_size) if r != rank]
-    keys = [key for key in keys if store.check([key])]
-    before = [store.add(key, 0) for key in keys]
-    deadline = time.monotonic() + options.stale_s
-    while keys and time.monotonic() < deadline:
+    beats = Heartbeats(store, rank, world_size)
+    while beats.keys and time.monotonic() - beats.moved_at < options.stale_s:
         time.sleep(options.heartbeat_s)
-        if [store.add(key, 0) for key in keys] != before:
+        if beats.moved():
             return True
     return False
+
+
+class Heartbeats:
+    """The other ranks' heartbeat counters in a running attempt's store, and when one of them last moved (read from
+    outside the job, by a process that asks to join it)."""
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int) -> None:
+        self.store = store
+        keys = [f"{PREFIX}/heartbeat/{r}" for r in range(world_size) if r != rank]
+        self.keys = [key for key in keys if store.check([key])]
+        self.counts = self._read()
+        self.moved_at = time.monotonic()
+
+    def _read(self) -> list[int]:
+        return [self.store.add(key, 0) for key in self.keys]
+
+    def moved(self) -> bool:
+        """Whether a counter moved since the last look."""
+        counts = self._read()
+        if counts == self.counts:
+            return False
+        self.counts, self.moved_at = counts, time.monotonic()
+        return True
 
 
 @dataclass(frozen=True)
@@ -130,17 +152,56 @@ class Admission:
     joining: list[int]
 
 
-def request_join(store: dist.Store, rank: int, timeout: timedelta) -> Admission:
-    """Ask the running job to take this process in as ``rank``; its answer (at the survivors' next epoch start).
+def request_join(
+    store: dist.Store, rank: int, world_size: int, options: FaultTolerance, timeout: timedelta
+) -> Admission | None:
+    """Ask the running job to take this process in as ``rank``; its answer (at the survivors' next epoch start), or
+    ``None`` once no other rank's heartbeat has moved for ``stale_s``: the job ended before it answered.
 
     Raises:
-        DistStoreError: if no answer comes within ``timeout`` (nobody lost ``rank``, or the job ended).
+        TimeoutError: if no answer comes within ``timeout`` while the job trains on (nobody lost ``rank``).
     """
     token = uuid.uuid4().hex
     store.set(f"{PREFIX}/join/{rank}", token)
-    store.wait([f"{PREFIX}/admitted/{token}"], timeout)
-    epoch, leader, joining = store.get(f"{PREFIX}/admitted/{token}").decode().split(";")
+    answer, beats = f"{PREFIX}/admitted/{token}", Heartbeats(store, rank, world_size)
+    deadline = time.monotonic() + timeout.total_seconds()
+    while not store.check([answer]):
+        if not beats.moved() and time.monotonic() - beats.moved_at > options.stale_s:
+            return None
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"The running job did not admit this process as rank {rank} within {timeout}, though it trains on: "
+                f"its rank {rank} is not lost. Start a replacement only for a rank the job lost."
+            )
+        time.sleep(options.heartbeat_s)
+    epoch, leader, joining = store.get(answer).decode().split(";")
     return Admission(int(epoch), int(leader), [int(r) for r in joining.split(",")])
+
+
+def join_running_job(
+    rank: int, world_size: int, options: FaultTolerance, timeout: timedelta
+) -> tuple[dist.Store, Admission] | None:
+    """A replacement's admission as ``rank`` into the running attempt of its job: that attempt's store and the answer;
+    ``None`` in a worker torchrun restarted whose job ended before answering (the whole job restarts: it starts as
+    usual).
+
+    Raises:
+        RuntimeError: outside torchrun's agent store, or with ``LDPS_JOIN=1`` when the job ended first.
+    """
+    store = running_attempt_store("ft/", timeout)
+    if store is None:
+        raise RuntimeError(
+            f"{JOIN_ENV}=1: a replacement joins a fault-tolerant job through torchrun's agent store "
+            "(TORCHELASTIC_USE_AGENT_STORE=True, MASTER_ADDR:MASTER_PORT): start it with the job's torchrun "
+            "command on the replacement node, with that node's --node-rank."
+        )
+    admission = request_join(store, rank, world_size, options, timeout)
+    if admission is None and wants_to_join():
+        raise RuntimeError(
+            f"{JOIN_ENV}=1: the job this replacement asked to join ended before admitting it (no rank's heartbeat "
+            f"moved for stale_s={options.stale_s} s). Start the whole job again, without {JOIN_ENV}."
+        )
+    return None if admission is None else (store, admission)
 
 
 class Survivors:

@@ -40,11 +40,10 @@ from lightning_dp_strategies.comm.failures import PeerLostError
 from lightning_dp_strategies.comm.groups import new_group
 from lightning_dp_strategies.core.elastic import DistributedStrategy, init_strategy_process_group, running_attempt_store
 from lightning_dp_strategies.core.fault_tolerance import (
-    JOIN_ENV,
     Admission,
     Recovery,
     Survivors,
-    request_join,
+    join_running_job,
     restarted_into_running_job,
     wants_to_join,
 )
@@ -113,21 +112,19 @@ class TrainerSurvival:
 
     def init_process_group(self, strategy: DistributedStrategy) -> None:
         """The default group: as every strategy makes it, or, in a replacement (``LDPS_JOIN=1``, or a worker that
-        torchrun restarted as the others train on), the one the live ranks make for it at the epoch it is admitted."""
+        torchrun restarted as the others train on), the one the live ranks make for it at the epoch it is admitted.
+        A restarted worker whose job ends before it is admitted (the whole job restarting) starts as usual."""
         init_strategy_process_group(strategy, init=False)  # its timeout set
         assert strategy._timeout is not None
         rank, world, options = self.strategy.global_rank, self.strategy.world_size, self.survivors.options
         self.joining = self.joining or restarted_into_running_job(rank, world, options, strategy._timeout)
+        joined = join_running_job(rank, world, options, strategy._timeout) if self.joining else None
+        self.joining = joined is not None
         init_strategy_process_group(strategy, init=not self.joining)
-        self._store = running_attempt_store("ft/", strategy._timeout)
-        if self.joining and self._store is None:
-            raise RuntimeError(
-                f"{JOIN_ENV}=1: a replacement joins a fault-tolerant job through torchrun's agent store "
-                "(TORCHELASTIC_USE_AGENT_STORE=True, MASTER_ADDR:MASTER_PORT): start it with the job's torchrun "
-                "command on the replacement node, with that node's --node-rank."
-            )
-        if self.joining and self._store is not None:
-            self.admission = request_join(self._store, self.strategy.global_rank, strategy._timeout)
+        if joined is None:
+            self._store = running_attempt_store("ft/", strategy._timeout)
+        else:
+            self._store, self.admission = joined
             self._init_world(self.admission.epoch)
 
     def _init_world(self, epoch: int) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 import traceback
 import warnings
@@ -28,6 +29,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dp_strategies.comm.failures import PeerLostError
+from lightning_dp_strategies.core import elastic
 from lightning_dp_strategies.core.failures import FailureInjector, FailureKind
 from lightning_dp_strategies.core.fault_tolerance import JOIN_ENV, PREFIX, RESTART_ENV, FaultTolerance
 from tests.helpers.distributed import _PRELOAD
@@ -324,6 +326,9 @@ class Run:
     restarted: bool = False
     """With ``replace``: the replacement is the victim's worker restarted by its torchrun agent (its restart count
     set, ``LDPS_JOIN`` not)."""
+    restart_while_beating: int | None = None
+    """Every rank is a worker its torchrun agent restarted (the whole job restarting), while that rank's worker of
+    the attempt before still beats (:func:`_previous_attempt`)."""
     stumble: tuple[int, int] | None = None
     """``(rank, step)``: that rank's step fails after its gradients were averaged (the others' completed)."""
     pace_s: float = 0.0
@@ -462,8 +467,8 @@ def _replacement() -> bool:
 
 
 def _rank(rank: int, port: int, run: Run, root: str, results: Any, join: bool = False) -> None:
-    if join:
-        os.environ[RESTART_ENV if run.restarted else JOIN_ENV] = "1"
+    if join or run.restart_while_beating is not None:
+        os.environ[RESTART_ENV if run.restarted or not join else JOIN_ENV] = "1"
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -481,6 +486,26 @@ def _rank(rank: int, port: int, run: Run, root: str, results: Any, join: bool = 
         results.put((rank, RuntimeError(traceback.format_exc())))
 
 
+def _previous_attempt(server: dist.TCPStore, rank: int, world: int) -> threading.Thread:
+    """The attempt before this one as its workers left it in the agent's store: every rank's heartbeat counter, and
+    ``rank``'s still moving (its worker has not failed yet) until a restarted worker asks to join that attempt; then
+    it stops (that worker failed too)."""
+    server.set(f"{elastic.PREFIX}/current", "previous")
+    store = dist.PrefixStore(f"{elastic.PREFIX}/previous/ft/", server)
+    for r in range(world):
+        store.add(f"{PREFIX}/heartbeat/{r}", 5)
+
+    def beat() -> None:
+        deadline = time.monotonic() + 60.0
+        while time.monotonic() < deadline and not any(store.check([f"{PREFIX}/join/{r}"]) for r in range(world)):
+            store.add(f"{PREFIX}/heartbeat/{rank}", 1)
+            time.sleep(TOLERANCE.heartbeat_s)
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    return thread
+
+
 def launch(
     run: Run, root: Path, timeout: float = 120.0, expected: int | None = None, linger: float = 10.0
 ) -> tuple[dict[int, Any], list[int | None], float]:
@@ -492,6 +517,8 @@ def launch(
     ctx.set_forkserver_preload(_PRELOAD)
     server = dist.TCPStore("127.0.0.1", 0, run.world, is_master=True, wait_for_workers=False)
     results = ctx.SimpleQueue()
+    if run.restart_while_beating is not None:
+        _previous_attempt(server, run.restart_while_beating, run.world)
     procs = [
         ctx.Process(target=_rank, args=(r, server.port, run, str(root), results), daemon=True) for r in range(run.world)
     ]

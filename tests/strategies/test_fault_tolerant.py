@@ -302,7 +302,13 @@ def test_a_restarted_worker_joins_only_while_another_rank_beats(monkeypatch: pyt
     from datetime import timedelta
 
     from lightning_dp_strategies.core import elastic
-    from lightning_dp_strategies.core.fault_tolerance import PREFIX, RESTART_ENV, restarted_into_running_job
+    from lightning_dp_strategies.core.fault_tolerance import (
+        JOIN_ENV,
+        PREFIX,
+        RESTART_ENV,
+        join_running_job,
+        restarted_into_running_job,
+    )
 
     agent = torch.distributed.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
     agent.set(f"{elastic.PREFIX}/current", "attempt-a")
@@ -330,6 +336,59 @@ def test_a_restarted_worker_joins_only_while_another_rank_beats(monkeypatch: pyt
     finally:
         beating.set()
         thread.join()
+    # the job ended while it waited for an answer: a restarted worker starts as usual, a replacement says why
+    assert join_running_job(0, 2, options, timeout) is None
+    monkeypatch.setenv(JOIN_ENV, "1")
+    with pytest.raises(RuntimeError, match=r"ended before admitting it .*Start the whole job again, without LDPS_JOIN"):
+        join_running_job(0, 2, options, timeout)
+
+
+@pytest.mark.timeout(60)
+def test_a_join_request_is_answered_or_given_up_once_the_job_stops_beating() -> None:
+    from datetime import timedelta
+
+    from lightning_dp_strategies.core.fault_tolerance import PREFIX, Admission, request_join
+
+    store, options = torch.distributed.HashStore(), FaultTolerance(heartbeat_s=0.05, stale_s=0.5)
+    store.add(f"{PREFIX}/heartbeat/0", 7)  # rank 0 beat, then stopped: the job ended
+    assert request_join(store, 1, 2, options, timedelta(seconds=30)) is None
+    asked_before = store.get(f"{PREFIX}/join/1")
+    stop = threading.Event()
+
+    def leader(answer: bool) -> None:  # rank 0 beats, and answers the new request at its epoch start
+        while not stop.wait(0.05):
+            store.add(f"{PREFIX}/heartbeat/0", 1)
+            token = store.get(f"{PREFIX}/join/1")
+            if answer and token != asked_before:
+                store.set(f"{PREFIX}/admitted/{token.decode()}", "2;0;1")
+
+    for answer in (True, False):
+        stop.clear()
+        thread = threading.Thread(target=leader, args=(answer,), daemon=True)
+        thread.start()
+        try:
+            if answer:
+                assert request_join(store, 1, 2, options, timedelta(seconds=30)) == Admission(2, 0, [1])
+            else:  # the job trains on without answering: nobody lost rank 1
+                with pytest.raises(TimeoutError, match="its rank 1 is not lost"):
+                    request_join(store, 1, 2, options, timedelta(seconds=1))
+        finally:
+            stop.set()
+            thread.join()
+
+
+@pytest.mark.timeout(240)
+def test_a_whole_job_restart_starts_afresh_though_a_failing_worker_still_beat(
+    uninterrupted: torch.Tensor, tmp_path: Path
+) -> None:
+    # every worker restarted by its torchrun agent (the whole job failed) while rank 1's worker of the attempt before
+    # still beat: ranks 0 and 2 take that attempt for a running job and ask to join it; once its heartbeats stop they
+    # start afresh with rank 1, instead of waiting for an answer for the strategy's timeout (600 s, past the launch's)
+    outcomes, codes, _ = launch(Run(restart_while_beating=1, strategy_timeout_s=600.0), tmp_path)
+    assert codes == [0] * WORLD, outcomes
+    for rank in range(WORLD):
+        assert _result(outcomes, rank)["admitted_at"] is None
+        assert (_params(outcomes, rank) - uninterrupted).abs().max().item() <= TOLERANCE
 
 
 def test_a_stopped_heartbeat_is_stale_after_stale_s() -> None:
