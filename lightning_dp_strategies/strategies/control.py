@@ -50,7 +50,8 @@ Interrupt = Callable[[], str | None] | None
 GAVE_UP_HINT = (
     "If no rank was lost in these failures (the lowest live rank logs each one, saying whether it lost any), the "
     "ranks are alive but not running the same collectives: ranks given different numbers of training batches in an "
-    "epoch, as from an `IterableDataset` split by rank, end this way."
+    "epoch, as from an `IterableDataset` split by rank, end this way. So does a rank slower than `timeout_s` in "
+    "each try (the failures say a rank is hung) that reaches the agreement in time: raise `FaultTolerance(timeout_s)`."
 )
 """Appended by :func:`redone` to the error of what it gives up after repeated peer failures."""
 
