@@ -6,10 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
+
+if TYPE_CHECKING:
+    from lightning_dp_strategies.strategies.control import ControlCollectives
 
 __all__ = ["LOST_BATCH_COLLECTIVE", "as_lost_rank", "settings", "silenced", "snapshot", "trainable"]
 
@@ -44,10 +47,9 @@ def silenced(module: pl.LightningModule) -> Generator[None, None, None]:
 
 
 @contextmanager
-def as_lost_rank(module: pl.LightningModule, control: Any) -> Generator[None, None, None]:
+def as_lost_rank(module: pl.LightningModule, control: ControlCollectives) -> Generator[None, None, None]:
     """Inside: the module's logging :func:`silenced`, and every collective of ``control`` (the strategy's
-    :class:`~lightning_dp_strategies.strategies.control.ControlCollectives`) refused with
-    :data:`LOST_BATCH_COLLECTIVE`."""
+    Lightning collectives) refused with :data:`LOST_BATCH_COLLECTIVE`."""
     before, control.refusing = control.refusing, LOST_BATCH_COLLECTIVE
     try:
         with silenced(module):
