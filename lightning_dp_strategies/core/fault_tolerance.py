@@ -74,10 +74,15 @@ class Recovery:
     agreement_s: float
     formation_s: float
     behind: list[int] = field(default_factory=list)
-    """Survivors whose step failed while the others' completed: they take the step's result from a survivor that
-    completed it instead of redoing it."""
+    """Survivors whose step failed while the others' completed (in a later step, or in the synchronisation that
+    ends it): they take the step's result from a survivor that completed it, or redo it (local SGD)."""
     behind_control: list[int] = field(default_factory=list)
     """Survivors of the furthest step one control collective (between steps) behind: they take its result."""
+    missed: list[int] = field(default_factory=list)
+    """Survivors one step behind that also lack the furthest ones' last control collective (it failed on them only,
+    in their step): they take its result."""
+    lagging: list[int] = field(default_factory=list)
+    """In a synchronisation: the survivors without the average that the furthest ones have."""
     control: int = 0
     """The most control collectives a survivor of the furthest step had completed."""
     at: float = field(default_factory=time.time)
@@ -310,8 +315,9 @@ class Survivors:
     ) -> Recovery:
         """After a peer failure in optimizer step ``step``: agree on the survivors, form their groups, point the
         metrics at them. A collective can complete on some ranks and fail on others: the record names the survivors
-        one step behind (``behind``; or with less ``progress``, where given, compared instead of the steps), and
-        those of the furthest step with fewer ``control`` collectives completed (``behind_control``).
+        one step behind (``behind``), those of the furthest step with fewer ``control`` collectives completed
+        (``behind_control``), and, in a synchronisation (``progress``: 1 without the average, 2 with it; 0 in the
+        step), those without the average (``lagging``).
 
         Raises:
             ExcludedError: if the others went on without this rank (it should exit).
@@ -326,22 +332,27 @@ class Survivors:
                 "This process exits; the survivors finish the run."
             )
         before = list(membership.state.members)
-        note = f"{step if progress is None else progress}/{control or 0}"
+        note = f"{step}/{progress or 0}/{control or 0}"
         self.group = membership.recover(self.options.timeout_s, agreement=self.options.timeout_s, note=note)
         notes = {rank: tuple(map(int, note.split("/"))) for rank, note in membership.notes().items()}
-        steps = {rank: taken for rank, (taken, _) in notes.items()}
-        controls = {rank: done for rank, (taken, done) in notes.items() if taken == max(steps.values())}
+        at = {rank: (taken, made) for rank, (taken, made, _) in notes.items()}
+        furthest = max(at.values())
+        controls = {rank: done for rank, (taken, made, done) in notes.items() if (taken, made) == furthest}
+        most = max(controls.values())
+        behind = sorted(r for r, (taken, made) in at.items() if (taken, made) < furthest and made == 0)
         self._form_control_group()
         record = Recovery(
-            step=max(steps.values()) if progress is None else step,
+            step=furthest[0],
             lost=[r for r in before if r not in membership.state.members],
             members=list(membership.state.members),
             reason=str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__,
             agreement_s=membership.stats.agreements_s[-1],
             formation_s=membership.stats.formations_s[-1],
-            behind=sorted(r for r, taken in steps.items() if taken < max(steps.values())),
-            behind_control=sorted(r for r, done in controls.items() if done < max(controls.values())),
-            control=max(controls.values()),
+            behind=behind,
+            behind_control=sorted(r for r, done in controls.items() if done < most),
+            missed=[r for r in behind if notes[r][2] < most],
+            lagging=sorted(r for r, (taken, made) in at.items() if (taken, made) < furthest and made > 0),
+            control=most,
         )
         self.recoveries.append(record)
         if membership.rank == membership.leader:

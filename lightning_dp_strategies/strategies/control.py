@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import pickle
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import torch
@@ -152,6 +153,8 @@ class ControlCollectives:
         self.active = True
         """Whether a peer failure is survived here; off inside an optimizer step (its own recovery redoes it)."""
         self._last: Any = None  # the last completed collective's result, for the ranks one behind
+        self._step: list[Any] = []  # the results of this attempt of an optimizer step's collectives
+        self._replay: list[Any] = []  # what the next collectives return without running (a step redone, behind)
         self._metrics: list[Any] = []
         self.refusing: str | None = None
         """Why no collective can run now (set while this rank trains a lost rank's micro-batch), or ``None``."""
@@ -165,16 +168,24 @@ class ControlCollectives:
         """``attempt(group, interrupt)`` over the control group, polled once the survivors watch each other; while
         ``active``, redone over the survivors after each peer failure."""
         self.check()
+        if self._replay:  # this rank redoes a step the others completed: the results they got
+            self._last = self._replay.pop(0)
+            self._step.append(self._last)
+            return copied(self._last)
         if not self.survivors.started:
             return self._done(attempt(self._group(), None))
         if not self.active:  # in an optimizer step: the failure propagates, and the step is redone
-            return self._done(attempt(self._group(), self._bounded_as_the_step()))
+            result = self._done(attempt(self._group(), self._bounded_as_the_step()))
+            self._step.append(copied(result))
+            return result
 
         def once(failure: BaseException | None) -> T:
             if failure is not None:
                 record = self._recover(failure)
                 if record.behind:  # a survivor's optimizer step failed while this rank's completed
                     self._catch_up(record)
+                    if self._replay:  # this rank's collective completed on the others, then a step of theirs failed
+                        return self._replay.pop(0)
                 elif record.behind_control:
                     handed = self.hand_over(record)
                     if dist.get_rank() in record.behind_control:
@@ -211,8 +222,26 @@ class ControlCollectives:
     def hand_over(self, record: Recovery) -> Any:
         """The last result of the lowest survivor that completed one collective more than the others (every
         survivor takes part, those in an optimizer step's recovery too)."""
-        source = min(r for r in record.members if r not in record.behind_control)
+        source = min(r for r in record.members if r not in record.behind_control and r not in record.behind)
         return broadcast_object(self._last, source, self._group(), None)
+
+    @contextmanager
+    def in_step(self) -> Iterator[None]:
+        """Inside: an optimizer step, whose failures propagate (the step is redone); nothing of it is replayed after."""
+        between_steps, self.active = self.active, False
+        try:
+            yield
+        finally:
+            self.active, self._step, self._replay = between_steps, [], []
+
+    def new_attempt(self) -> None:
+        """An attempt of an optimizer step starts: nothing of it recorded yet."""
+        self._step = []
+
+    def fall_behind(self, handed: list[Any]) -> None:
+        """This rank redoes a step that the others completed: its collectives return, in order, what they returned
+        in its failed attempt, then ``handed`` (what the others got from the collective that failed here)."""
+        self._replay, self._step = [*self._step, *handed], []
 
     # ------------------------------------------------------------------ Lightning's collectives
     def barrier(self) -> None:

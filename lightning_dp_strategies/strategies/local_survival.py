@@ -10,18 +10,18 @@ the next synchronisation, which runs as one transaction::
     commit        every member says in the store that it has the average; only then the outer step, and each rank
                   starts sending its inner states to the next member in rank order, which keeps them
 
-(:class:`~lightning_dp_strategies.strategies.local_handover.HandOvers`). A peer failure before the commit: the
-survivors agree, re-form their groups and compare whether any of them got the average. If one did, it was complete
-(every rank had sent its change): it goes to the others. If none did, the synchronisation is redone. Either way the
-lost ranks' takers first rebuild their replicas: each from the last inner state every survivor received, which the
-member that kept it sends, and the anchor of then, replaying the lost rank's micro-batches since (rebuilt from their
-samplers) at the optimizer settings (learning rate, ...) each step had; where that member was lost too, the run stops
-with an error naming it. The survivors then hand their states over before training goes on. A loss during all this
-starts the recovery again over the survivors left: the choice of handed-over states is the newest every survivor
-holds (:meth:`~lightning_dp_strategies.strategies.local_handover.HandOvers.settle`), so a recovery cut short and
-redone rebuilds from the same ones. So the run goes on on the
-uninterrupted run's parameters (``keep_global_batch``); without it nothing is handed over and the survivors average
-alone.
+(:class:`~lightning_dp_strategies.strategies.local_handover.HandOvers`). A peer failure before the commit: the survivors
+agree, re-form their groups and compare whether any of them got the average. If one did, it was complete (every rank had
+sent its change): it goes to the others. If none did, the synchronisation is redone. Either way the lost ranks' takers
+first rebuild their replicas: each from the last inner state every survivor received, which the member that kept it
+sends, and the anchor of then, replaying the lost rank's micro-batches since (rebuilt from their samplers) at the
+optimizer settings (learning rate, ...) each step had; where that member was lost too, the run stops with an error
+naming it. The survivors then hand their states over before training goes on. A loss during all this starts the recovery
+again over the survivors left: the choice of handed-over states is the newest every survivor holds
+(:meth:`~lightning_dp_strategies.strategies.local_handover.HandOvers.settle`), so a recovery cut short and redone
+rebuilds from the same ones. The run goes on on the uninterrupted run's parameters (``keep_global_batch``); without it
+nothing is handed over and the survivors average alone. A rank whose inner step failed in a collective of
+``training_step`` that the others completed redoes its step with their result and meets them at the synchronisation.
 
 A replica's step swaps its parameters, gradients, buffers and optimizer state into the module and the optimizer
 (:class:`~lightning_dp_strategies.local_sgd.replicas.Replicas`) and runs ``training_step`` on the lost rank's
@@ -89,7 +89,7 @@ class LocalSurvival(SurvivalHooks):
 
     def __init__(self, strategy: LocalSurvivingStrategy, survival: TrainerSurvival) -> None:
         self.strategy = strategy
-        self.trains_lost_batches = False  # a lost rank's batches go to its replica, not into this rank's step
+        self.trains_lost_batches = self.alike = False  # lost batches go to replicas; each rank its own state
         self.survival = survival
         self.replicas: Replicas | None = None
         """The lost ranks' replicas this rank trains (``keep_global_batch``)."""
@@ -191,7 +191,7 @@ class LocalSurvival(SurvivalHooks):
         def once(failure: BaseException | None) -> list[Tensor]:
             nonlocal changes, done, ended
             if failure is not None:
-                record = self.survival.recover(failure, progress=int(done))
+                record = self.survival.recover(failure, progress=1 + int(done))
                 changes, done = self._recovered(record, changes, done, ended)
             if not done:
                 if handovers is not None:
@@ -222,15 +222,17 @@ class LocalSurvival(SurvivalHooks):
 
     def _recovered(self, record: Recovery, changes: list[Tensor], done: bool, ended: bool) -> tuple[list[Tensor], bool]:
         """After a recovery in a synchronisation: the average from the lowest survivor that has it, where one does
-        (it was complete: every rank had sent its change); the lost ranks' replicas started. Returns the average
-        and whether this rank has it (``False``: nobody has, it is redone)."""
+        (it was complete); the lost ranks' replicas started; a rank one step behind caught up (it redoes its step).
+        Returns the average and whether this rank has it (``False``: nobody has, it is redone)."""
         survivors = self.survival.survivors
-        if record.behind:
-            source = min(r for r in record.members if r not in record.behind)
+        if record.lagging:
+            source = min(r for r in record.members if r not in record.lagging)
             assert survivors.control_group is not None
             mine = changes if self.rank == source else None  # polled: a loss here is noticed promptly
             changes, done = broadcast_object(mine, source, survivors.control_group, survivors.interrupted), True
         self._adopt(current=not ended)
+        if record.behind:
+            self.survival.catch_up(record, None)
         return changes, done
 
     def after_recovery_between_steps(self) -> None:
@@ -316,10 +318,9 @@ class LocalSurvival(SurvivalHooks):
         return self.local.in_sync
 
     def on_admit(self, joining: list[int]) -> dict[str, Any]:
-        """Before the world is re-formed for ``joining`` (every survivor): the local SGD record, with the inner
-        optimizer states of the replicas the replacements take over, for the leader's training state (gathered as a
-        checkpoint's, a rank lost meanwhile survived). The states in flight arrive first: the groups they travel on
-        are re-formed next."""
+        """Before the world is re-formed for ``joining`` (every survivor): the local SGD record with the replicas'
+        inner optimizer states, for the leader's training state (gathered as a checkpoint's, a rank lost meanwhile
+        survived), once the states in flight arrived (the groups they travel on are re-formed next)."""
         if self.handovers is not None:
             self.handovers.wait_quietly()
         record = self.checkpoint_record([o.state_dict() for o in self.strategy.optimizers])
@@ -388,8 +389,7 @@ class LocalSurvival(SurvivalHooks):
         return averaged
 
     def records(self) -> dict[int, dict[str, Any]]:
-        """Each replica's checkpoint record, as its rank would have written it: its module state (``None`` in sync)
-        and its inner optimizer state."""
+        """Each replica's checkpoint record as its rank would write it: module state (``None`` in sync), optimizer's."""
         module, replicas = self.strategy.lightning_module, self.replicas
         assert module is not None
         records: dict[int, dict[str, Any]] = {}

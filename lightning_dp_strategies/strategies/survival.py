@@ -261,22 +261,20 @@ class TrainerSurvival:
         in it (the closure zeroes the gradients and recomputes them). A survivor whose step failed while the others'
         completed takes their result instead (:meth:`catch_up`). Lightning's collectives inside the step fail with
         it, and the step is redone."""
-        between_steps, self.control.active = self.control.active, False
 
         def once(failure: BaseException | None) -> tuple[bool, Any]:
             if failure is not None and self._recovered(self.recover(failure), closure):
                 return True, None  # caught up: the step's state came from a survivor that completed it
+            self.control.new_attempt()
             return False, run()
 
-        try:
+        with self.control.in_step():
             tries = self.strategy.world_size
             gave_up = PeerLostError(f"An optimizer step met {tries} peer failures in a row; giving up.")
             caught_up, output = redone(once, tries, gave_up)
             if not caught_up:
                 self.hooks.after_own_step()
             return output
-        finally:
-            self.control.active = between_steps
 
     def _recovered(self, record: Recovery, closure: Callable[[], Any]) -> bool:
         """After a recovery in a step: a rank between steps one collective behind gets its result; whether this rank
@@ -288,22 +286,26 @@ class TrainerSurvival:
         return bool(record.behind) and self.catch_up(record, closure)
 
     def catch_up(self, record: Recovery, closure: Callable[[], Any] | None) -> bool:
-        """The parameters and optimizer states of the lowest survivor that completed the step, sent to those that
-        did not (every survivor takes part); whether this rank was behind (then its step is done: the closure runs
-        once more without communicating, as Lightning expects of a step, and nothing is stepped)."""
-        strategy = self.strategy
+        """Survivors one step behind (every survivor takes part): their collectives of the step return what they
+        did, and what failed on them only; where ranks hold alike states (:attr:`SurvivalHooks.alike`), the lowest
+        survivor's that completed the step are sent to them. Whether this rank was behind and is done (the closure
+        run once more without communicating, as Lightning expects of a step; nothing stepped); else it redoes it."""
+        strategy, rank, survivors = self.strategy, self.strategy.global_rank, self.survivors
         module = strategy.lightning_module
-        assert module is not None
+        assert module is not None and survivors.control_group is not None
+        handed = [self.control.hand_over(record)] if record.missed else []
+        behind = rank in record.behind
+        if behind:
+            self.control.fall_behind(handed if rank in record.missed else [])
+        if not self.hooks.alike:
+            return False
         source = min(r for r in record.members if r not in record.behind)
-        behind = strategy.global_rank in record.behind
         if behind:
             assert closure is not None, "a rank between steps is never a step behind"
             with strategy.engine.grad_sync.no_sync():
                 closure()
         state = {"module": module.state_dict(), "optimizers": [o.state_dict() for o in strategy.optimizers]}
-        survivors = self.survivors
-        assert survivors.control_group is not None
-        mine = state if strategy.global_rank == source else None  # polled: a loss here is noticed promptly
+        mine = state if rank == source else None  # polled: a loss here is noticed promptly
         received: dict[str, Any] = broadcast_object(mine, source, survivors.control_group, survivors.interrupted)
         if behind:
             module.load_state_dict(received["module"])

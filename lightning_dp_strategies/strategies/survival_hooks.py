@@ -26,6 +26,10 @@ class SurvivalHooks:
     trains_lost_batches: bool = True
     """Whether backward adds the lost ranks' micro-batches to this rank's step (local SGD trains replicas instead)."""
 
+    alike: bool = True
+    """Whether every rank holds the same parameters and optimizer states after a step: a rank one step behind takes
+    them from one that completed it (local SGD's differ, so one behind redoes its own step instead)."""
+
     def after_own_step(self) -> None:
         """After each optimizer step of this rank that completed."""
 

@@ -294,7 +294,8 @@ class ReductionStumbles(L.Callback):
     """``where = ("validation", epoch)``: in that epoch's validation, ``rank``'s first reduction completes and then
     fails there, so the others go on to the next collective, one ahead of it. ``("before_step", step)``: every rank
     reduces a value before optimizer step ``step`` (a callback's collective between steps) and ``rank``'s fails so,
-    so the others go on into the step's gradient reduction."""
+    so the others go on into the step's gradient reduction. ``("in_step", step)``: ``rank``'s first reduction in
+    step ``step`` (``training_step``'s, with ``Run.in_step``) fails so."""
 
     def __init__(self, rank: int, where: tuple[str, int]) -> None:
         self.rank, self.where = rank, where
@@ -304,6 +305,8 @@ class ReductionStumbles(L.Callback):
             _stumble_once()
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if (trainer.global_rank, ("in_step", trainer.global_step)) == (self.rank, self.where):
+            _stumble_once()
         if self.where == ("before_step", trainer.global_step):
             if trainer.global_rank == self.rank:
                 _stumble_once()
@@ -436,6 +439,7 @@ def train(rank: int, run: Run, root: str) -> dict[str, Any]:
         "global_step": trainer.global_step,
         "recoveries": [(r.step, r.lost, r.members) for r in survivors.recoveries],
         "behind": [r.behind for r in survivors.recoveries],
+        "lagging": [r.lagging for r in survivors.recoveries],
         "behind_control": [r.behind_control for r in survivors.recoveries],
         "best": trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else None,
         "is_global_zero": trainer.is_global_zero,

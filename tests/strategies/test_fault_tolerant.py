@@ -143,12 +143,15 @@ def test_a_shrinking_batch_departs_from_the_uninterrupted_run(uninterrupted: tor
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("in_step", [None, "sync_dist"])
 def test_a_rank_whose_step_failed_while_the_others_completed_takes_their_result(
-    uninterrupted: torch.Tensor, tmp_path: Path
+    uninterrupted: torch.Tensor, tmp_path: Path, in_step: str | None
 ) -> None:
     """Rank 2's step 2 fails after the reduction completed everywhere; ranks 0 and 1 took step 2 and fail in step
-    3. All three are alive: rank 2 is one step behind and receives rank 0's state instead of redoing step 2."""
-    outcomes, codes, _ = launch(Run(stumble=(2, 2)), tmp_path)
+    3. All three are alive: rank 2 is one step behind and receives rank 0's state instead of redoing step 2. With
+    ``training_step`` reducing its logged loss, rank 2's closure, run once more, takes the reduction's result from
+    its failed attempt (the others are not in a reduction)."""
+    outcomes, codes, _ = launch(Run(stumble=(2, 2), in_step=in_step), tmp_path)
     assert codes == [0] * WORLD, outcomes
     for rank in range(WORLD):
         assert _result(outcomes, rank)["recoveries"] == [(3, [], [0, 1, 2])]
