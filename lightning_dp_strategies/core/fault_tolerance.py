@@ -126,8 +126,7 @@ def restarted_into_running_job(rank: int, world_size: int, options: FaultToleran
 
 
 class Heartbeats:
-    """The other ranks' heartbeat counters in a running attempt's store, and when one of them last moved (read from
-    outside the job, by a process that asks to join it)."""
+    """The other ranks' heartbeat counters in a running job's store, and when one last moved (read from outside)."""
 
     def __init__(self, store: dist.Store, rank: int, world_size: int) -> None:
         self.store = store
@@ -164,7 +163,7 @@ def request_join(
     ``None`` once no other rank's heartbeat has moved for ``stale_s``: the job ended before it answered.
 
     Raises:
-        TimeoutError: if no answer comes within ``timeout`` while the job trains on (nobody lost ``rank``).
+        TimeoutError: if no answer comes within ``timeout`` while the job trains on.
     """
     token = uuid.uuid4().hex
     store.set(f"{PREFIX}/join/{rank}", token)
@@ -175,8 +174,9 @@ def request_join(
             return None
         if time.monotonic() > deadline:
             raise TimeoutError(
-                f"The running job did not admit this process as rank {rank} within {timeout}, though it trains on: "
-                f"its rank {rank} is not lost. Start a replacement only for a rank the job lost."
+                f"The running job did not admit this process as rank {rank} within {timeout}, though it trains on. "
+                f"It admits replacements at an epoch's start: its rank {rank} is not lost, or no epoch started in "
+                "time (raise the strategy's `timeout` above an epoch's length)."
             )
         time.sleep(options.heartbeat_s)
     epoch, leader, joining = store.get(answer).decode().split(";")
