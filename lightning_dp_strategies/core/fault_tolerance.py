@@ -156,28 +156,17 @@ class Admission:
     joining: list[int]
 
 
-def request_join(
-    store: dist.Store, rank: int, world_size: int, options: FaultTolerance, timeout: timedelta
-) -> Admission | None:
-    """Ask the running job to take this process in as ``rank``; its answer (at the survivors' next epoch start), or
-    ``None`` once no other rank's heartbeat has moved for ``stale_s``: the job ended before it answered.
-
-    Raises:
-        TimeoutError: if no answer comes within ``timeout`` while the job trains on.
-    """
+def request_join(store: dist.Store, rank: int, world_size: int, options: FaultTolerance) -> Admission | None:
+    """Ask the running job to take this process in as ``rank``; its answer, which comes at the survivors' next epoch
+    start (however long the epoch: it waits while the job trains on), or ``None`` once no other rank's heartbeat has
+    moved for ``stale_s``: the job ended before it answered."""
     token = uuid.uuid4().hex
     store.set(f"{PREFIX}/join/{rank}", token)
+    _log.warning("Rank %d asked the running job to take it in; it is admitted at the job's next epoch start.", rank)
     answer, beats = f"{PREFIX}/admitted/{token}", Heartbeats(store, rank, world_size)
-    deadline = time.monotonic() + timeout.total_seconds()
     while not store.check([answer]):
         if not beats.moved() and time.monotonic() - beats.moved_at > options.stale_s:
             return None
-        if time.monotonic() > deadline:
-            raise TimeoutError(
-                f"The running job did not admit this process as rank {rank} within {timeout}, though it trains on. "
-                f"It admits replacements at an epoch's start: its rank {rank} is not lost, or no epoch started in "
-                "time (raise the strategy's `timeout` above an epoch's length)."
-            )
         time.sleep(options.heartbeat_s)
     epoch, leader, joining = store.get(answer).decode().split(";")
     return Admission(int(epoch), int(leader), [int(r) for r in joining.split(",")])
@@ -200,7 +189,7 @@ def join_running_job(
             "(TORCHELASTIC_USE_AGENT_STORE=True, MASTER_ADDR:MASTER_PORT): start it with the job's torchrun "
             "command on the replacement node, with that node's --node-rank."
         )
-    admission = request_join(store, rank, world_size, options, timeout)
+    admission = request_join(store, rank, world_size, options)
     if admission is None and wants_to_join():
         raise RuntimeError(
             f"{JOIN_ENV}=1: the job this replacement asked to join ended before admitting it (no rank's heartbeat "

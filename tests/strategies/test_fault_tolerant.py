@@ -347,37 +347,30 @@ def test_a_restarted_worker_joins_only_while_another_rank_beats(monkeypatch: pyt
 
 
 @pytest.mark.timeout(60)
-def test_a_join_request_is_answered_or_given_up_once_the_job_stops_beating() -> None:
-    from datetime import timedelta
-
+def test_a_join_request_is_answered_however_late_or_given_up_once_the_job_stops_beating() -> None:
     from lightning_dp_strategies.core.fault_tolerance import PREFIX, Admission, request_join
 
     store, options = torch.distributed.HashStore(), FaultTolerance(heartbeat_s=0.05, stale_s=0.5)
     store.add(f"{PREFIX}/heartbeat/0", 7)  # rank 0 beat, then stopped: the job ended
-    assert request_join(store, 1, 2, options, timedelta(seconds=30)) is None
+    assert request_join(store, 1, 2, options) is None
     asked_before = store.get(f"{PREFIX}/join/1")
     stop = threading.Event()
 
-    def leader(answer: bool) -> None:  # rank 0 beats, and answers the new request at its epoch start
+    def leader() -> None:  # rank 0 beats, and answers the new request at an epoch start 2 s later (4 x stale_s)
+        answer_at = time.monotonic() + 2.0
         while not stop.wait(0.05):
             store.add(f"{PREFIX}/heartbeat/0", 1)
             token = store.get(f"{PREFIX}/join/1")
-            if answer and token != asked_before:
+            if token != asked_before and time.monotonic() > answer_at:
                 store.set(f"{PREFIX}/admitted/{token.decode()}", "2;0;1")
 
-    for answer in (True, False):
-        stop.clear()
-        thread = threading.Thread(target=leader, args=(answer,), daemon=True)
-        thread.start()
-        try:
-            if answer:
-                assert request_join(store, 1, 2, options, timedelta(seconds=30)) == Admission(2, 0, [1])
-            else:  # the job trains on without answering: nobody lost rank 1
-                with pytest.raises(TimeoutError, match=r"its rank 1 is not lost, or no epoch started in time"):
-                    request_join(store, 1, 2, options, timedelta(seconds=1))
-        finally:
-            stop.set()
-            thread.join()
+    thread = threading.Thread(target=leader, daemon=True)
+    thread.start()
+    try:
+        assert request_join(store, 1, 2, options) == Admission(2, 0, [1])
+    finally:
+        stop.set()
+        thread.join()
 
 
 @pytest.mark.timeout(240)
