@@ -92,6 +92,23 @@ def test_a_rank_whose_inner_step_reduction_completed_only_elsewhere_redoes_its_s
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("step", [5, ft.STEPS_PER_EPOCH * 2 - 1])
+def test_a_rank_whose_reduction_between_steps_completed_only_elsewhere_takes_their_result_and_catches_up(
+    uninterrupted: torch.Tensor, tmp_path: Path, step: int
+) -> None:
+    # a callback's reduction before step `step` completes on the others and then fails on rank 1; they train on to
+    # the next collective, the synchronisation that ends the period (step 5: three inner steps later) or the one
+    # before validation (step 9), and fail there. Rank 1 takes the reduction's result, trains the steps it is behind
+    # and meets them at that synchronisation.
+    run = ft.Run(sync_every=SYNC_EVERY, reduction_stumbles=(1, ("before_step", step)))
+    outcomes, codes, _ = ft.launch(run, tmp_path)
+    assert codes == [0] * ft.WORLD, outcomes
+    for rank in range(ft.WORLD):
+        assert ft.result(outcomes, rank)["behind"] == [[1]]
+        assert (ft.final_params(outcomes, rank) - uninterrupted).abs().max().item() <= TOLERANCE
+
+
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("tensor_lr", [False, True])
 def test_a_replay_steps_at_the_learning_rates_the_lost_rank_stepped_at(tensor_lr: bool, tmp_path: Path) -> None:
     # the learning rate decays at every step: the replica's replay of steps 5-6 (at recovery, step 9's sync) must
