@@ -76,32 +76,26 @@ def test_a_rank_lost_as_training_step_syncs_its_logged_loss_is_survived(
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("step", [5, SYNC_EVERY - 1, ft.STEPS_PER_EPOCH - 1])
-def test_a_rank_whose_inner_step_reduction_completed_only_elsewhere_redoes_its_step_with_their_result(
-    uninterrupted: torch.Tensor, tmp_path: Path, step: int
+@pytest.mark.parametrize(
+    "where",
+    [
+        ("in_step", 5),
+        ("in_step", SYNC_EVERY - 1),
+        ("in_step", ft.STEPS_PER_EPOCH - 1),
+        ("before_step", 5),
+        ("before_step", ft.STEPS_PER_EPOCH * 2 - 1),
+    ],
+)
+def test_a_rank_whose_reduction_completed_only_elsewhere_takes_their_result_and_catches_up(
+    uninterrupted: torch.Tensor, tmp_path: Path, where: tuple[str, int]
 ) -> None:
-    # rank 1's `sync_dist` reduction in training_step completes on the others and then fails on it; they go on
-    # (an inner step sends nothing) into the next inner step (step 5), the synchronisation that ends the period, or
-    # the one before validation, and fail there. Rank 1 redoes its step with their result, then meets them.
-    run = ft.Run(sync_every=SYNC_EVERY, in_step="sync_dist", reduction_stumbles=(1, ("in_step", step)))
-    outcomes, codes, _ = ft.launch(run, tmp_path)
-    assert codes == [0] * ft.WORLD, outcomes
-    for rank in range(ft.WORLD):
-        assert ft.result(outcomes, rank)["behind"] == [[1]]
-        assert (ft.final_params(outcomes, rank) - uninterrupted).abs().max().item() <= TOLERANCE
-
-
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("step", [5, ft.STEPS_PER_EPOCH * 2 - 1])
-def test_a_rank_whose_reduction_between_steps_completed_only_elsewhere_takes_their_result_and_catches_up(
-    uninterrupted: torch.Tensor, tmp_path: Path, step: int
-) -> None:
-    # a callback's reduction before step `step` completes on the others and then fails on rank 1; they train on to
-    # the next collective, the synchronisation that ends the period (step 5: three inner steps later) or the one
-    # before validation (step 9), and fail there. Rank 1 takes the reduction's result, trains the steps it is behind
-    # and meets them at that synchronisation.
-    run = ft.Run(sync_every=SYNC_EVERY, reduction_stumbles=(1, ("before_step", step)))
-    outcomes, codes, _ = ft.launch(run, tmp_path)
+    # rank 1's reduction completes on the others and then fails on it: training_step's `sync_dist` reduction
+    # ("in_step"), or a callback's before the step ("before_step"). An inner step sends nothing, so they go on to
+    # their next collective (the next inner step's reduction, the synchronisation that ends the period, the one
+    # before validation) and fail there. Rank 1 takes their result, redoes its step with it (or trains the steps it
+    # is behind) and meets them.
+    run = ft.Run(sync_every=SYNC_EVERY, in_step="sync_dist" if where[0] == "in_step" else None)
+    outcomes, codes, _ = ft.launch(dataclasses.replace(run, reduction_stumbles=(1, where)), tmp_path)
     assert codes == [0] * ft.WORLD, outcomes
     for rank in range(ft.WORLD):
         assert ft.result(outcomes, rank)["behind"] == [[1]]
