@@ -43,7 +43,6 @@ __all__ = [
     "JOIN_ENV",
     "Admission",
     "FaultTolerance",
-    "Heartbeats",
     "LostBatches",
     "Recovery",
     "Survivors",
@@ -117,34 +116,17 @@ def restarted_into_running_job(rank: int, world_size: int, options: FaultToleran
     store = running_attempt_store("ft/", timeout)  # the attempt whose workers may still train
     if store is None:
         return False
-    beats = Heartbeats(store, rank, world_size)
-    while beats.keys and time.monotonic() - beats.moved_at < options.stale_s:
-        time.sleep(options.heartbeat_s)
-        if beats.moved():
-            return True
-    return False
+    watcher, ranks = _outside_watcher(store, rank, world_size, options), list(range(world_size))
+    if not watcher.beating(ranks):  # no other rank ever beat in that attempt
+        return False
+    time.sleep(options.stale_s)  # a rank whose counter did not move meanwhile is stale
+    return bool(watcher.beating(ranks))
 
 
-class Heartbeats:
-    """The other ranks' heartbeat counters in a running job's store, and when one last moved (read from outside)."""
-
-    def __init__(self, store: dist.Store, rank: int, world_size: int) -> None:
-        self.store = store
-        keys = [f"{PREFIX}/heartbeat/{r}" for r in range(world_size) if r != rank]
-        self.keys = [key for key in keys if store.check([key])]
-        self.counts = self._read()
-        self.moved_at = time.monotonic()
-
-    def _read(self) -> list[int]:
-        return [self.store.add(key, 0) for key in self.keys]
-
-    def moved(self) -> bool:
-        """Whether a counter moved since the last look."""
-        counts = self._read()
-        if counts == self.counts:
-            return False
-        self.counts, self.moved_at = counts, time.monotonic()
-        return True
+def _outside_watcher(store: dist.Store, rank: int, world_size: int, options: FaultTolerance) -> Membership:
+    """A :class:`Membership` that watches the running job's heartbeats from outside it (a process about to join)."""
+    config = MembershipConfig(prefix=PREFIX, heartbeat_s=options.heartbeat_s, stale_s=options.stale_s)
+    return Membership(store, rank, world_size, config)
 
 
 @dataclass(frozen=True)
@@ -163,9 +145,9 @@ def request_join(store: dist.Store, rank: int, world_size: int, options: FaultTo
     token = uuid.uuid4().hex
     store.set(f"{PREFIX}/join/{rank}", token)
     _log.warning("Rank %d asked the running job to take it in; it is admitted at the job's next epoch start.", rank)
-    answer, beats = f"{PREFIX}/admitted/{token}", Heartbeats(store, rank, world_size)
+    answer, watcher = f"{PREFIX}/admitted/{token}", _outside_watcher(store, rank, world_size, options)
     while not store.check([answer]):
-        if not beats.moved() and time.monotonic() - beats.moved_at > options.stale_s:
+        if not watcher.beating(list(range(world_size))):
             return None
         time.sleep(options.heartbeat_s)
     epoch, leader, joining = store.get(answer).decode().split(";")

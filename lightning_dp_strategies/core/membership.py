@@ -244,6 +244,12 @@ class Membership:
                 gone.append(rank)
         return gone
 
+    def beating(self, ranks: list[int]) -> list[int]:
+        """Those of ``ranks`` (this rank aside) that have beaten and are not :meth:`stale`."""
+        gone = set(self.stale(ranks))
+        keyed = [r for r in ranks if r != self.rank and self.store.check([self._heartbeat_key(r)])]
+        return [r for r in keyed if r not in gone]
+
     def interrupted(self) -> str | None:
         """Why a collective in flight on the current group cannot complete, or ``None``: a survivor has begun the
         next agreement (it saw a peer fail), a member's heartbeat stopped, or this rank's own beats no longer reach

@@ -490,7 +490,7 @@ def _rank(rank: int, port: int, run: Run, root: str, results: Any, join: bool = 
         results.put((rank, RuntimeError(traceback.format_exc())))
 
 
-def _previous_attempt(server: dist.TCPStore, rank: int, world: int) -> threading.Thread:
+def _previous_attempt(server: dist.TCPStore, rank: int, world: int) -> None:
     """The attempt before this one as its workers left it in the agent's store: every rank's heartbeat counter, and
     ``rank``'s still moving (its worker has not failed yet) until a restarted worker asks to join that attempt; then
     it stops (that worker failed too)."""
@@ -505,9 +505,7 @@ def _previous_attempt(server: dist.TCPStore, rank: int, world: int) -> threading
             store.add(f"{PREFIX}/heartbeat/{rank}", 1)
             time.sleep(TOLERANCE.heartbeat_s)
 
-    thread = threading.Thread(target=beat, daemon=True)
-    thread.start()
-    return thread
+    threading.Thread(target=beat, daemon=True).start()
 
 
 def launch(
